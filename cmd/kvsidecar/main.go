@@ -1,0 +1,123 @@
+// Command kvsidecar is the KV-cache transfer sidecar of one GPU (one
+// tensor-parallel rank) of an inference engine.
+//
+//	kvsidecar serve            run the sidecar beside one rank
+//	kvsidecar demo             prefill→decode on the embedded host backend, replaying a real trace
+//	kvsidecar bench handshake  handshake latency, piggyback vs legacy
+//	kvsidecar bench transfer   transfer throughput against raw QUIC and TLS/TCP baselines
+//	kvsidecar ctl              stats and memory limit of a running sidecar
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+// errNotImplemented is returned by subcommands whose issue has not landed.
+var errNotImplemented = errors.New("not implemented yet")
+
+// command is one subcommand.
+type command struct {
+	name    string
+	summary string
+	run     func(ctx context.Context, args []string, stdout, stderr io.Writer) error
+}
+
+func commands() []command {
+	return []command{
+		{"serve", "run the sidecar beside one GPU (one tp_rank)", runServe},
+		{"demo", "prefill→decode on the host backend, replaying a real trace", runDemo},
+		{"bench", "benchmarks: bench handshake | bench transfer", runBench},
+		{"ctl", "stats and memory limit of a running sidecar", runCtl},
+	}
+}
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// run executes the command line args and returns the exit status:
+// 0 success, 1 failure, 2 usage error.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
+		usage(stderr)
+		if len(args) == 0 {
+			return 2
+		}
+		return 0
+	}
+	for _, c := range commands() {
+		if c.name != args[0] {
+			continue
+		}
+		err := c.run(ctx, args[1:], stdout, stderr)
+		switch {
+		case err == nil:
+			return 0
+		case errors.Is(err, flag.ErrHelp):
+			return 0
+		case errors.Is(err, errUsage):
+			fmt.Fprintf(stderr, "kvsidecar %s: %v\n", c.name, err)
+			return 2
+		default:
+			fmt.Fprintf(stderr, "kvsidecar %s: %v\n", c.name, err)
+			return 1
+		}
+	}
+	fmt.Fprintf(stderr, "kvsidecar: unknown command %q\n\n", args[0])
+	usage(stderr)
+	return 2
+}
+
+// errUsage marks an error in the command line (exit status 2).
+var errUsage = errors.New("usage")
+
+func usageErrorf(format string, a ...any) error {
+	return fmt.Errorf("%w: "+format, append([]any{errUsage}, a...)...)
+}
+
+func usage(w io.Writer) {
+	fmt.Fprintln(w, "Usage: kvsidecar <command> [flags]")
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "Commands:")
+	for _, c := range commands() {
+		fmt.Fprintf(w, "  %-8s %s\n", c.name, c.summary)
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "Run 'kvsidecar <command> --help' for the flags of a command.")
+}
+
+// newFlagSet returns a FlagSet that prints its usage to stderr and returns
+// errors instead of exiting.
+func newFlagSet(name, synopsis string, stderr io.Writer) *flag.FlagSet {
+	fs := flag.NewFlagSet("kvsidecar "+name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: kvsidecar %s [flags]\n\n%s\n\nFlags:\n", name, synopsis)
+		fs.PrintDefaults()
+	}
+	return fs
+}
+
+// parseFlags parses args and rejects positional arguments.
+func parseFlags(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return usageErrorf("%v", err)
+	}
+	if fs.NArg() > 0 {
+		return usageErrorf("unexpected argument %q", fs.Arg(0))
+	}
+	return nil
+}

@@ -1,0 +1,203 @@
+package wire_test
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/reflect/protoregistry"
+
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/kvsidecar/kvsidecar/internal/wire"
+)
+
+// allMessages returns one populated instance of every message of the
+// kvsidecar.v1 package, so a new message is covered without editing the test.
+func allMessages(t testing.TB) []proto.Message {
+	t.Helper()
+	_ = v1.File_kvsidecar_v1_xfer_proto // make sure the package is linked
+	var out []proto.Message
+	protoregistry.GlobalTypes.RangeMessages(func(mt protoreflect.MessageType) bool {
+		if mt.Descriptor().ParentFile().Package() != "kvsidecar.v1" {
+			return true
+		}
+		m := mt.New()
+		fill(m, 0)
+		out = append(out, m.Interface())
+		return true
+	})
+	require.GreaterOrEqual(t, len(out), 30, "kvsidecar.v1 messages found")
+	return out
+}
+
+// fill sets every field of m to a non-default value (one element for lists),
+// recursing into message fields up to a small depth.
+func fill(m protoreflect.Message, depth int) {
+	fields := m.Descriptor().Fields()
+	for i := range fields.Len() {
+		fd := fields.Get(i)
+		if oo := fd.ContainingOneof(); oo != nil && !oo.IsSynthetic() && oo.Fields().Get(0) != fd {
+			continue // one member per oneof
+		}
+		switch {
+		case fd.IsList():
+			l := m.Mutable(fd).List()
+			if fd.Kind() == protoreflect.MessageKind {
+				if depth < 4 {
+					e := l.NewElement()
+					fill(e.Message(), depth+1)
+					l.Append(e)
+				}
+			} else {
+				l.Append(scalar(fd, i))
+			}
+		case fd.IsMap():
+		case fd.Kind() == protoreflect.MessageKind:
+			if depth < 4 {
+				fill(m.Mutable(fd).Message(), depth+1)
+			}
+		default:
+			m.Set(fd, scalar(fd, i))
+		}
+	}
+}
+
+func scalar(fd protoreflect.FieldDescriptor, i int) protoreflect.Value {
+	n := int64(i + 1)
+	switch fd.Kind() {
+	case protoreflect.BoolKind:
+		return protoreflect.ValueOfBool(true)
+	case protoreflect.EnumKind:
+		vals := fd.Enum().Values()
+		return protoreflect.ValueOfEnum(vals.Get(vals.Len() - 1).Number())
+	case protoreflect.Int32Kind, protoreflect.Sint32Kind, protoreflect.Sfixed32Kind:
+		return protoreflect.ValueOfInt32(int32(-n))
+	case protoreflect.Int64Kind, protoreflect.Sint64Kind, protoreflect.Sfixed64Kind:
+		return protoreflect.ValueOfInt64(-n << 40)
+	case protoreflect.Uint32Kind, protoreflect.Fixed32Kind:
+		return protoreflect.ValueOfUint32(uint32(n) << 20)
+	case protoreflect.Uint64Kind, protoreflect.Fixed64Kind:
+		return protoreflect.ValueOfUint64(uint64(n) << 50)
+	case protoreflect.StringKind:
+		return protoreflect.ValueOfString("s-" + string(fd.Name()))
+	case protoreflect.BytesKind:
+		return protoreflect.ValueOfBytes([]byte{0, byte(n), 0xff})
+	case protoreflect.FloatKind:
+		return protoreflect.ValueOfFloat32(float32(n) / 2)
+	case protoreflect.DoubleKind:
+		return protoreflect.ValueOfFloat64(float64(n) / 2)
+	}
+	panic("unhandled kind " + fd.Kind().String())
+}
+
+func TestRoundTripEveryMessage(t *testing.T) {
+	msgs := allMessages(t)
+	var stream bytes.Buffer
+	for _, m := range msgs {
+		require.NoError(t, wire.WriteMsg(&stream, m, 0), "%T", m)
+	}
+	// Raw payload bytes after the last frame must come out of Read intact.
+	payload := bytes.Repeat([]byte{0xA5, 0x5A}, 100_000)
+	stream.Write(payload)
+
+	r := wire.NewReader(&stream, 0)
+	for _, want := range msgs {
+		got := want.ProtoReflect().New().Interface()
+		require.NoError(t, r.ReadMsg(got), "%T", want)
+		require.True(t, proto.Equal(want, got), "%T: got %v, want %v", want, got, want)
+		if want.ProtoReflect().Descriptor().Fields().Len() > 0 {
+			require.False(t, proto.Equal(got, got.ProtoReflect().New().Interface()), "%T was filled with non-default values", want)
+		}
+	}
+	rest, err := io.ReadAll(r)
+	require.NoError(t, err)
+	require.Equal(t, payload, rest)
+	require.ErrorIs(t, r.ReadMsg(&v1.Error{}), io.EOF)
+}
+
+func TestReadErrors(t *testing.T) {
+	valid, err := wire.AppendFrame(nil, &v1.Error{Code: v1.Code_CODE_BUSY, Message: "busy"}, 0)
+	require.NoError(t, err)
+
+	tests := []struct {
+		name    string
+		in      []byte
+		max     int
+		wantIs  error
+		wantMsg string
+	}{
+		{name: "huge length prefix", in: protowire.AppendVarint(nil, 1<<62), wantIs: wire.ErrFrameTooLarge,
+			wantMsg: "wire: frame of 4611686018427387904 bytes exceeds the limit of 4194304 bytes"},
+		{name: "over a small limit", in: valid, max: 3, wantIs: wire.ErrFrameTooLarge},
+		{name: "truncated body", in: valid[:len(valid)-1], wantIs: io.ErrUnexpectedEOF},
+		{name: "truncated varint", in: []byte{0x80}, wantIs: io.ErrUnexpectedEOF},
+		{name: "empty stream", in: nil, wantIs: io.EOF},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			err := wire.NewReader(bytes.NewReader(tc.in), tc.max).ReadMsg(&v1.Error{})
+			require.ErrorIs(t, err, tc.wantIs)
+			if tc.wantMsg != "" {
+				require.EqualError(t, err, tc.wantMsg)
+			}
+		})
+	}
+
+	t.Run("garbage body", func(t *testing.T) {
+		in := append(protowire.AppendVarint(nil, 3), 0xff, 0xff, 0xff)
+		err := wire.NewReader(bytes.NewReader(in), 0).ReadMsg(&v1.Error{})
+		require.ErrorContains(t, err, "wire: bad frame")
+	})
+}
+
+func TestWriteTooLarge(t *testing.T) {
+	m := &v1.Error{Message: string(bytes.Repeat([]byte("x"), 100))}
+	var buf bytes.Buffer
+	err := wire.WriteMsg(&buf, m, 64)
+	var se *wire.SizeError
+	require.True(t, errors.As(err, &se))
+	require.Equal(t, 64, se.Max)
+	require.Equal(t, uint64(proto.Size(m)), se.Size)
+	require.Zero(t, buf.Len(), "nothing written")
+}
+
+// FuzzFrame feeds arbitrary bytes to the frame reader: it must return an
+// error or a message, never panic, and never allocate a declared size.
+func FuzzFrame(f *testing.F) {
+	for _, m := range allMessages(f) {
+		b, err := wire.AppendFrame(nil, m, 0)
+		require.NoError(f, err)
+		f.Add(b)
+	}
+	f.Add(protowire.AppendVarint(nil, 1<<62))
+	f.Add([]byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01})
+	f.Fuzz(func(t *testing.T, in []byte) {
+		r := wire.NewReader(bytes.NewReader(in), 1<<16)
+		for range 8 {
+			var m v1.PeerRequest
+			if err := r.ReadMsg(&m); err != nil {
+				return
+			}
+		}
+	})
+}
+
+func TestHugePrefixDoesNotAllocate(t *testing.T) {
+	in := protowire.AppendVarint(nil, 1<<62)
+	allocs := testing.AllocsPerRun(10, func() {
+		r := wire.NewReader(bytes.NewReader(in), 0)
+		_ = r.ReadMsg(&v1.PeerRequest{})
+	})
+	// The bufio buffer, the reader and the error; never the declared size.
+	require.Less(t, allocs, 10.0)
+	var ms runtimeMem
+	before := ms.heap()
+	r := wire.NewReader(bytes.NewReader(in), 0)
+	require.ErrorIs(t, r.ReadMsg(&v1.PeerRequest{}), wire.ErrFrameTooLarge)
+	require.Less(t, ms.heap()-before, uint64(1<<20), "heap grew by the declared size")
+}
