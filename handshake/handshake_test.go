@@ -1,0 +1,332 @@
+package handshake_test
+
+import (
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	promtest "github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvsidecar/kvsidecar/handshake"
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+var geom = &v1.ModelGeometry{Model: "llama-3.1-8b", NumLayers: 2, NumKvHeads: 8, HeadDim: 128,
+	Dtype: v1.DType_DTYPE_BFLOAT16, BlockSize: 16, Layout: v1.Layout_LAYOUT_HND, Attention: v1.Attention_ATTENTION_GQA}
+
+// rankMeta builds the metadata of rank r of a prefill group of tpSize.
+func rankMeta(engine string, r, tpSize int, inc uint64) *handshake.Metadata {
+	heads := 8 / tpSize
+	blockLen := uint64(16 * heads * 128 * 2)
+	md := &handshake.Metadata{EngineID: engine, AgentName: fmt.Sprintf("%s/tp%d", engine, r), Incarnation: inc,
+		TPRank: r, TPSize: tpSize, ModelHash: handshake.ModelHash(geom), Geometry: geom, BlockSize: 16,
+		NumBlocks: 64, HeadsPerRank: heads, Addr: addrOf(r)}
+	for l := range 2 {
+		for _, k := range []v1.RegionKind{v1.RegionKind_REGION_KIND_K, v1.RegionKind_REGION_KIND_V} {
+			md.Regions = append(md.Regions, handshake.Region{Base: uint64(0x7f0000000000 + len(md.Regions)<<24),
+				Len: 64 * blockLen, BlockLen: blockLen, Layer: uint32(l), Kind: k})
+		}
+	}
+	return md
+}
+
+func addrOf(r int) string { return fmt.Sprintf("127.0.0.1:%d", 5600+r) }
+
+// wireCaller serves handshakes of a group of Servers in process, passing
+// every request and response through its wire encoding, and counts calls.
+type wireCaller struct {
+	mu      sync.Mutex
+	servers map[string]*handshake.Server
+	calls   map[string]int
+	gate    chan struct{} // when non-nil, each call waits for a token
+}
+
+func newGroup(t testing.TB, engine string, tpSize int, inc uint64) *wireCaller {
+	t.Helper()
+	wc := &wireCaller{servers: map[string]*handshake.Server{}, calls: map[string]int{}}
+	for r := range tpSize {
+		s, err := handshake.NewServer(rankMeta(engine, r, tpSize, inc))
+		require.NoError(t, err)
+		wc.servers[addrOf(r)] = s
+	}
+	return wc
+}
+
+func (wc *wireCaller) Handshake(ctx context.Context, addr string, req *v1.HandshakeRequest) (*v1.HandshakeResponse, error) {
+	wc.mu.Lock()
+	wc.calls[addr]++
+	s := wc.servers[addr]
+	gate := wc.gate
+	wc.mu.Unlock()
+	if gate != nil {
+		select {
+		case <-gate:
+		case <-ctx.Done():
+			return nil, context.Cause(ctx)
+		}
+	}
+	if s == nil {
+		return nil, fmt.Errorf("dial %s: connection refused", addr)
+	}
+	b, err := proto.Marshal(req)
+	if err != nil {
+		return nil, err
+	}
+	var in v1.HandshakeRequest
+	if err := proto.Unmarshal(b, &in); err != nil {
+		return nil, err
+	}
+	b, err = proto.Marshal(s.Handle(ctx, &in))
+	if err != nil {
+		return nil, err
+	}
+	var out v1.HandshakeResponse
+	return &out, proto.Unmarshal(b, &out)
+}
+
+func (wc *wireCaller) count(addr string) int {
+	wc.mu.Lock()
+	defer wc.mu.Unlock()
+	return wc.calls[addr]
+}
+
+func target(engine string, rank, tp int) handshake.Target {
+	return handshake.Target{
+		Expect: handshake.Expect{EngineID: engine, TPRank: rank, TPSize: tp, ModelHash: handshake.ModelHash(geom), NumRegions: 4},
+		Addr:   addrOf(rank), Rank0Addr: addrOf(0),
+	}
+}
+
+func newClient(t testing.TB, c handshake.Caller, mode handshake.Mode, reg prometheus.Registerer) *handshake.Client {
+	t.Helper()
+	cl, err := handshake.NewClient(&handshake.Config{Caller: c, Mode: mode, Registerer: reg})
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, cl.Close()) })
+	return cl
+}
+
+func TestPiggybackContactsOnlyTheTarget(t *testing.T) {
+	wc := newGroup(t, "prefill", 4, 1)
+	reg := prometheus.NewRegistry()
+	cl := newClient(t, wc, handshake.ModePiggyback, reg)
+
+	md, err := cl.Get(t.Context(), target("prefill", 3, 4))
+	require.NoError(t, err)
+	require.Equal(t, 3, md.TPRank)
+	require.Equal(t, 4, md.TPSize)
+	require.Equal(t, uint64(16*2*128*2), md.Regions[0].BlockLen)
+	require.Equal(t, 0, wc.count(addrOf(0)), "rank 0 never contacted")
+	require.Equal(t, 1, wc.count(addrOf(3)))
+
+	// Cached: no second exchange.
+	_, err = cl.Get(t.Context(), target("prefill", 3, 4))
+	require.NoError(t, err)
+	require.Equal(t, 1, wc.count(addrOf(3)))
+	require.Equal(t, 1.0, counterValue(t, reg, "kvsidecar_handshake_cache_hits_total"))
+	require.Equal(t, 1, promtest.CollectAndCount(reg, "kvsidecar_handshake_seconds"))
+}
+
+// counterValue gathers reg and returns the value of counter name.
+func counterValue(t testing.TB, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			return mf.GetMetric()[0].GetCounter().GetValue()
+		}
+	}
+	t.Fatalf("metric %s not found", name)
+	return 0
+}
+
+func TestLegacyAsksRankZeroFirst(t *testing.T) {
+	wc := newGroup(t, "prefill", 4, 1)
+	cl := newClient(t, wc, handshake.ModeLegacy, nil)
+	tg := target("prefill", 2, 4)
+	tg.TPSize = 0 // legacy does not know it
+	md, err := cl.Get(t.Context(), tg)
+	require.NoError(t, err)
+	require.Equal(t, 2, md.TPRank)
+	require.Equal(t, 1, wc.count(addrOf(0)), "rank 0 queried first")
+	require.Equal(t, 1, wc.count(addrOf(2)))
+	require.Equal(t, 1, cl.Exchanges(addrOf(0)))
+}
+
+func TestTPSizeMismatchRefusedByServer(t *testing.T) {
+	wc := newGroup(t, "prefill", 4, 1)
+	cl := newClient(t, wc, handshake.ModePiggyback, nil)
+	_, err := cl.Get(t.Context(), target("prefill", 1, 2))
+	require.ErrorIs(t, err, codes.Sentinel(v1.Code_CODE_TP_MISMATCH))
+	require.ErrorContains(t, err, "has tp_size=4, the request said tp_size=2")
+}
+
+func TestPiggybackNeedsTPSize(t *testing.T) {
+	wc := newGroup(t, "prefill", 2, 1)
+	cl := newClient(t, wc, handshake.ModePiggyback, nil)
+	_, err := cl.Get(t.Context(), target("prefill", 1, 0))
+	require.ErrorIs(t, err, handshake.ErrTPMismatch)
+	require.Zero(t, wc.count(addrOf(1)))
+}
+
+func TestValidationErrors(t *testing.T) {
+	wc := newGroup(t, "prefill", 2, 7)
+	tests := []struct {
+		name   string
+		mutate func(*handshake.Target)
+		want   error
+		msg    string
+	}{
+		{"unknown engine", func(tg *handshake.Target) { tg.EngineID = "other" }, codes.Sentinel(v1.Code_CODE_NOT_FOUND), `is engine_id "prefill", not "other"`},
+		{"model hash", func(tg *handshake.Target) { h := sha256.Sum256([]byte("x")); tg.ModelHash = h[:] }, handshake.ErrIncompatible, "model hash"},
+		{"region count", func(tg *handshake.Target) { tg.NumRegions = 6 }, handshake.ErrIncompatible, "has 4 regions, local layout has 6"},
+		{"block_len", func(tg *handshake.Target) { tg.BlockLen = 4096 }, handshake.ErrIncompatible, "block_len=16384, the TP mapping needs 4096"},
+		{"incarnation", func(tg *handshake.Target) { tg.Incarnation = 8 }, handshake.ErrUnknownEngine, "incarnation 0x7"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			cl := newClient(t, wc, handshake.ModePiggyback, nil)
+			tg := target("prefill", 1, 2)
+			tc.mutate(&tg)
+			_, err := cl.Get(t.Context(), tg)
+			require.ErrorIs(t, err, tc.want)
+			require.ErrorContains(t, err, tc.msg)
+		})
+	}
+}
+
+func TestNewIncarnationRefetches(t *testing.T) {
+	wc := newGroup(t, "prefill", 2, 1)
+	cl := newClient(t, wc, handshake.ModePiggyback, nil)
+	tg := target("prefill", 1, 2)
+	tg.Incarnation = 1
+	_, err := cl.Get(t.Context(), tg)
+	require.NoError(t, err)
+
+	// The prefill restarts on the same address with a new incarnation.
+	restarted := newGroup(t, "prefill", 2, 2)
+	wc.mu.Lock()
+	wc.servers = restarted.servers
+	wc.mu.Unlock()
+	tg.Incarnation = 2
+	md, err := cl.Get(t.Context(), tg)
+	require.NoError(t, err)
+	require.Equal(t, uint64(2), md.Incarnation)
+	require.Equal(t, 2, wc.count(addrOf(1)), "re-handshaked")
+
+	// Forget (connection lost) also forces a new exchange.
+	cl.Forget(addrOf(1))
+	_, err = cl.Get(t.Context(), tg)
+	require.NoError(t, err)
+	require.Equal(t, 3, wc.count(addrOf(1)))
+}
+
+func TestConcurrentGetsShareOneExchange(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		wc := newGroup(t, "prefill", 2, 1)
+		wc.gate = make(chan struct{})
+		cl, err := handshake.NewClient(&handshake.Config{Caller: wc})
+		require.NoError(t, err)
+		defer cl.Close()
+		var wg sync.WaitGroup
+		errs := make([]error, 8)
+		for i := range errs {
+			wg.Go(func() { _, errs[i] = cl.Get(t.Context(), target("prefill", 1, 2)) })
+		}
+		synctest.Wait()
+		close(wc.gate)
+		wg.Wait()
+		for _, err := range errs {
+			require.NoError(t, err)
+		}
+		require.Equal(t, 1, wc.count(addrOf(1)))
+	})
+}
+
+func TestTimeoutAndCallerCancel(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		wc := newGroup(t, "prefill", 2, 1)
+		wc.gate = make(chan struct{}) // never opened: the peer never answers
+		cl, err := handshake.NewClient(&handshake.Config{Caller: wc, Timeout: 3 * time.Second})
+		require.NoError(t, err)
+		defer cl.Close()
+
+		// A caller that gives up returns its own cause at once.
+		ctx, cancel := context.WithCancelCause(t.Context())
+		cancel(fmt.Errorf("request aborted"))
+		_, err = cl.Get(ctx, target("prefill", 1, 2))
+		require.EqualError(t, err, "request aborted")
+
+		start := time.Now()
+		_, err = cl.Get(t.Context(), target("prefill", 1, 2))
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		require.Equal(t, 3*time.Second, time.Since(start), "bounded by Config.Timeout")
+	})
+}
+
+func TestGetAllParallel(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		wc := newGroup(t, "prefill", 4, 1)
+		wc.gate = make(chan struct{})
+		cl, err := handshake.NewClient(&handshake.Config{Caller: wc})
+		require.NoError(t, err)
+		defer cl.Close()
+		done := make(chan []*handshake.Metadata)
+		go func() {
+			mds, err := cl.GetAll(t.Context(), []handshake.Target{target("prefill", 2, 4), target("prefill", 3, 4)})
+			require.NoError(t, err)
+			done <- mds
+		}()
+		synctest.Wait()
+		// Both exchanges are in flight before either is answered.
+		require.Equal(t, 1, wc.count(addrOf(2)))
+		require.Equal(t, 1, wc.count(addrOf(3)))
+		close(wc.gate)
+		mds := <-done
+		require.Equal(t, 2, mds[0].TPRank)
+		require.Equal(t, 3, mds[1].TPRank)
+	})
+}
+
+func TestCloseTwice(t *testing.T) {
+	cl, err := handshake.NewClient(&handshake.Config{Caller: newGroup(t, "p", 1, 1)})
+	require.NoError(t, err)
+	require.NoError(t, cl.Close())
+	require.ErrorContains(t, cl.Close(), "already closed")
+	_, err = cl.Get(t.Context(), target("p", 0, 1))
+	require.ErrorContains(t, err, "client closed")
+}
+
+func FuzzMetadata(f *testing.F) {
+	b, err := proto.Marshal(rankMeta("prefill", 1, 2, 9).Proto())
+	require.NoError(f, err)
+	f.Add(b)
+	f.Fuzz(func(t *testing.T, in []byte) {
+		var m v1.AgentMetadata
+		if proto.Unmarshal(in, &m) != nil {
+			return
+		}
+		md, err := handshake.FromProto(&m)
+		if err != nil {
+			return
+		}
+		// Valid metadata survives its own round trip.
+		md2, err := handshake.FromProto(md.Proto())
+		require.NoError(t, err)
+		require.Equal(t, md.Regions, md2.Regions)
+		for _, r := range md.Regions {
+			require.LessOrEqual(t, r.BlockLen*uint64(md.NumBlocks), r.Len)
+		}
+	})
+}

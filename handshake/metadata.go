@@ -1,0 +1,219 @@
+package handshake
+
+import (
+	"crypto/sha256"
+	"errors"
+	"fmt"
+
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+// WireVersion is the protocol version this build speaks.
+const WireVersion = v1.WireVersion_WIRE_VERSION_1
+
+// Sentinel error classes. Each maps to one wire code (codes.Of).
+var (
+	// ErrInvalidMetadata: metadata that breaks a structural rule (no regions,
+	// a region of zero length, block_len * num_blocks beyond the region).
+	ErrInvalidMetadata = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "handshake: invalid agent metadata")
+	// ErrIncompatible: model hash, geometry or wire version differ.
+	ErrIncompatible = codes.New(v1.Code_CODE_INCOMPATIBLE_MODEL, "handshake: incompatible peer")
+	// ErrTPMismatch: the peer's tp_size differs from what the request said.
+	ErrTPMismatch = codes.New(v1.Code_CODE_TP_MISMATCH, "handshake: tp_size mismatch")
+	// ErrUnknownEngine: the peer is not the engine id or rank expected.
+	ErrUnknownEngine = codes.New(v1.Code_CODE_NOT_FOUND, "handshake: unknown engine")
+)
+
+// Region is one registered region of a peer rank.
+type Region struct {
+	// Base is the virtual address in the peer's address space.
+	Base uint64
+	// Len is the region's length in bytes.
+	Len uint64
+	// BlockLen is the bytes of one block of this region on the peer rank.
+	BlockLen uint64
+	// DevID is the peer's device id of the region (NIXL devID).
+	DevID uint32
+	Layer uint32
+	Kind  v1.RegionKind
+}
+
+// Metadata is the validated AgentMetadata of one rank: what it tells a peer
+// about its memory. Source: the handshake response of that rank.
+type Metadata struct {
+	EngineID  string
+	AgentName string
+	// Incarnation is random per process start of the peer.
+	Incarnation uint64
+	TPRank      int
+	TPSize      int
+	PPRank      int
+	DeviceID    uint32
+	// ModelHash is ModelHash(Geometry) as the peer computed it.
+	ModelHash []byte
+	// Geometry is the whole-model KV geometry (a private copy).
+	Geometry *v1.ModelGeometry
+	// BlockSize is tokens per block.
+	BlockSize int
+	// NumBlocks is blocks per region.
+	NumBlocks int
+	// HeadsPerRank is the KV heads held by the peer rank.
+	HeadsPerRank int
+	// Regions in order: per layer K then V, or one compound region.
+	Regions []Region
+	// Addr is the QUIC address the peer advertises (host:port).
+	Addr string
+}
+
+// ModelHash returns the model compatibility hash of g: SHA-256 over the
+// deterministic encoding of the geometry (model name excluded, so two names
+// of one geometry are compatible) and the wire version.
+func ModelHash(g *v1.ModelGeometry) []byte {
+	c := proto.Clone(g).(*v1.ModelGeometry)
+	c.Model = ""
+	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(c)
+	if err != nil {
+		panic(fmt.Sprintf("handshake: marshal geometry: %v", err)) // cannot happen for a valid message
+	}
+	h := sha256.New()
+	fmt.Fprintf(h, "kvsidecar-model/%d\x00", WireVersion)
+	h.Write(b)
+	return h.Sum(nil)
+}
+
+// FromProto converts and structurally validates wire metadata. Errors wrap
+// ErrInvalidMetadata or ErrIncompatible and name the field.
+func FromProto(m *v1.AgentMetadata) (*Metadata, error) {
+	if m == nil {
+		return nil, fmt.Errorf("%w: missing", ErrInvalidMetadata)
+	}
+	if m.GetWireVersion() != WireVersion {
+		return nil, fmt.Errorf("%w: wire_version %d, want %d", ErrIncompatible, m.GetWireVersion(), WireVersion)
+	}
+	bad := func(format string, a ...any) error {
+		return fmt.Errorf("%w: %s", ErrInvalidMetadata, fmt.Sprintf(format, a...))
+	}
+	switch {
+	case m.GetEngineId() == "":
+		return nil, bad("engine_id is empty")
+	case m.GetTpSize() < 1 || m.GetTpSize() > 1024:
+		return nil, bad("tp_size=%d must be in [1, 1024]", m.GetTpSize())
+	case m.GetTpRank() >= m.GetTpSize():
+		return nil, bad("tp_rank=%d must be below tp_size=%d", m.GetTpRank(), m.GetTpSize())
+	case m.GetGeometry() == nil:
+		return nil, bad("geometry is missing")
+	case m.GetNumBlocks() == 0:
+		return nil, bad("num_blocks is 0")
+	case len(m.GetRegions()) == 0:
+		return nil, bad("no regions")
+	case len(m.GetModelHash()) != sha256.Size:
+		return nil, bad("model_hash has %d bytes, want %d", len(m.GetModelHash()), sha256.Size)
+	}
+	md := &Metadata{
+		EngineID:     m.GetEngineId(),
+		AgentName:    m.GetAgentName(),
+		Incarnation:  m.GetIncarnation(),
+		TPRank:       int(m.GetTpRank()),
+		TPSize:       int(m.GetTpSize()),
+		PPRank:       int(m.GetPpRank()),
+		DeviceID:     m.GetDeviceId(),
+		ModelHash:    append([]byte(nil), m.GetModelHash()...),
+		Geometry:     proto.Clone(m.GetGeometry()).(*v1.ModelGeometry),
+		BlockSize:    int(m.GetBlockSize()),
+		NumBlocks:    int(m.GetNumBlocks()),
+		HeadsPerRank: int(m.GetHeadsPerRank()),
+		Addr:         m.GetQuicAddr(),
+		Regions:      make([]Region, len(m.GetRegions())),
+	}
+	for i, r := range m.GetRegions() {
+		if r.GetBlockLen() == 0 {
+			return nil, bad("regions[%d].block_len is 0", i)
+		}
+		if r.GetBase()+r.GetLen() < r.GetBase() {
+			return nil, bad("regions[%d] base=%#x len=%d overflows", i, r.GetBase(), r.GetLen())
+		}
+		if r.GetBlockLen() > r.GetLen()/uint64(m.GetNumBlocks()) {
+			return nil, bad("regions[%d]: num_blocks=%d × block_len=%d exceeds len=%d", i, m.GetNumBlocks(), r.GetBlockLen(), r.GetLen())
+		}
+		md.Regions[i] = Region{Base: r.GetBase(), Len: r.GetLen(), BlockLen: r.GetBlockLen(),
+			DevID: r.GetDevId(), Layer: r.GetLayer(), Kind: r.GetKind()}
+	}
+	return md, nil
+}
+
+// Proto returns the wire form of md.
+func (md *Metadata) Proto() *v1.AgentMetadata {
+	m := &v1.AgentMetadata{
+		WireVersion:  WireVersion,
+		EngineId:     md.EngineID,
+		AgentName:    md.AgentName,
+		Incarnation:  md.Incarnation,
+		TpRank:       uint32(md.TPRank),
+		TpSize:       uint32(md.TPSize),
+		PpRank:       uint32(md.PPRank),
+		DeviceId:     md.DeviceID,
+		ModelHash:    md.ModelHash,
+		Geometry:     md.Geometry,
+		BlockSize:    uint32(md.BlockSize),
+		NumBlocks:    uint32(md.NumBlocks),
+		HeadsPerRank: uint32(md.HeadsPerRank),
+		QuicAddr:     md.Addr,
+	}
+	for _, r := range md.Regions {
+		m.Regions = append(m.Regions, &v1.Region{Base: r.Base, Len: r.Len, BlockLen: r.BlockLen,
+			DevId: r.DevID, Layer: r.Layer, Kind: r.Kind})
+	}
+	return m
+}
+
+// Expect is what a dialer expects of a peer rank, from the request's
+// kv_transfer_params and the local geometry. Zero fields are not checked.
+type Expect struct {
+	// EngineID of the prefill instance (remote_engine_id).
+	EngineID string
+	// TPRank the dialer wants to reach.
+	TPRank int
+	// TPSize from kv_transfer_params (tp_size); 0 = not known (legacy query).
+	TPSize int
+	// ModelHash of the local geometry; must equal the peer's.
+	ModelHash []byte
+	// NumRegions the local layout has; the peer must have as many.
+	NumRegions int
+	// BlockLen the TP mapping requires of every peer region; 0 = any.
+	BlockLen uint64
+	// Incarnation from kv_transfer_params (remote_incarnation); 0 = any.
+	// A cached entry of another incarnation is stale and refetched.
+	Incarnation uint64
+}
+
+// Check validates md against e. Errors wrap ErrUnknownEngine, ErrTPMismatch
+// or ErrIncompatible and name both values.
+func (e Expect) Check(md *Metadata) error {
+	switch {
+	case e.EngineID != "" && md.EngineID != e.EngineID:
+		return fmt.Errorf("%w: peer is engine_id %q, want %q", ErrUnknownEngine, md.EngineID, e.EngineID)
+	case md.TPRank != e.TPRank:
+		return fmt.Errorf("%w: peer is tp_rank %d, want %d", ErrUnknownEngine, md.TPRank, e.TPRank)
+	case e.TPSize != 0 && md.TPSize != e.TPSize:
+		return fmt.Errorf("%w: peer %s has tp_size=%d, kv_transfer_params said tp_size=%d", ErrTPMismatch, md.AgentName, md.TPSize, e.TPSize)
+	case e.ModelHash != nil && string(md.ModelHash) != string(e.ModelHash):
+		return fmt.Errorf("%w: peer %s model hash %x differs from local %x (geometry %v)", ErrIncompatible, md.AgentName, md.ModelHash[:6], e.ModelHash[:6], md.Geometry)
+	case e.NumRegions != 0 && len(md.Regions) != e.NumRegions:
+		return fmt.Errorf("%w: peer %s has %d regions, local layout has %d", ErrIncompatible, md.AgentName, len(md.Regions), e.NumRegions)
+	case e.Incarnation != 0 && md.Incarnation != e.Incarnation:
+		return fmt.Errorf("%w: peer %s incarnation %#x, kv_transfer_params said %#x (the prefill restarted; its blocks are gone)", ErrUnknownEngine, md.AgentName, md.Incarnation, e.Incarnation)
+	}
+	if e.BlockLen != 0 {
+		for i, r := range md.Regions {
+			if r.BlockLen != e.BlockLen {
+				return fmt.Errorf("%w: peer %s regions[%d].block_len=%d, the TP mapping needs %d", ErrIncompatible, md.AgentName, i, r.BlockLen, e.BlockLen)
+			}
+		}
+	}
+	return nil
+}
+
+var errNilLocal = errors.New("handshake: local metadata is nil")
