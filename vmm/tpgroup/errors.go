@@ -1,0 +1,182 @@
+package tpgroup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"slices"
+	"strings"
+
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+// Sentinel errors. Each maps to one v1.Code (see CodeOf).
+var (
+	// ErrInvalidConfig: a Member or Config field breaks a rule
+	// (CODE_INVALID_ARGUMENT).
+	ErrInvalidConfig = errors.New("tpgroup: invalid config")
+	// ErrInvalidArgument: a malformed message or argument, e.g. an empty page
+	// list or a page op sent to rank 0 (CODE_INVALID_ARGUMENT).
+	ErrInvalidArgument = errors.New("tpgroup: invalid argument")
+	// ErrTPMismatch: a message or a peer claims a TP size other than the one
+	// this group was started with (CODE_TP_MISMATCH).
+	ErrTPMismatch = errors.New("tpgroup: tp_size mismatch")
+	// ErrSocketInUse: the rank's socket path is served by a live process;
+	// the group refuses to steal it (CODE_ALREADY_EXISTS).
+	ErrSocketInUse = errors.New("tpgroup: socket in use by a live process")
+	// ErrUnsafeDir: the socket directory is not a directory owned by this
+	// user with mode 0700 or stricter (CODE_INVALID_ARGUMENT).
+	ErrUnsafeDir = errors.New("tpgroup: unsafe socket directory")
+	// ErrPeerUnavailable: a peer rank could not be reached or its connection
+	// broke (CODE_UNAVAILABLE).
+	ErrPeerUnavailable = errors.New("tpgroup: peer unavailable")
+	// ErrNotCoordinator: a coordinated page op was asked of a member that is
+	// not rank 0 of a coordinated group (CODE_INVALID_ARGUMENT).
+	ErrNotCoordinator = errors.New("tpgroup: not the coordinator")
+)
+
+// RankError is the failure of one operation on one peer rank. It unwraps to
+// the cause: context.DeadlineExceeded (or the ctx's cause) on a timeout,
+// ErrPeerUnavailable on a dial or I/O failure, ErrTPMismatch, or a
+// *RemoteError carrying the peer's reply.
+type RankError struct {
+	// Rank is the peer's tp_rank.
+	Rank int
+	// Op is "map", "unmap", "repair" or "ping".
+	Op string
+	// Err is the cause.
+	Err error
+}
+
+func (e *RankError) Error() string {
+	return fmt.Sprintf("tpgroup: rank %d: %s: %v", e.Rank, e.Op, e.Err)
+}
+
+// Unwrap returns the cause.
+func (e *RankError) Unwrap() error { return e.Err }
+
+// RemoteError is a non-OK reply of a peer.
+type RemoteError struct {
+	// Code is the peer's error code.
+	Code v1.Code
+	// Message is the peer's message.
+	Message string
+}
+
+func (e *RemoteError) Error() string {
+	return fmt.Sprintf("peer replied %s: %s", e.Code, e.Message)
+}
+
+// Is lets errors.Is(err, ErrTPMismatch) hold for a peer's CODE_TP_MISMATCH.
+func (e *RemoteError) Is(target error) bool {
+	return target == ErrTPMismatch && e.Code == v1.Code_CODE_TP_MISMATCH
+}
+
+// OpError is the failure of a coordinated map or unmap on ranks 1..N-1.
+// errors.As(err, &*RankError) finds the first failed rank; Ranks lists all.
+type OpError struct {
+	// Op is "map" or "unmap".
+	Op string
+	// Pages is the number of pages of the operation.
+	Pages int
+	// Failed holds one *RankError per rank that failed, by rank.
+	Failed []*RankError
+	// RolledBack lists the ranks that had mapped and were unmapped again
+	// (map only).
+	RolledBack []int
+	// RollbackFailed holds the ranks whose rollback unmap failed too; their
+	// pages are unmapped before the next message to them (map only).
+	RollbackFailed []*RankError
+}
+
+// Ranks returns the failed ranks in ascending order.
+func (e *OpError) Ranks() []int {
+	r := make([]int, len(e.Failed))
+	for i, f := range e.Failed {
+		r[i] = f.Rank
+	}
+	return r
+}
+
+func (e *OpError) Error() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "tpgroup: %s of %d pages failed on rank", e.Op, e.Pages)
+	if len(e.Failed) > 1 {
+		b.WriteString("s")
+	}
+	for i, f := range e.Failed {
+		if i > 0 {
+			b.WriteString(",")
+		}
+		fmt.Fprintf(&b, " %d (%s)", f.Rank, f.Err)
+	}
+	if len(e.RolledBack) > 0 {
+		fmt.Fprintf(&b, "; rolled back ranks %v", e.RolledBack)
+	}
+	for _, f := range e.RollbackFailed {
+		fmt.Fprintf(&b, "; rollback on rank %d failed (%s)", f.Rank, f.Err)
+	}
+	return b.String()
+}
+
+// Unwrap returns the failed ranks' errors, then the failed rollbacks'.
+func (e *OpError) Unwrap() []error {
+	out := make([]error, 0, len(e.Failed)+len(e.RollbackFailed))
+	for _, f := range e.Failed {
+		out = append(out, f)
+	}
+	for _, f := range e.RollbackFailed {
+		out = append(out, f)
+	}
+	return out
+}
+
+// codedError is an error of this package with an explicit wire code.
+type codedError struct {
+	code v1.Code
+	msg  string
+}
+
+func (e *codedError) Error() string { return e.msg }
+func (e *codedError) Code() v1.Code { return e.code }
+
+// codeError is implemented by errors that carry their own wire code (vmm's
+// errors may do so).
+type codeError interface{ Code() v1.Code }
+
+// CodeOf maps err to the v1.Code a peer should see: CODE_OK for nil; the
+// code of a *RemoteError (first found); CODE_TIMEOUT for a deadline;
+// CODE_ABORTED for a cancellation; the code of each sentinel of this
+// package; a code carried by an error with a Code() v1.Code method; and
+// CODE_INTERNAL otherwise.
+func CodeOf(err error) v1.Code {
+	var re *RemoteError
+	var ce codeError
+	switch {
+	case err == nil:
+		return v1.Code_CODE_OK
+	case errors.As(err, &re):
+		return re.Code
+	case errors.Is(err, ErrTPMismatch):
+		return v1.Code_CODE_TP_MISMATCH
+	case errors.Is(err, context.DeadlineExceeded):
+		return v1.Code_CODE_TIMEOUT
+	case errors.Is(err, context.Canceled):
+		return v1.Code_CODE_ABORTED
+	case errors.Is(err, ErrInvalidConfig), errors.Is(err, ErrInvalidArgument),
+		errors.Is(err, ErrUnsafeDir), errors.Is(err, ErrNotCoordinator):
+		return v1.Code_CODE_INVALID_ARGUMENT
+	case errors.Is(err, ErrSocketInUse):
+		return v1.Code_CODE_ALREADY_EXISTS
+	case errors.Is(err, ErrPeerUnavailable), errors.Is(err, net.ErrClosed):
+		return v1.Code_CODE_UNAVAILABLE
+	case errors.As(err, &ce):
+		return ce.Code()
+	}
+	return poolCode(err)
+}
+
+func sortRankErrors(s []*RankError) {
+	slices.SortFunc(s, func(a, b *RankError) int { return a.Rank - b.Rank })
+}

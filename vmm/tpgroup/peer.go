@@ -1,0 +1,211 @@
+package tpgroup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"net"
+	"slices"
+	"time"
+
+	"github.com/kvsidecar/kvsidecar/internal/wire"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+// peer is the client side of the connection to one other rank. One request
+// is in flight per peer at a time: sem is a context-aware mutex over conn, r
+// and pending.
+type peer struct {
+	rank int
+	sem  chan struct{}
+	conn net.Conn
+	r    *wire.Reader
+	// pending holds pages whose state on the peer is unknown or wrong: a MAP
+	// whose answer never came, an UNMAP that failed. They are unmapped on the
+	// peer (tolerating "not mapped") before any other request is sent to it,
+	// so a later MAP of the same page can never be overtaken by a stale one.
+	pending map[int]struct{}
+}
+
+// acquire takes the peer's slot or returns the ctx's cause.
+func (p *peer) acquire(ctx context.Context) error {
+	select {
+	case p.sem <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
+}
+
+func (p *peer) release() { <-p.sem }
+
+// drop closes the connection; the next request redials.
+func (p *peer) drop() {
+	if p.conn != nil {
+		p.conn.Close()
+		p.conn, p.r = nil, nil
+	}
+}
+
+// aLongTimeAgo is a deadline in the past: setting it unblocks pending I/O.
+var aLongTimeAgo = time.Unix(1, 0)
+
+// exchange sends req to p and reads the answer; the caller holds p's slot.
+// sent reports whether the request may have reached the peer (its write
+// started). When ctx ends first the connection is dropped and the ctx's
+// cause returned; an I/O failure drops it too (ErrPeerUnavailable). A reply
+// from another rank or with another tp_size is an error.
+func (g *Group) exchange(ctx context.Context, p *peer, req *v1.GroupRequest) (resp *v1.GroupResponse, sent bool, err error) {
+	if err := context.Cause(ctx); err != nil {
+		return nil, false, err
+	}
+	if p.conn == nil {
+		c, err := g.dial(ctx, p.rank)
+		if err != nil {
+			if cerr := context.Cause(ctx); cerr != nil {
+				return nil, false, cerr
+			}
+			return nil, false, fmt.Errorf("%w: dial rank %d: %w", ErrPeerUnavailable, p.rank, err)
+		}
+		p.conn, p.r = c, wire.NewReader(c, g.cfg.MaxFrame)
+	}
+	c := p.conn
+	stop := context.AfterFunc(ctx, func() { c.SetDeadline(aLongTimeAgo) })
+	g.sent[p.rank].Add(1)
+	g.met.sent.WithLabelValues(rankLabel(p.rank)).Inc()
+	err = wire.WriteMsg(c, req, g.cfg.MaxFrame)
+	if err == nil {
+		resp = new(v1.GroupResponse)
+		err = p.r.ReadMsg(resp)
+	}
+	if !stop() {
+		p.drop()
+		return nil, true, context.Cause(ctx)
+	}
+	if err != nil {
+		p.drop()
+		return nil, true, fmt.Errorf("%w: %w", ErrPeerUnavailable, err)
+	}
+	switch {
+	case int64(resp.GetTpSize()) != int64(g.m.TPSize):
+		return nil, true, fmt.Errorf("%w: rank %d answered with tp_size=%d; this group was started with tp_size=%d",
+			ErrTPMismatch, p.rank, resp.GetTpSize(), g.m.TPSize)
+	case int64(resp.GetTpRank()) != int64(p.rank):
+		p.drop()
+		return nil, true, fmt.Errorf("%w: the socket of rank %d answered as rank %d", ErrPeerUnavailable, p.rank, resp.GetTpRank())
+	}
+	if e := resp.GetError(); e.GetCode() != v1.Code_CODE_OK {
+		return resp, true, &RemoteError{Code: e.GetCode(), Message: e.GetMessage()}
+	}
+	return resp, true, nil
+}
+
+func (g *Group) request(to int) *v1.GroupRequest {
+	return &v1.GroupRequest{
+		WireVersion: v1.WireVersion_WIRE_VERSION_1,
+		EngineId:    g.m.EngineID,
+		TpSize:      uint32(g.m.TPSize),
+		FromRank:    uint32(g.m.TPRank),
+		ToRank:      uint32(to),
+	}
+}
+
+func pageOpRequest(req *v1.GroupRequest, kind v1.PageOp_Kind, pages []int) *v1.GroupRequest {
+	u := make([]uint32, len(pages))
+	for i, pg := range pages {
+		u[i] = uint32(pg)
+	}
+	req.Body = &v1.GroupRequest_PageOp{PageOp: &v1.PageOp{Kind: kind, Pages: u}}
+	return req
+}
+
+// pageOp sends one MAP or UNMAP of pages to rank, after repairing the
+// peer's pending pages. A MAP whose outcome is unknown and any failed UNMAP
+// leave the pages pending on that peer.
+func (g *Group) pageOp(ctx context.Context, rank int, kind v1.PageOp_Kind, pages []int) *RankError {
+	op := "map"
+	if kind == v1.PageOp_KIND_UNMAP {
+		op = "unmap"
+	}
+	p := g.peers[rank]
+	if err := p.acquire(ctx); err != nil {
+		return &RankError{Rank: rank, Op: op, Err: err}
+	}
+	defer p.release()
+	if err := g.repair(ctx, p); err != nil {
+		return &RankError{Rank: rank, Op: "repair", Err: err}
+	}
+	_, sent, err := g.exchange(ctx, p, pageOpRequest(g.request(rank), kind, pages))
+	if err == nil {
+		return nil
+	}
+	var re *RemoteError
+	definite := !sent || errors.As(err, &re) || errors.Is(err, ErrTPMismatch)
+	if kind == v1.PageOp_KIND_UNMAP || !definite {
+		for _, pg := range pages {
+			p.pending[pg] = struct{}{}
+		}
+	}
+	return &RankError{Rank: rank, Op: op, Err: err}
+}
+
+// repair unmaps p's pending pages on the peer; "not mapped" counts as done.
+// It first tries them in one message and, when the peer says some page is
+// not mapped, one page at a time. The caller holds p's slot.
+func (g *Group) repair(ctx context.Context, p *peer) error {
+	if len(p.pending) == 0 {
+		return nil
+	}
+	pages := slices.Sorted(maps.Keys(p.pending))
+	g.log.Info("tpgroup repairing peer", "peer", p.rank, "pages", len(pages))
+	batch := [][]int{pages}
+	for len(batch) > 0 {
+		pg := batch[0]
+		batch = batch[1:]
+		_, _, err := g.exchange(ctx, p, pageOpRequest(g.request(p.rank), v1.PageOp_KIND_UNMAP, pg))
+		var re *RemoteError
+		switch {
+		case err == nil:
+		case errors.As(err, &re) && re.Code == notMappedCode && len(pg) > 1:
+			for _, one := range pg {
+				batch = append(batch, []int{one})
+			}
+			continue
+		case errors.As(err, &re) && re.Code == notMappedCode:
+		default:
+			return err
+		}
+		for _, one := range pg {
+			delete(p.pending, one)
+		}
+	}
+	return nil
+}
+
+// Ping asks rank whether it is alive and agrees on the engine id and the TP
+// size. It fails with a *RankError wrapping ErrTPMismatch when either side
+// was started with another tp_size, ErrPeerUnavailable when the rank cannot
+// be reached, or the ctx's (or PeerTimeout's) cause.
+func (g *Group) Ping(ctx context.Context, rank int) error {
+	if rank < 0 || rank >= g.m.TPSize || rank == g.m.TPRank {
+		return fmt.Errorf("%w: ping rank %d: must be another rank in [0, %d)", ErrInvalidArgument, rank, g.m.TPSize)
+	}
+	if err := g.begin(); err != nil {
+		return err
+	}
+	defer g.wg.Done()
+	ctx, cancel := g.opContext(ctx)
+	defer cancel()
+	p := g.peers[rank]
+	if err := p.acquire(ctx); err != nil {
+		return &RankError{Rank: rank, Op: "ping", Err: err}
+	}
+	defer p.release()
+	req := g.request(rank)
+	req.Body = &v1.GroupRequest_Ping{Ping: true}
+	if _, _, err := g.exchange(ctx, p, req); err != nil {
+		return &RankError{Rank: rank, Op: "ping", Err: err}
+	}
+	return nil
+}
