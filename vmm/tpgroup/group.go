@@ -305,7 +305,8 @@ func (g *Group) serveConn(c net.Conn) {
 			resp = g.reply("invalid", fmt.Errorf("%w: %w", ErrInvalidArgument, err))
 		}
 		c.SetWriteDeadline(time.Now().Add(g.cfg.PeerTimeout))
-		if werr := wire.WriteMsg(c, resp, g.cfg.MaxFrame); werr != nil {
+		// Replies are small; MaxFrame limits what this member accepts.
+		if werr := wire.WriteMsg(c, resp, 0); werr != nil {
 			g.log.Warn("tpgroup reply failed", "err", werr)
 			return
 		}

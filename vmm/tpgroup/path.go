@@ -36,6 +36,9 @@ func SocketPath(dir, engineID string, tpRank int) (string, error) {
 	if !filepath.IsAbs(dir) {
 		return "", fmt.Errorf("%w: socket dir %q: must be an absolute path", ErrInvalidConfig, dir)
 	}
+	if tpRank < 0 || tpRank >= MaxTPSize {
+		return "", fmt.Errorf("%w: TPRank=%d: must be in [0, %d)", ErrInvalidConfig, tpRank, MaxTPSize)
+	}
 	if err := (Member{EngineID: engineID, TPSize: tpRank + 1, TPRank: tpRank}).validate(); err != nil {
 		return "", err
 	}

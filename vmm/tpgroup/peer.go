@@ -9,6 +9,8 @@ import (
 	"slices"
 	"time"
 
+	"google.golang.org/protobuf/proto"
+
 	"github.com/kvsidecar/kvsidecar/internal/wire"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
@@ -69,6 +71,9 @@ func (g *Group) exchange(ctx context.Context, p *peer, req *v1.GroupRequest) (re
 			return nil, false, fmt.Errorf("%w: dial rank %d: %w", ErrPeerUnavailable, p.rank, err)
 		}
 		p.conn, p.r = c, wire.NewReader(c, g.cfg.MaxFrame)
+	}
+	if size := proto.Size(req); size > g.cfg.MaxFrame {
+		return nil, false, fmt.Errorf("%w: request of %d bytes exceeds MaxFrame=%d", ErrInvalidArgument, size, g.cfg.MaxFrame)
 	}
 	c := p.conn
 	stop := context.AfterFunc(ctx, func() { c.SetDeadline(aLongTimeAgo) })
