@@ -1,0 +1,259 @@
+package connector
+
+import (
+	"container/heap"
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	lru "github.com/hashicorp/golang-lru/v2"
+
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+// Lease errors; each maps to a wire code.
+var (
+	// ErrUnknownRequest: no lease was ever issued for the request id here.
+	ErrUnknownRequest = codes.New(v1.Code_CODE_NOT_FOUND, "connector: unknown request")
+	// ErrLeaseExpired: the request's lease expired and its blocks were freed.
+	ErrLeaseExpired = codes.New(v1.Code_CODE_LEASE_EXPIRED, "connector: lease expired")
+)
+
+// consumer identifies one decode rank that notifies a request.
+type consumer struct {
+	engine string
+	rank   uint32
+}
+
+// lease holds a finished prefill request's blocks until every expected
+// consumer has notified or the deadline passes.
+type lease struct {
+	id        string
+	blocks    []int
+	blockSet  map[uint32]struct{}
+	capab     []byte
+	expires   time.Time
+	consumers map[consumer]struct{}
+	index     int // in the heap
+}
+
+type leaseHeap []*lease
+
+func (h leaseHeap) Len() int           { return len(h) }
+func (h leaseHeap) Less(i, j int) bool { return h[i].expires.Before(h[j].expires) }
+func (h leaseHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].index, h[j].index = i, j
+}
+func (h *leaseHeap) Push(x any) { l := x.(*lease); l.index = len(*h); *h = append(*h, l) }
+func (h *leaseHeap) Pop() any {
+	old := *h
+	l := old[len(old)-1]
+	*h = old[:len(old)-1]
+	l.index = -1
+	return l
+}
+
+// leaseTable is the scheduler side's set of held requests, reaped in
+// deadline order by one goroutine it owns.
+type leaseTable struct {
+	ttl  time.Duration
+	free func(id string, blocks []int, expired bool) // called without the lock held
+
+	mu      sync.Mutex
+	byID    map[string]*lease
+	order   leaseHeap
+	expired *lru.Cache[string, struct{}] // recently expired or released ids
+	wake    chan struct{}
+	closed  bool
+
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// recentIDs bounds how many expired or finished request ids are remembered
+// to tell "lease expired" from "unknown request".
+const recentIDs = 65536
+
+func newLeaseTable(ttl time.Duration, free func(id string, blocks []int, expired bool)) *leaseTable {
+	recent, _ := lru.New[string, struct{}](recentIDs)
+	ctx, cancel := context.WithCancel(context.Background())
+	t := &leaseTable{ttl: ttl, free: free, byID: map[string]*lease{}, expired: recent,
+		wake: make(chan struct{}, 1), cancel: cancel, done: make(chan struct{})}
+	go t.reap(ctx)
+	return t
+}
+
+// add holds blocks for id until every consumer notified or ttl passes.
+func (t *leaseTable) add(id string, blocks []int, capab []byte) (time.Time, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		return time.Time{}, codes.New(v1.Code_CODE_UNAVAILABLE, "connector: shutting down; request %q not held", id)
+	}
+	if _, ok := t.byID[id]; ok {
+		return time.Time{}, codes.New(v1.Code_CODE_ALREADY_EXISTS, "connector: request %q already holds a lease", id)
+	}
+	l := &lease{id: id, blocks: blocks, capab: capab, expires: time.Now().Add(t.ttl),
+		consumers: map[consumer]struct{}{}, blockSet: make(map[uint32]struct{}, len(blocks))}
+	for _, b := range blocks {
+		l.blockSet[uint32(b)] = struct{}{}
+	}
+	t.byID[id] = l
+	t.expired.Remove(id)
+	heap.Push(&t.order, l)
+	if l.index == 0 {
+		t.kick()
+	}
+	return l.expires, nil
+}
+
+func (t *leaseTable) kick() {
+	select {
+	case t.wake <- struct{}{}:
+	default:
+	}
+}
+
+// get returns the live lease of id, or ErrLeaseExpired / ErrUnknownRequest.
+// The caller holds t.mu.
+func (t *leaseTable) getLocked(id string) (*lease, error) {
+	if l, ok := t.byID[id]; ok && time.Now().Before(l.expires) {
+		return l, nil
+	} else if ok || t.expired.Contains(id) {
+		return nil, fmt.Errorf("%w: request %q", ErrLeaseExpired, id)
+	}
+	return nil, fmt.Errorf("%w: request %q has no lease here", ErrUnknownRequest, id)
+}
+
+// check returns the lease's capability and block set for an access check.
+func (t *leaseTable) check(id string) (capab []byte, blocks map[uint32]struct{}, err error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	l, err := t.getLocked(id)
+	if err != nil {
+		return nil, nil, err
+	}
+	return l.capab, l.blockSet, nil
+}
+
+// notify records that consumer c finished with id; when count distinct
+// consumers have notified, the lease is released and its blocks freed. It
+// returns whether the lease was released.
+func (t *leaseTable) notify(id string, c consumer, count int, verify func(capab []byte) error) (bool, error) {
+	t.mu.Lock()
+	l, err := t.getLocked(id)
+	if err == nil {
+		err = verify(l.capab)
+	}
+	if err != nil {
+		t.mu.Unlock()
+		return false, err
+	}
+	l.consumers[c] = struct{}{}
+	if len(l.consumers) < max(count, 1) {
+		t.mu.Unlock()
+		return false, nil
+	}
+	t.removeLocked(l)
+	t.mu.Unlock()
+	t.free(l.id, l.blocks, false)
+	return true, nil
+}
+
+// extend moves the deadline of each live id to now + ttl and returns the
+// new deadlines (zero for ids that are unknown or expired).
+func (t *leaseTable) extend(ids []string) []time.Time {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := make([]time.Time, len(ids))
+	now := time.Now()
+	for i, id := range ids {
+		l, err := t.getLocked(id)
+		if err != nil {
+			continue
+		}
+		l.expires = now.Add(t.ttl)
+		heap.Fix(&t.order, l.index)
+		out[i] = l.expires
+	}
+	return out
+}
+
+func (t *leaseTable) removeLocked(l *lease) {
+	heap.Remove(&t.order, l.index)
+	delete(t.byID, l.id)
+	t.expired.Add(l.id, struct{}{})
+}
+
+// held returns the number of leases and blocks held.
+func (t *leaseTable) held() (leases, blocks int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, l := range t.byID {
+		blocks += len(l.blocks)
+	}
+	return len(t.byID), blocks
+}
+
+// reap frees expired leases in deadline order.
+func (t *leaseTable) reap(ctx context.Context) {
+	defer close(t.done)
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	for {
+		t.mu.Lock()
+		var due []*lease
+		now := time.Now()
+		for len(t.order) > 0 && !now.Before(t.order[0].expires) {
+			l := t.order[0]
+			t.removeLocked(l)
+			due = append(due, l)
+		}
+		next := time.Hour
+		if len(t.order) > 0 {
+			next = t.order[0].expires.Sub(now)
+		}
+		t.mu.Unlock()
+		for _, l := range due {
+			t.free(l.id, l.blocks, true)
+		}
+		timer.Reset(next)
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.wake:
+		case <-timer.C:
+		}
+	}
+}
+
+// close stops the reaper and releases every lease (freeing its blocks); it
+// returns the ids released.
+func (t *leaseTable) close() []string {
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		return nil
+	}
+	t.closed = true
+	t.mu.Unlock()
+	t.cancel()
+	<-t.done
+	t.mu.Lock()
+	all := make([]*lease, 0, len(t.byID))
+	for len(t.order) > 0 {
+		l := t.order[0]
+		t.removeLocked(l)
+		all = append(all, l)
+	}
+	t.mu.Unlock()
+	ids := make([]string, len(all))
+	for i, l := range all {
+		t.free(l.id, l.blocks, false)
+		ids[i] = l.id
+	}
+	return ids
+}
