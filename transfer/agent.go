@@ -1,0 +1,471 @@
+package transfer
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+
+	"github.com/quic-go/quic-go"
+	"github.com/quic-go/quic-go/qlog"
+	"github.com/quic-go/quic-go/qlogwriter"
+
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+// Op is the direction of a transfer, seen from the dialer.
+type Op int
+
+const (
+	// OpRead pulls bytes from the peer's memory into local memory.
+	OpRead Op = 1
+	// OpWrite pushes bytes from local memory into the peer's memory.
+	OpWrite Op = 2
+)
+
+func (o Op) String() string {
+	switch o {
+	case OpRead:
+		return "READ"
+	case OpWrite:
+		return "WRITE"
+	}
+	return fmt.Sprintf("Op(%d)", int(o))
+}
+
+func (o Op) label() string {
+	if o == OpWrite {
+		return "write"
+	}
+	return "read"
+}
+
+// Agent is one rank's transfer endpoint: a single UDP socket (one
+// quic.Transport) that serves its registered memory to peers and dials
+// peers, one cached QUIC connection per remote address. Safe for concurrent
+// use. Close stops every goroutine it started.
+type Agent struct {
+	cfg       *Config
+	tr        *quic.Transport
+	ln        *quic.EarlyListener
+	qconf     *quic.Config
+	clientTLS *tls.Config
+	sessions  tls.ClientSessionCache
+	m         *metrics
+	log       *slog.Logger
+
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	wg     sync.WaitGroup
+
+	regMu   sync.RWMutex
+	regions regionSet
+
+	mu        sync.Mutex
+	closed    bool
+	peers     map[string]*peer
+	dials     map[string]int
+	budgets   map[string]*budget
+	servConns map[*quic.Conn]struct{}
+
+	nextXfer atomic.Uint64
+	nextList atomic.Uint64
+}
+
+// peer is one dialed connection (or a dial in progress).
+type peer struct {
+	addr     string
+	ready    chan struct{} // closed when the dial finished
+	conn     *quic.Conn    // set before ready is closed, nil on error
+	err      error
+	notifMu  sync.Mutex // serializes notifications so they arrive in order
+	attempt0 bool       // dialed with a session ticket available
+}
+
+// PeerInfo describes the current connection to a remote agent.
+type PeerInfo struct {
+	// Addr is the remote address as dialed.
+	Addr string
+	// Dials counts connections dialed to Addr since the agent started.
+	Dials int
+	// Used0RTT is true when the server accepted this connection's 0-RTT data.
+	Used0RTT bool
+	// LocalAddr and RemoteAddr are the connection's UDP endpoints.
+	LocalAddr, RemoteAddr net.Addr
+}
+
+// New starts an agent: it opens (or adopts) the UDP socket and, when
+// ServerTLS is set, starts accepting connections. It returns an error naming
+// the Config field for an invalid config.
+func New(cfg *Config) (*Agent, error) {
+	c := cfg.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, err
+	}
+	pc := c.PacketConn
+	if pc == nil {
+		udp, err := net.ListenPacket("udp", c.ListenAddr)
+		if err != nil {
+			return nil, fmt.Errorf("transfer: listen on Config.ListenAddr %q: %w", c.ListenAddr, err)
+		}
+		pc = udp
+	}
+	a := &Agent{
+		cfg:       c,
+		tr:        &quic.Transport{Conn: pc},
+		qconf:     QUICConfig(c),
+		m:         newMetrics(c.Registerer),
+		log:       c.Logger,
+		peers:     make(map[string]*peer),
+		dials:     make(map[string]int),
+		budgets:   make(map[string]*budget),
+		servConns: make(map[*quic.Conn]struct{}),
+	}
+	a.ctx, a.cancel = context.WithCancelCause(context.Background())
+	if c.QlogDir != "" {
+		if err := os.MkdirAll(c.QlogDir, 0o755); err != nil {
+			pc.Close()
+			return nil, fmt.Errorf("transfer: Config.QlogDir: %w", err)
+		}
+		a.qconf.Tracer = qlogTracer(c.QlogDir, a.log)
+	}
+	for _, r := range c.Regions {
+		r := r
+		a.regions = append(a.regions, &r)
+	}
+	if c.ClientTLS != nil {
+		a.clientTLS = c.ClientTLS.Clone()
+		a.clientTLS.MinVersion = tls.VersionTLS13
+		a.clientTLS.NextProtos = []string{ALPN}
+		a.sessions = a.clientTLS.ClientSessionCache
+		if a.sessions == nil {
+			a.sessions = tls.NewLRUClientSessionCache(256)
+		}
+	}
+	if c.ServerTLS != nil {
+		st := c.ServerTLS.Clone()
+		st.MinVersion = tls.VersionTLS13
+		st.NextProtos = []string{ALPN}
+		st.ClientAuth = tls.RequireAndVerifyClientCert
+		ln, err := a.tr.ListenEarly(st, a.qconf)
+		if err != nil {
+			a.tr.Close()
+			pc.Close()
+			return nil, fmt.Errorf("transfer: listen: %w", err)
+		}
+		a.ln = ln
+		a.wg.Add(1)
+		go a.acceptLoop()
+	}
+	return a, nil
+}
+
+// Addr is the agent's UDP address, e.g. 127.0.0.1:41234.
+func (a *Agent) Addr() net.Addr { return a.tr.Conn.LocalAddr() }
+
+// Register adds regions of local memory that peers may read and write and
+// that local descriptors may name. Regions must not overlap existing ones.
+func (a *Agent) Register(regions ...Region) error {
+	a.regMu.Lock()
+	defer a.regMu.Unlock()
+	next := append(regionSet(nil), a.regions...)
+	for i, r := range regions {
+		if err := validateRegion(i, r); err != nil {
+			return err
+		}
+		for _, o := range next {
+			if r.Base < o.Base+o.Len && o.Base < r.Base+r.Len {
+				return errorf(v1.Code_CODE_ALREADY_EXISTS, "region %d [%#x, +%d) overlaps registered region [%#x, +%d)", i, r.Base, r.Len, o.Base, o.Len)
+			}
+		}
+		r := r
+		next = append(next, &r)
+	}
+	a.regions = next
+	return nil
+}
+
+func (a *Agent) regionSet() regionSet {
+	a.regMu.RLock()
+	defer a.regMu.RUnlock()
+	return a.regions
+}
+
+// Close closes every connection, the listener and the socket, and waits for
+// the agent's goroutines. Transfers in flight fail with ErrUnavailable. A
+// second Close returns an error wrapping net.ErrClosed.
+func (a *Agent) Close() error {
+	a.mu.Lock()
+	if a.closed {
+		a.mu.Unlock()
+		return fmt.Errorf("transfer: agent already closed: %w", net.ErrClosed)
+	}
+	a.closed = true
+	var conns []*quic.Conn
+	for _, p := range a.peers {
+		select {
+		case <-p.ready:
+			if p.conn != nil {
+				conns = append(conns, p.conn)
+			}
+		default:
+		}
+	}
+	for c := range a.servConns {
+		conns = append(conns, c)
+	}
+	a.mu.Unlock()
+	a.cancel(fmt.Errorf("transfer: agent closed: %w", net.ErrClosed))
+	for _, c := range conns {
+		_ = c.CloseWithError(0, "agent closing")
+	}
+	if a.ln != nil {
+		_ = a.ln.Close()
+	}
+	err := a.tr.Close()
+	a.wg.Wait()
+	if cerr := a.tr.Conn.Close(); err == nil && cerr != nil && !errors.Is(cerr, net.ErrClosed) {
+		err = cerr
+	}
+	return err
+}
+
+func (a *Agent) isClosed() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.closed
+}
+
+// errClosed is returned by calls on a closed agent.
+func errClosed() error {
+	return fmt.Errorf("%w: transfer: agent closed: %w", ErrUnavailable, net.ErrClosed)
+}
+
+// peerFor returns a usable connection to addr, dialing (with 0-RTT when a
+// session ticket is cached) if there is none.
+func (a *Agent) peerFor(ctx context.Context, addr string) (*peer, error) {
+	if a.clientTLS == nil {
+		return nil, fmt.Errorf("%w: transfer: Config.ClientTLS is nil, this agent cannot dial %s", ErrInvalidArgument, addr)
+	}
+	for {
+		a.mu.Lock()
+		if a.closed {
+			a.mu.Unlock()
+			return nil, errClosed()
+		}
+		p := a.peers[addr]
+		if p == nil {
+			p = &peer{addr: addr, ready: make(chan struct{})}
+			a.peers[addr] = p
+			if a.dials[addr] > 0 {
+				a.m.reconnects.Inc()
+			}
+			a.dials[addr]++
+			a.mu.Unlock()
+			a.dial(ctx, p)
+		} else {
+			a.mu.Unlock()
+		}
+		select {
+		case <-p.ready:
+		case <-ctx.Done():
+			return nil, context.Cause(ctx)
+		}
+		if p.err == nil && p.conn.Context().Err() == nil {
+			return p, nil
+		}
+		a.dropPeer(p)
+		if p.err != nil {
+			return nil, p.err
+		}
+	}
+}
+
+func (a *Agent) dropPeer(p *peer) {
+	a.mu.Lock()
+	if a.peers[p.addr] == p {
+		delete(a.peers, p.addr)
+	}
+	a.mu.Unlock()
+}
+
+// dial connects p and closes p.ready.
+func (a *Agent) dial(ctx context.Context, p *peer) {
+	defer close(p.ready)
+	udp, err := net.ResolveUDPAddr("udp", p.addr)
+	if err != nil {
+		p.err = fmt.Errorf("%w: transfer: peer address %q: %w", ErrInvalidArgument, p.addr, err)
+		return
+	}
+	tc := a.clientTLS.Clone()
+	// Session tickets are kept per peer address, not per host name, so
+	// agents sharing an IP do not try each other's tickets.
+	tc.ClientSessionCache = keyedCache{a.sessions, p.addr}
+	if tc.ServerName == "" {
+		tc.ServerName = udp.IP.String()
+	}
+	a.m.dials.Inc()
+	conn, err := a.tr.DialEarly(ctx, udp, tc, a.qconf)
+	if err != nil {
+		if a.isClosed() {
+			err = errClosed()
+		}
+		p.err = fmt.Errorf("%w: transfer: dial %s: %w", ErrUnavailable, p.addr, err)
+		return
+	}
+	p.conn = conn
+	a.mu.Lock()
+	closed := a.closed
+	if !closed {
+		a.wg.Add(1)
+	}
+	a.mu.Unlock()
+	if closed {
+		_ = conn.CloseWithError(0, "agent closing")
+		p.conn, p.err = nil, errClosed()
+		return
+	}
+	go a.watch(p)
+}
+
+// watch follows one dialed connection: it records whether 0-RTT was
+// accepted, re-enables streams after a 0-RTT rejection, and reports the peer
+// gone when the connection ends.
+func (a *Agent) watch(p *peer) {
+	defer a.wg.Done()
+	conn := p.conn
+	select {
+	case <-conn.HandshakeComplete():
+		_, _ = conn.NextConnection(conn.Context())
+		if conn.ConnectionState().Used0RTT {
+			a.m.zeroRTT.Inc()
+		}
+	case <-conn.Context().Done():
+	}
+	<-conn.Context().Done()
+	a.dropPeer(p)
+	cause := context.Cause(conn.Context())
+	if a.isClosed() {
+		return
+	}
+	a.log.Info("transfer: peer connection lost", "peer", p.addr, "err", cause)
+	if a.cfg.OnPeerGone != nil {
+		a.cfg.OnPeerGone(p.addr, cause)
+	}
+}
+
+// PeerInfo waits for the current connection to addr to finish its handshake
+// and describes it. It returns an error of class ErrNotFound when there is no
+// connection to addr, or context.Cause(ctx).
+func (a *Agent) PeerInfo(ctx context.Context, addr string) (PeerInfo, error) {
+	a.mu.Lock()
+	p, dials := a.peers[addr], a.dials[addr]
+	a.mu.Unlock()
+	if p == nil {
+		return PeerInfo{Addr: addr, Dials: dials}, errorf(v1.Code_CODE_NOT_FOUND, "no connection to %s", addr)
+	}
+	select {
+	case <-p.ready:
+	case <-ctx.Done():
+		return PeerInfo{}, context.Cause(ctx)
+	}
+	if p.err != nil {
+		return PeerInfo{Addr: addr, Dials: dials}, p.err
+	}
+	select {
+	case <-p.conn.HandshakeComplete():
+	case <-p.conn.Context().Done():
+	case <-ctx.Done():
+		return PeerInfo{}, context.Cause(ctx)
+	}
+	return PeerInfo{
+		Addr: addr, Dials: dials, Used0RTT: p.conn.ConnectionState().Used0RTT,
+		LocalAddr: p.conn.LocalAddr(), RemoteAddr: p.conn.RemoteAddr(),
+	}, nil
+}
+
+// DialCount is the number of connections dialed to addr so far.
+func (a *Agent) DialCount(addr string) int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.dials[addr]
+}
+
+// Disconnect closes the connection to addr, if any, without closing the
+// agent; the next call to addr dials again (with 0-RTT). OnPeerGone is
+// called for it.
+func (a *Agent) Disconnect(addr string) {
+	a.mu.Lock()
+	p := a.peers[addr]
+	a.mu.Unlock()
+	if p == nil {
+		return
+	}
+	<-p.ready
+	if p.conn != nil {
+		_ = p.conn.CloseWithError(0, "disconnect")
+		<-p.conn.Context().Done()
+	}
+	a.dropPeer(p)
+}
+
+// budgetFor returns the in-flight byte budget of dialed transfers to addr.
+func (a *Agent) budgetFor(addr string) *budget {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	b := a.budgets[addr]
+	if b == nil {
+		b = newBudget(a.cfg.MaxInflightPerPeer)
+		a.budgets[addr] = b
+	}
+	return b
+}
+
+// keyedCache stores session tickets under the peer address.
+type keyedCache struct {
+	c   tls.ClientSessionCache
+	key string
+}
+
+func (k keyedCache) Get(string) (*tls.ClientSessionState, bool) { return k.c.Get(k.key) }
+func (k keyedCache) Put(_ string, cs *tls.ClientSessionState)    { k.c.Put(k.key, cs) }
+
+// qlogTracer writes one qlog file per connection into dir.
+func qlogTracer(dir string, log *slog.Logger) func(context.Context, bool, quic.ConnectionID) qlogwriter.Trace {
+	_ = qlog.EventSchema // the import registers the QUIC event schema
+	return func(_ context.Context, isClient bool, id quic.ConnectionID) qlogwriter.Trace {
+		role := "server"
+		if isClient {
+			role = "client"
+		}
+		path := filepath.Join(dir, fmt.Sprintf("%s_%s.sqlog", id, role))
+		f, err := os.Create(path)
+		if err != nil {
+			log.Warn("transfer: cannot create qlog file", "path", path, "err", err)
+			return nil
+		}
+		seq := qlogwriter.NewConnectionFileSeq(&bufferedFile{bufio.NewWriterSize(f, 64<<10), f}, isClient, id)
+		go seq.Run()
+		return seq
+	}
+}
+
+type bufferedFile struct {
+	*bufio.Writer
+	f *os.File
+}
+
+func (b *bufferedFile) Close() error {
+	err := b.Flush()
+	if cerr := b.f.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}

@@ -1,0 +1,556 @@
+package transfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"sync"
+	"time"
+
+	"github.com/quic-go/quic-go"
+
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/wire"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+// Xfer describes one READ or WRITE between local descriptors and the peer's.
+// Local[i] pairs with the i-th remote descriptor and both have the same Len.
+type Xfer struct {
+	// Op is OpRead (peer → local) or OpWrite (local → peer).
+	Op Op
+	// Peer is the remote agent's host:port.
+	Peer string
+	// RequestID and Capability are the peer's request id and the capability
+	// it issued for that request's blocks (kv_transfer_params).
+	RequestID  string
+	Capability []byte
+	// Local descriptors name this agent's registered memory.
+	Local []Desc
+	// Remote names the peer's memory explicitly, or
+	Remote []Desc
+	// RemoteList with Indices names entries of a prepared list
+	// (index = region × num_blocks + block_id).
+	RemoteList *DescList
+	Indices    []uint32
+	// Checksum asks the sender of the bytes for a CRC-32C per descriptor,
+	// checked by the receiver (ErrDataLoss on mismatch).
+	Checksum bool
+}
+
+// Result reports a finished transfer.
+type Result struct {
+	// XferID identifies the transfer in logs on both sides.
+	XferID uint64
+	// Bytes moved: all of them, since partial delivery is an error.
+	Bytes uint64
+	// Duration from the call to completion.
+	Duration time.Duration
+}
+
+// DescList is a descriptor list of a peer's memory prepared once on the
+// connection to that peer (NIXL prep_xfer_dlist). It is re-prepared
+// transparently after a reconnect. Safe for concurrent use.
+type DescList struct {
+	peer  string
+	id    uint64
+	descs []Desc
+
+	mu     sync.Mutex
+	onConn *quic.Conn
+}
+
+// Len is the number of descriptors in the list.
+func (l *DescList) Len() int { return len(l.descs) }
+
+// Prepare registers descs (the peer's memory) with the peer, which validates
+// them once; transfers then name entries by index. Errors carry the peer's
+// class (ErrOutOfRange, ErrInvalidArgument, ...).
+func (a *Agent) Prepare(ctx context.Context, peer string, descs []Desc) (*DescList, error) {
+	if len(descs) == 0 || len(descs) > a.cfg.MaxDescsPerTransfer {
+		return nil, errorf(v1.Code_CODE_INVALID_ARGUMENT, "descriptor list of %d entries, want 1..%d", len(descs), a.cfg.MaxDescsPerTransfer)
+	}
+	l := &DescList{peer: peer, id: a.nextList.Add(1), descs: append([]Desc(nil), descs...)}
+	p, err := a.peerFor(ctx, peer)
+	if err != nil {
+		return nil, err
+	}
+	if err := a.ensurePrepared(ctx, p, l); err != nil {
+		return nil, err
+	}
+	return l, nil
+}
+
+func (a *Agent) ensurePrepared(ctx context.Context, p *peer, l *DescList) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.onConn == p.conn {
+		return nil
+	}
+	req := &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1, Body: &v1.PeerRequest_Prep{
+		Prep: &v1.PrepDescList{DlistId: l.id, Descs: descsToProto(l.descs)}}}
+	resp, err := a.roundTrip(ctx, p, req, false)
+	if err != nil {
+		return err
+	}
+	pb, ok := resp.GetBody().(*v1.PeerResponse_Prep)
+	if !ok {
+		return errorf(v1.Code_CODE_INTERNAL, "peer %s answered a prepare with %T", p.addr, resp.GetBody())
+	}
+	if err := codes.FromProto(p.addr, pb.Prep); err != nil {
+		return err
+	}
+	l.onConn = p.conn
+	return nil
+}
+
+// Handshake sends req to the agent at addr on the cached connection
+// (dialing it, in 0-RTT when a ticket is cached; a rejected 0-RTT request is
+// resent) and returns its answer. Errors: ErrUnavailable when the peer
+// cannot be reached, context.Cause(ctx).
+func (a *Agent) Handshake(ctx context.Context, addr string, req *v1.HandshakeRequest) (*v1.HandshakeResponse, error) {
+	resp, err := a.call(ctx, addr, &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1,
+		Body: &v1.PeerRequest_Handshake{Handshake: req}}, true)
+	if err != nil {
+		return nil, err
+	}
+	hb, ok := resp.GetBody().(*v1.PeerResponse_Handshake)
+	if !ok {
+		return nil, errorf(v1.Code_CODE_INTERNAL, "peer %s answered a handshake with %T", addr, resp.GetBody())
+	}
+	return hb.Handshake, nil
+}
+
+// Heartbeat extends leases at the agent at addr (idempotent, 0-RTT allowed).
+func (a *Agent) Heartbeat(ctx context.Context, addr string, hb *v1.Heartbeat) (*v1.HeartbeatAck, error) {
+	resp, err := a.call(ctx, addr, &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1,
+		Body: &v1.PeerRequest_Heartbeat{Heartbeat: hb}}, true)
+	if err != nil {
+		return nil, err
+	}
+	b, ok := resp.GetBody().(*v1.PeerResponse_Heartbeat)
+	if !ok {
+		return nil, errorf(v1.Code_CODE_INTERNAL, "peer %s answered a heartbeat with %T", addr, resp.GetBody())
+	}
+	return b.Heartbeat, codes.FromProto(addr, b.Heartbeat.GetError())
+}
+
+// Notify delivers n to the agent at addr and returns its answer: nil when
+// accepted, an error of class ErrNotFound or ErrLeaseExpired when the
+// request is unknown or expired (the data read for it may be stale).
+// Notifications to one peer are delivered in call order; never in 0-RTT.
+func (a *Agent) Notify(ctx context.Context, addr string, n *v1.Notification) error {
+	p, err := a.peerFor(ctx, addr)
+	if err != nil {
+		return err
+	}
+	p.notifMu.Lock()
+	defer p.notifMu.Unlock()
+	resp, err := a.roundTrip(ctx, p, &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1,
+		Body: &v1.PeerRequest_Notification{Notification: n}}, false)
+	if err != nil {
+		return err
+	}
+	b, ok := resp.GetBody().(*v1.PeerResponse_Notification)
+	if !ok {
+		return errorf(v1.Code_CODE_INTERNAL, "peer %s answered a notification with %T", addr, resp.GetBody())
+	}
+	return codes.FromProto(addr, b.Notification.GetError())
+}
+
+// call runs one request/response exchange with addr.
+func (a *Agent) call(ctx context.Context, addr string, req *v1.PeerRequest, early bool) (*v1.PeerResponse, error) {
+	p, err := a.peerFor(ctx, addr)
+	if err != nil {
+		return nil, err
+	}
+	return a.roundTrip(ctx, p, req, early)
+}
+
+// roundTrip opens a stream on p, sends req, reads one response. early
+// requests may travel in 0-RTT; if the server rejects 0-RTT they are resent
+// once the handshake completes.
+func (a *Agent) roundTrip(ctx context.Context, p *peer, req *v1.PeerRequest, early bool) (*v1.PeerResponse, error) {
+	for attempt := 0; ; attempt++ {
+		resp, err := a.exchange(ctx, p.conn, req, early)
+		if errors.Is(err, quic.Err0RTTRejected) && attempt == 0 {
+			if _, nerr := p.conn.NextConnection(ctx); nerr != nil {
+				return nil, fmt.Errorf("%w: transfer: %s after 0-RTT rejection: %w", ErrUnavailable, p.addr, nerr)
+			}
+			continue
+		}
+		if err != nil {
+			return nil, a.streamErr(ctx, p.addr, err)
+		}
+		return resp, nil
+	}
+}
+
+func (a *Agent) exchange(ctx context.Context, conn *quic.Conn, req *v1.PeerRequest, early bool) (*v1.PeerResponse, error) {
+	if !early {
+		if err := waitConn(ctx, conn); err != nil {
+			return nil, err
+		}
+	}
+	str, err := conn.OpenStreamSync(ctx)
+	if err != nil {
+		return nil, err
+	}
+	stop := context.AfterFunc(ctx, func() {
+		str.CancelRead(quic.StreamErrorCode(v1.Code_CODE_ABORTED))
+		str.CancelWrite(quic.StreamErrorCode(v1.Code_CODE_ABORTED))
+	})
+	defer stop()
+	if err := wire.WriteMsg(str, req, 0); err != nil {
+		return nil, err
+	}
+	_ = str.Close()
+	var resp v1.PeerResponse
+	if err := wire.NewReader(str, 0).ReadMsg(&resp); err != nil {
+		str.CancelRead(quic.StreamErrorCode(v1.Code_CODE_INVALID_ARGUMENT))
+		return nil, err
+	}
+	return &resp, nil
+}
+
+// waitConn waits until conn's handshake is complete (1-RTT keys).
+func waitConn(ctx context.Context, conn *quic.Conn) error {
+	select {
+	case <-conn.HandshakeComplete():
+		return nil
+	case <-conn.Context().Done():
+		return context.Cause(conn.Context())
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
+}
+
+// streamErr classifies an error of a stream or connection operation.
+func (a *Agent) streamErr(ctx context.Context, addr string, err error) error {
+	if ctx.Err() != nil {
+		cause := context.Cause(ctx)
+		if errors.Is(cause, context.DeadlineExceeded) {
+			return fmt.Errorf("%w: transfer: %s: %w", ErrTimeout, addr, cause)
+		}
+		return fmt.Errorf("%w: transfer: %s: %w", ErrAborted, addr, cause)
+	}
+	var se *quic.StreamError
+	if errors.As(err, &se) && se.Remote {
+		c := v1.Code(se.ErrorCode)
+		if _, ok := v1.Code_name[int32(c)]; !ok || c == v1.Code_CODE_OK {
+			c = v1.Code_CODE_ABORTED
+		}
+		return fmt.Errorf("transfer: %s reset the stream: %w", addr, codes.New(c, "peer code %v", c))
+	}
+	if a.isClosed() {
+		return errClosed()
+	}
+	var ie *quic.IdleTimeoutError
+	if errors.As(err, &ie) {
+		return fmt.Errorf("%w: transfer: %s: %w", ErrTimeout, addr, err)
+	}
+	var c codes.Coder
+	if errors.As(err, &c) {
+		return err
+	}
+	return fmt.Errorf("%w: transfer: %s: %w", ErrUnavailable, addr, err)
+}
+
+// Transfer runs one READ or WRITE and returns when it is complete: for a
+// READ every byte is in local memory; for a WRITE the peer acknowledged that
+// every byte landed in its memory. On failure it returns an *XferError with
+// the byte count reached; cancelling ctx aborts the transfer (the stream is
+// reset with CODE_ABORTED) and the error wraps context.Cause(ctx). Transfer
+// never returns before the stream is reset or drained, so the local range is
+// the caller's again once it returns.
+func (a *Agent) Transfer(ctx context.Context, x *Xfer) (Result, error) {
+	start := time.Now()
+	id := a.nextXfer.Add(1)
+	res := Result{XferID: id}
+	xe := &XferError{Op: x.Op, Peer: x.Peer, XferID: id}
+	fail := func(err error) (Result, error) {
+		xe.Err = err
+		a.m.failures.WithLabelValues(codes.Of(err).String()).Inc()
+		a.m.xfers.WithLabelValues(x.Op.label(), "client", "error").Inc()
+		return res, xe
+	}
+	local, remote, total, err := a.checkXfer(x)
+	xe.Total = total
+	if err != nil {
+		return fail(err)
+	}
+	p, err := a.peerFor(ctx, x.Peer)
+	if err != nil {
+		return fail(err)
+	}
+	b := a.budgetFor(x.Peer)
+	if err := b.acquire(ctx.Done(), func() error { return context.Cause(ctx) }, total); err != nil {
+		return fail(a.streamErr(ctx, x.Peer, err))
+	}
+	a.m.inflight.Add(float64(total))
+	defer func() {
+		b.release(total)
+		a.m.inflight.Sub(float64(total))
+	}()
+	req := &v1.XferRequest{Op: v1.XferOp(x.Op), RequestId: x.RequestID, Capability: x.Capability,
+		Checksum: x.Checksum, XferId: id, TotalLen: total}
+	if x.RemoteList != nil {
+		if err := a.ensurePrepared(ctx, p, x.RemoteList); err != nil {
+			return fail(err)
+		}
+		req.Descs = &v1.XferRequest_Indexed{Indexed: &v1.IndexedDescs{DlistId: x.RemoteList.id, Indices: x.Indices}}
+	} else {
+		req.Descs = &v1.XferRequest_List{List: descsToProto(remote)}
+	}
+	if err := waitConn(ctx, p.conn); err != nil {
+		return fail(a.streamErr(ctx, x.Peer, err))
+	}
+	str, err := p.conn.OpenStreamSync(ctx)
+	if err != nil {
+		return fail(a.streamErr(ctx, x.Peer, err))
+	}
+
+	// Abort machinery: the watchdog and ctx reset the stream; the I/O below
+	// then fails, and Transfer returns only after the reset was issued and
+	// the I/O stopped touching local memory.
+	var (
+		abortOnce  sync.Once
+		abortCause error
+	)
+	abort := func(code v1.Code, cause error) {
+		abortOnce.Do(func() {
+			abortCause = cause
+			str.CancelRead(quic.StreamErrorCode(code))
+			str.CancelWrite(quic.StreamErrorCode(code))
+			if a.cfg.testHook != nil {
+				a.cfg.testHook("reset", id)
+			}
+		})
+	}
+	wd := startWatchdog(a.cfg.ProgressTimeout, func() {
+		abort(v1.Code_CODE_TIMEOUT, errorf(v1.Code_CODE_TIMEOUT, "no progress from %s for %v", x.Peer, a.cfg.ProgressTimeout))
+	})
+	stopCtx := context.AfterFunc(ctx, func() {
+		cause := context.Cause(ctx)
+		if errors.Is(cause, context.DeadlineExceeded) {
+			abort(v1.Code_CODE_TIMEOUT, fmt.Errorf("%w: transfer: %w", ErrTimeout, cause))
+			return
+		}
+		abort(v1.Code_CODE_ABORTED, fmt.Errorf("%w: transfer: aborted: %w", ErrAborted, cause))
+	})
+
+	var ioErr error
+	if x.Op == OpRead {
+		ioErr = a.runRead(str, req, local, x.Checksum, wd, xe, func() { a.m.postSecs.WithLabelValues("read").Observe(time.Since(start).Seconds()) })
+	} else {
+		ioErr = a.runWrite(str, req, local, x.Checksum, wd, xe, func() { a.m.postSecs.WithLabelValues("write").Observe(time.Since(start).Seconds()) })
+	}
+	wd.stop()
+	stopCtx()
+	abortOnce.Do(func() {}) // waits for an abort in progress; none can start after
+	if a.cfg.testHook != nil {
+		a.cfg.testHook("released", id)
+	}
+	moved := xe.Bytes
+	if x.Op == OpWrite {
+		moved = xe.Sent
+	}
+	a.m.bytes.WithLabelValues(x.Op.label(), "client").Add(float64(moved))
+	if ioErr != nil {
+		if abortCause != nil {
+			ioErr = abortCause
+		} else {
+			str.CancelRead(quic.StreamErrorCode(codes.Of(ioErr)))
+			str.CancelWrite(quic.StreamErrorCode(codes.Of(ioErr)))
+			ioErr = a.streamErr(ctx, x.Peer, ioErr)
+		}
+		return fail(ioErr)
+	}
+	res.Bytes, res.Duration = total, time.Since(start)
+	a.m.xferSecs.WithLabelValues(x.Op.label()).Observe(res.Duration.Seconds())
+	a.m.xfers.WithLabelValues(x.Op.label(), "client", "ok").Inc()
+	return res, nil
+}
+
+// checkXfer validates x locally and resolves its local descriptors.
+func (a *Agent) checkXfer(x *Xfer) (local []span, remote []Desc, total uint64, err error) {
+	if x.Op != OpRead && x.Op != OpWrite {
+		return nil, nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "Xfer.Op %v is neither OpRead nor OpWrite", x.Op)
+	}
+	n := len(x.Local)
+	if n == 0 || n > a.cfg.MaxDescsPerTransfer {
+		return nil, nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "Xfer.Local has %d descriptors, want 1..%d", n, a.cfg.MaxDescsPerTransfer)
+	}
+	if x.RemoteList != nil {
+		if x.Remote != nil || x.RemoteList.peer != x.Peer {
+			return nil, nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "Xfer.RemoteList was prepared for %s and excludes Xfer.Remote; peer is %s", x.RemoteList.peer, x.Peer)
+		}
+		if len(x.Indices) != n {
+			return nil, nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "Xfer.Indices has %d entries for %d local descriptors", len(x.Indices), n)
+		}
+		remote = make([]Desc, n)
+		for i, k := range x.Indices {
+			if int(k) >= len(x.RemoteList.descs) {
+				return nil, nil, 0, errorf(v1.Code_CODE_OUT_OF_RANGE, "Xfer.Indices[%d] = %d is beyond the list's %d entries", i, k, len(x.RemoteList.descs))
+			}
+			remote[i] = x.RemoteList.descs[k]
+		}
+	} else {
+		if len(x.Remote) != n {
+			return nil, nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "Xfer.Remote has %d descriptors for %d local ones", len(x.Remote), n)
+		}
+		remote = x.Remote
+	}
+	local, total, err = a.regionSet().resolveAll(x.Local)
+	if err != nil {
+		return nil, nil, 0, fmt.Errorf("transfer: Xfer.Local: %w", err)
+	}
+	for i := range local {
+		if remote[i].Len != local[i].n {
+			return nil, nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "descriptor %d: local length %d differs from remote %d", i, local[i].n, remote[i].Len)
+		}
+	}
+	return local, remote, total, nil
+}
+
+// runRead sends the request and reads the bytes straight into local memory.
+func (a *Agent) runRead(str *quic.Stream, req *v1.XferRequest, local []span, checksum bool, wd *watchdog, xe *XferError, posted func()) error {
+	if err := wire.WriteMsg(str, &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1, Body: &v1.PeerRequest_Xfer{Xfer: req}}, 0); err != nil {
+		return err
+	}
+	_ = str.Close()
+	posted()
+	r := wire.NewReader(str, 0)
+	var hdr v1.PeerResponse
+	if err := r.ReadMsg(&hdr); err != nil {
+		return err
+	}
+	wd.progress()
+	st, ok := hdr.GetBody().(*v1.PeerResponse_Xfer)
+	if !ok {
+		return errorf(v1.Code_CODE_INTERNAL, "peer answered a READ with %T", hdr.GetBody())
+	}
+	if err := codes.FromProto(xe.Peer, st.Xfer.GetError()); err != nil {
+		return err
+	}
+	var staging []byte
+	sums := make([]uint32, 0, len(local))
+	for _, s := range local {
+		var crc uint32
+		err := a.eachChunk(s, &staging, true, func(b []byte) error {
+			for off := 0; off < len(b); {
+				k, err := r.Read(b[off:])
+				off += k
+				xe.Bytes += uint64(k)
+				if k > 0 {
+					wd.progress()
+				}
+				if err != nil {
+					if err == io.EOF {
+						return errorf(v1.Code_CODE_DATA_LOSS, "stream from %s ended early", xe.Peer)
+					}
+					return err
+				}
+			}
+			if checksum {
+				crc = crc32.Update(crc, castagnoli, b)
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		sums = append(sums, crc)
+	}
+	var fin v1.PeerResponse
+	if err := r.ReadMsg(&fin); err != nil {
+		return err
+	}
+	fs, ok := fin.GetBody().(*v1.PeerResponse_Xfer)
+	if !ok {
+		return errorf(v1.Code_CODE_INTERNAL, "peer ended a READ with %T", fin.GetBody())
+	}
+	if err := codes.FromProto(xe.Peer, fs.Xfer.GetError()); err != nil {
+		return err
+	}
+	if fs.Xfer.GetBytes() != xe.Total {
+		return errorf(v1.Code_CODE_DATA_LOSS, "peer reports %d bytes sent, %d expected", fs.Xfer.GetBytes(), xe.Total)
+	}
+	if checksum {
+		return compareChecksums(fs.Xfer.GetChecksums(), sums)
+	}
+	return nil
+}
+
+// runWrite sends the request and the bytes straight from local memory, then
+// waits for the receiver's ack.
+func (a *Agent) runWrite(str *quic.Stream, req *v1.XferRequest, local []span, checksum bool, wd *watchdog, xe *XferError, posted func()) error {
+	r := wire.NewReader(str, 0)
+	// A refusal arrives as a reset of our send side; the reply says why.
+	refusal := func(err error) error {
+		var se *quic.StreamError
+		if errors.As(err, &se) && se.Remote {
+			var resp v1.PeerResponse
+			if rerr := r.ReadMsg(&resp); rerr == nil {
+				if perr := codes.FromProto(xe.Peer, resp.GetXfer().GetError()); perr != nil {
+					return perr
+				}
+			}
+		}
+		return err
+	}
+	if err := wire.WriteMsg(str, &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1, Body: &v1.PeerRequest_Xfer{Xfer: req}}, 0); err != nil {
+		return refusal(err)
+	}
+	posted()
+	var staging []byte
+	sums := make([]uint32, 0, len(local))
+	for _, s := range local {
+		var crc uint32
+		err := a.eachChunk(s, &staging, false, func(b []byte) error {
+			if checksum {
+				crc = crc32.Update(crc, castagnoli, b)
+			}
+			for len(b) > 0 {
+				k := min(len(b), writeChunk)
+				if _, err := str.Write(b[:k]); err != nil {
+					return err
+				}
+				b = b[k:]
+				xe.Sent += uint64(k)
+				wd.progress()
+			}
+			return nil
+		})
+		if err != nil {
+			return refusal(err)
+		}
+		sums = append(sums, crc)
+	}
+	if checksum {
+		if err := wire.WriteMsg(str, &v1.XferStatus{Checksums: sums}, 0); err != nil {
+			return refusal(err)
+		}
+	}
+	if err := str.Close(); err != nil {
+		return err
+	}
+	var ack v1.PeerResponse
+	if err := r.ReadMsg(&ack); err != nil {
+		return err
+	}
+	st, ok := ack.GetBody().(*v1.PeerResponse_Xfer)
+	if !ok {
+		return errorf(v1.Code_CODE_INTERNAL, "peer acked a WRITE with %T", ack.GetBody())
+	}
+	xe.Bytes = st.Xfer.GetBytes()
+	if err := codes.FromProto(xe.Peer, st.Xfer.GetError()); err != nil {
+		return err
+	}
+	if xe.Bytes != xe.Total {
+		return errorf(v1.Code_CODE_DATA_LOSS, "peer acknowledged %d of %d bytes", xe.Bytes, xe.Total)
+	}
+	return nil
+}

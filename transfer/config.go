@@ -1,0 +1,221 @@
+package transfer
+
+import (
+	"context"
+	"crypto/tls"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/quic-go/quic-go"
+
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+// ALPN is the application protocol agents negotiate.
+const ALPN = "kvsidecar/1"
+
+// Flow-control and window defaults, sized so one stream can keep a 2 MiB
+// descriptor and its successor in flight on a fast link (quic-go defaults
+// are 6 MiB per stream and 15 MiB per connection).
+const (
+	DefaultMaxStreamWindow     = 32 << 20
+	DefaultMaxConnWindow       = 96 << 20
+	DefaultProgressTimeout     = 10 * time.Second
+	DefaultMaxInflightPerPeer  = 1 << 30
+	DefaultStagingBytes        = 1 << 20
+	DefaultKeepAlivePeriod     = 5 * time.Second
+	DefaultMaxIdleTimeout      = 30 * time.Second
+	DefaultHandshakeTimeout    = 5 * time.Second
+	DefaultMaxIncomingStreams  = 1024
+	DefaultMaxDescsPerTransfer = 1 << 16
+)
+
+// Access is what the serving agent asks Config.Authorize about before it
+// touches memory for a READ or WRITE.
+type Access struct {
+	// Peer is the dialer's address.
+	Peer string
+	// Op is the dialer's operation: OpRead reads this agent's memory.
+	Op Op
+	// RequestID and Capability come from the XferRequest.
+	RequestID  string
+	Capability []byte
+	// Descs are the validated descriptors, in transfer order.
+	Descs []Desc
+	// BlockIDs are the sorted block ids the descriptors touch
+	// (offset in region / Region.BlockLen).
+	BlockIDs []uint32
+}
+
+// Config configures an Agent. The zero value works except that TLS and
+// ListenAddr must be set for an agent that serves, and TLS for one that
+// dials; a nil *Config is treated as the zero value.
+type Config struct {
+	// ListenAddr is the UDP address of the agent's single socket, e.g.
+	// "127.0.0.1:0". Default "127.0.0.1:0". Ignored when PacketConn is set.
+	ListenAddr string
+	// PacketConn, when set, is used instead of opening ListenAddr; the agent
+	// closes it on Close. Default nil.
+	PacketConn net.PacketConn
+	// ServerTLS is the TLS config for accepted connections. It must carry a
+	// certificate and ClientCAs; the agent forces TLS 1.3, ALPN kvsidecar/1
+	// and tls.RequireAndVerifyClientCert on a copy. Nil means the agent only
+	// dials.
+	ServerTLS *tls.Config
+	// ClientTLS is the TLS config for dialed connections, with the client
+	// certificate and RootCAs. Nil means the agent cannot dial. A session
+	// cache is added when nil so returning peers get 0-RTT.
+	ClientTLS *tls.Config
+	// Regions are registered at start; more can be added with Register.
+	Regions []Region
+	// Authorize is called before any memory is touched for a READ or WRITE
+	// this agent serves; a non-nil error refuses the transfer with its class
+	// (ErrCapabilityDenied, ErrLeaseExpired, ErrNotFound, ...). Default: the
+	// capability is verified with CapabilityKey; with neither set every
+	// transfer is refused with ErrCapabilityDenied.
+	Authorize func(ctx context.Context, a *Access) error
+	// CapabilityKey verifies capabilities when Authorize is nil. Default nil.
+	CapabilityKey *CapabilityKey
+	// OnNotification handles a Notification; its error class goes back to the
+	// sender in the ack. Called in order per connection. Default: every
+	// notification is answered with ErrNotFound.
+	OnNotification func(ctx context.Context, peer string, n *v1.Notification) error
+	// OnHeartbeat answers a Heartbeat. Default: every request id is unknown.
+	OnHeartbeat func(ctx context.Context, peer string, hb *v1.Heartbeat) *v1.HeartbeatAck
+	// OnHandshake answers a HandshakeRequest; it may run in 0-RTT and must be
+	// idempotent. Default: answered with CODE_UNAVAILABLE.
+	OnHandshake func(ctx context.Context, req *v1.HandshakeRequest) *v1.HandshakeResponse
+	// OnPeerGone is called (from the agent's goroutine, must not block) when
+	// a dialed connection is lost, so caches of that peer can be dropped.
+	// Default nil.
+	OnPeerGone func(addr string, err error)
+	// ProgressTimeout is how long a transfer may go without a byte moving
+	// before it fails with ErrTimeout. Default DefaultProgressTimeout (10 s).
+	ProgressTimeout time.Duration
+	// MaxInflightPerPeer bounds the bytes of transfers in flight to or from
+	// one peer, in each role; more wait (back-pressure). A single transfer
+	// larger than the bound runs alone. Default 1 GiB.
+	MaxInflightPerPeer uint64
+	// StagingBytes is the size of the staging buffer used when memory is not
+	// host-addressable. Default 1 MiB.
+	StagingBytes int
+	// MaxStreamWindow and MaxConnWindow are quic-go's receive windows in
+	// bytes. Defaults DefaultMaxStreamWindow (32 MiB), DefaultMaxConnWindow
+	// (96 MiB).
+	MaxStreamWindow uint64
+	MaxConnWindow   uint64
+	// KeepAlivePeriod is the QUIC keep-alive period. Default 5 s.
+	KeepAlivePeriod time.Duration
+	// MaxIdleTimeout closes a silent connection. Default 30 s.
+	MaxIdleTimeout time.Duration
+	// HandshakeTimeout bounds the QUIC/TLS handshake. Default 5 s.
+	HandshakeTimeout time.Duration
+	// MaxDescsPerTransfer bounds descriptors per transfer or prepared list.
+	// Default 65,536.
+	MaxDescsPerTransfer int
+	// QlogDir, when set, receives one qlog file per connection
+	// (<odcid>_<client|server>.sqlog). Default "" (off).
+	QlogDir string
+	// Logger receives logs; nil discards them.
+	Logger *slog.Logger
+	// Registerer receives the agent's metrics; nil registers none.
+	Registerer prometheus.Registerer
+
+	// testHook, when set by tests in this package, observes internal events
+	// ("reset", "released", "before-ack").
+	testHook func(event string, xferID uint64)
+}
+
+// withDefaults returns a copy of c (nil ok) with defaults filled in.
+func (c *Config) withDefaults() *Config {
+	var out Config
+	if c != nil {
+		out = *c
+	}
+	if out.ListenAddr == "" {
+		out.ListenAddr = "127.0.0.1:0"
+	}
+	if out.ProgressTimeout == 0 {
+		out.ProgressTimeout = DefaultProgressTimeout
+	}
+	if out.MaxInflightPerPeer == 0 {
+		out.MaxInflightPerPeer = DefaultMaxInflightPerPeer
+	}
+	if out.StagingBytes == 0 {
+		out.StagingBytes = DefaultStagingBytes
+	}
+	if out.MaxStreamWindow == 0 {
+		out.MaxStreamWindow = DefaultMaxStreamWindow
+	}
+	if out.MaxConnWindow == 0 {
+		out.MaxConnWindow = DefaultMaxConnWindow
+	}
+	if out.KeepAlivePeriod == 0 {
+		out.KeepAlivePeriod = DefaultKeepAlivePeriod
+	}
+	if out.MaxIdleTimeout == 0 {
+		out.MaxIdleTimeout = DefaultMaxIdleTimeout
+	}
+	if out.HandshakeTimeout == 0 {
+		out.HandshakeTimeout = DefaultHandshakeTimeout
+	}
+	if out.MaxDescsPerTransfer == 0 {
+		out.MaxDescsPerTransfer = DefaultMaxDescsPerTransfer
+	}
+	if out.Logger == nil {
+		out.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	out.Regions = append([]Region(nil), out.Regions...)
+	return &out
+}
+
+// validate rejects nonsense in a defaulted config.
+func (c *Config) validate() error {
+	switch {
+	case c.ProgressTimeout < 0:
+		return fmt.Errorf("transfer: Config.ProgressTimeout %v must be >= 0", c.ProgressTimeout)
+	case c.StagingBytes < 4096:
+		return fmt.Errorf("transfer: Config.StagingBytes %d must be >= 4096", c.StagingBytes)
+	case c.MaxStreamWindow < 64<<10:
+		return fmt.Errorf("transfer: Config.MaxStreamWindow %d must be >= 65536", c.MaxStreamWindow)
+	case c.MaxConnWindow < c.MaxStreamWindow:
+		return fmt.Errorf("transfer: Config.MaxConnWindow %d must be >= MaxStreamWindow %d", c.MaxConnWindow, c.MaxStreamWindow)
+	case c.KeepAlivePeriod < 0 || c.MaxIdleTimeout < 0 || c.HandshakeTimeout < 0:
+		return fmt.Errorf("transfer: Config.KeepAlivePeriod, MaxIdleTimeout and HandshakeTimeout must be >= 0")
+	case c.MaxDescsPerTransfer < 1:
+		return fmt.Errorf("transfer: Config.MaxDescsPerTransfer %d must be >= 1", c.MaxDescsPerTransfer)
+	case c.ServerTLS != nil && len(c.ServerTLS.Certificates) == 0 && c.ServerTLS.GetCertificate == nil && c.ServerTLS.GetConfigForClient == nil:
+		return fmt.Errorf("transfer: Config.ServerTLS must carry a certificate")
+	case c.ServerTLS != nil && c.ServerTLS.ClientCAs == nil && c.ServerTLS.GetConfigForClient == nil:
+		return fmt.Errorf("transfer: Config.ServerTLS.ClientCAs must be set to verify client certificates")
+	}
+	for i, r := range c.Regions {
+		if err := validateRegion(i, r); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// QUICConfig returns the quic-go configuration an agent with config c uses
+// (nil c: the defaults), so benchmarks can run raw quic-go under the same
+// windows and timeouts.
+func QUICConfig(c *Config) *quic.Config {
+	c = c.withDefaults()
+	return &quic.Config{
+		HandshakeIdleTimeout:           c.HandshakeTimeout,
+		MaxIdleTimeout:                 c.MaxIdleTimeout,
+		KeepAlivePeriod:                c.KeepAlivePeriod,
+		InitialStreamReceiveWindow:     min(c.MaxStreamWindow, 8<<20),
+		MaxStreamReceiveWindow:         c.MaxStreamWindow,
+		InitialConnectionReceiveWindow: min(c.MaxConnWindow, 16<<20),
+		MaxConnectionReceiveWindow:     c.MaxConnWindow,
+		MaxIncomingStreams:             DefaultMaxIncomingStreams,
+		MaxIncomingUniStreams:          -1,
+		Allow0RTT:                      true,
+	}
+}

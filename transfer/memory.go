@@ -1,0 +1,188 @@
+package transfer
+
+import (
+	"fmt"
+	"math/bits"
+	"unsafe"
+
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+// Memory is one registered region's bytes, addressed by offset from the
+// region's base. An adapter over a vmm.Pool region is three one-line methods.
+// Implementations must be safe for concurrent use on disjoint ranges.
+type Memory interface {
+	// HostBytes returns the mapped host bytes [off, off+n) without a copy,
+	// or an error when any page of the range is unmapped or the memory is
+	// not host-addressable (device memory). The agent then falls back to
+	// CopyOut/CopyIn through a bounded staging buffer.
+	HostBytes(off, n uint64) ([]byte, error)
+	// CopyOut copies len(dst) bytes starting at off into dst.
+	CopyOut(off uint64, dst []byte) error
+	// CopyIn copies src into the region starting at off.
+	CopyIn(off uint64, src []byte) error
+}
+
+// Region is one registered virtual range (NIXL: a registered memory
+// descriptor). Descriptors naming it use absolute addresses in
+// [Base, Base+Len).
+type Region struct {
+	// Base is the virtual base address in this process (or the device
+	// pointer); it is only a name for the range, never dereferenced.
+	Base uint64
+	// Len is the region's length in bytes, > 0.
+	Len uint64
+	// BlockLen is the bytes of one KV block in this region; 0 means the
+	// region is not divided into blocks and capabilities are checked on
+	// block 0 only.
+	BlockLen uint64
+	// DevID is the device the memory lives on (NIXL devID).
+	DevID uint32
+	// Mem gives access to the bytes.
+	Mem Memory
+}
+
+// Desc is one contiguous range in an agent's registered memory
+// (NIXL: addr, len, devID).
+type Desc struct {
+	Addr  uint64
+	Len   uint64
+	DevID uint32
+}
+
+func (d Desc) String() string { return fmt.Sprintf("{addr %#x len %d dev %d}", d.Addr, d.Len, d.DevID) }
+
+// SliceMemory is the Memory of host bytes that are always mapped, such as an
+// mmap'd range: HostBytes returns sub-slices of it.
+type SliceMemory []byte
+
+// HostBytes returns m[off:off+n].
+func (m SliceMemory) HostBytes(off, n uint64) ([]byte, error) {
+	if off > uint64(len(m)) || n > uint64(len(m))-off {
+		return nil, errorf(v1.Code_CODE_OUT_OF_RANGE, "range [%d, +%d) outside %d bytes", off, n, len(m))
+	}
+	return m[off : off+n : off+n], nil
+}
+
+// CopyOut copies m[off:] into dst.
+func (m SliceMemory) CopyOut(off uint64, dst []byte) error {
+	b, err := m.HostBytes(off, uint64(len(dst)))
+	if err == nil {
+		copy(dst, b)
+	}
+	return err
+}
+
+// CopyIn copies src into m[off:].
+func (m SliceMemory) CopyIn(off uint64, src []byte) error {
+	b, err := m.HostBytes(off, uint64(len(src)))
+	if err == nil {
+		copy(b, src)
+	}
+	return err
+}
+
+// SliceRegion registers b (e.g. an mmap'd range) as a region whose base is
+// b's address.
+func SliceRegion(b []byte, blockLen uint64, devID uint32) Region {
+	return Region{Base: uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))), Len: uint64(len(b)), BlockLen: blockLen, DevID: devID, Mem: SliceMemory(b)}
+}
+
+// span is a validated descriptor: its region and offset inside it.
+type span struct {
+	reg *Region
+	off uint64
+	n   uint64
+}
+
+// regions is an immutable set of registered regions sorted by nothing in
+// particular; lookups are linear since agents hold a few hundred regions at
+// most and a descriptor list is validated once.
+type regionSet []*Region
+
+func validateRegion(i int, r Region) error {
+	switch {
+	case r.Len == 0:
+		return errorf(v1.Code_CODE_INVALID_ARGUMENT, "region %d: Len must be > 0", i)
+	case r.Base+r.Len < r.Base:
+		return errorf(v1.Code_CODE_INVALID_ARGUMENT, "region %d: Base %#x + Len %d overflows", i, r.Base, r.Len)
+	case r.Mem == nil:
+		return errorf(v1.Code_CODE_INVALID_ARGUMENT, "region %d: Mem must not be nil", i)
+	case r.BlockLen > r.Len:
+		return errorf(v1.Code_CODE_INVALID_ARGUMENT, "region %d: BlockLen %d exceeds Len %d", i, r.BlockLen, r.Len)
+	}
+	return nil
+}
+
+// resolve checks d and returns its span: len > 0, addr+len does not
+// overflow, the range lies inside one registered region of the same device.
+func (rs regionSet) resolve(d Desc) (span, error) {
+	if d.Len == 0 {
+		return span{}, errorf(v1.Code_CODE_INVALID_ARGUMENT, "descriptor %v: length must be > 0", d)
+	}
+	end, carry := bits.Add64(d.Addr, d.Len, 0)
+	if carry != 0 {
+		return span{}, errorf(v1.Code_CODE_OUT_OF_RANGE, "descriptor %v: addr+len overflows 64 bits", d)
+	}
+	for _, r := range rs {
+		if d.Addr >= r.Base && end <= r.Base+r.Len {
+			if r.DevID != d.DevID {
+				return span{}, errorf(v1.Code_CODE_OUT_OF_RANGE, "descriptor %v: region at %#x is on device %d", d, r.Base, r.DevID)
+			}
+			return span{reg: r, off: d.Addr - r.Base, n: d.Len}, nil
+		}
+	}
+	return span{}, errorf(v1.Code_CODE_OUT_OF_RANGE, "descriptor %v: not inside one registered region", d)
+}
+
+// resolveAll resolves every descriptor; the first violation fails the list.
+func (rs regionSet) resolveAll(ds []Desc) ([]span, uint64, error) {
+	out := make([]span, len(ds))
+	var total uint64
+	for i, d := range ds {
+		s, err := rs.resolve(d)
+		if err != nil {
+			return nil, 0, fmt.Errorf("descriptor %d: %w", i, err)
+		}
+		out[i] = s
+		total += s.n
+	}
+	return out, total, nil
+}
+
+// blockIDs returns the sorted, deduplicated block ids the spans touch
+// (block id = offset / BlockLen inside the span's region).
+func blockIDs(spans []span) []uint32 {
+	seen := make(map[uint64]struct{})
+	var ids []uint32
+	for _, s := range spans {
+		first, last := uint64(0), uint64(0)
+		if bl := s.reg.BlockLen; bl > 0 {
+			first, last = s.off/bl, (s.off+s.n-1)/bl
+		}
+		for b := first; b <= last; b++ {
+			if _, ok := seen[b]; !ok {
+				seen[b] = struct{}{}
+				ids = append(ids, uint32(b))
+			}
+		}
+	}
+	sortU32(ids)
+	return ids
+}
+
+func descsToProto(ds []Desc) *v1.DescriptorList {
+	out := &v1.DescriptorList{Descs: make([]*v1.Descriptor, len(ds))}
+	for i, d := range ds {
+		out.Descs[i] = &v1.Descriptor{Addr: d.Addr, Len: d.Len, DevId: d.DevID}
+	}
+	return out
+}
+
+func descsFromProto(l *v1.DescriptorList) []Desc {
+	out := make([]Desc, len(l.GetDescs()))
+	for i, d := range l.GetDescs() {
+		out[i] = Desc{Addr: d.GetAddr(), Len: d.GetLen(), DevID: d.GetDevId()}
+	}
+	return out
+}

@@ -1,0 +1,453 @@
+package transfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"sync"
+
+	"github.com/quic-go/quic-go"
+
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/wire"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+// maxListsPerConn bounds the descriptor lists one connection may prepare.
+const maxListsPerConn = 4096
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// servedConn is the serving side's state of one accepted connection.
+type servedConn struct {
+	conn    *quic.Conn
+	peer    string
+	budget  *budget
+	notifMu sync.Mutex
+
+	mu     sync.Mutex
+	dlists map[uint64][]span
+}
+
+func (a *Agent) acceptLoop() {
+	defer a.wg.Done()
+	for {
+		conn, err := a.ln.Accept(a.ctx)
+		if err != nil {
+			return
+		}
+		a.mu.Lock()
+		if a.closed {
+			a.mu.Unlock()
+			_ = conn.CloseWithError(0, "agent closing")
+			return
+		}
+		a.servConns[conn] = struct{}{}
+		a.wg.Add(1)
+		a.mu.Unlock()
+		sc := &servedConn{conn: conn, peer: conn.RemoteAddr().String(),
+			budget: newBudget(a.cfg.MaxInflightPerPeer), dlists: make(map[uint64][]span)}
+		go a.serveConn(sc)
+	}
+}
+
+func (a *Agent) serveConn(sc *servedConn) {
+	defer a.wg.Done()
+	var wg sync.WaitGroup
+	defer func() {
+		wg.Wait()
+		a.mu.Lock()
+		delete(a.servConns, sc.conn)
+		a.mu.Unlock()
+	}()
+	for {
+		str, err := sc.conn.AcceptStream(sc.conn.Context())
+		if err != nil {
+			return
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			a.serveStream(sc, str)
+		}()
+	}
+}
+
+// reply writes one PeerResponse and closes the send side.
+func reply(str *quic.Stream, resp *v1.PeerResponse) {
+	if err := wire.WriteMsg(str, resp, 0); err != nil {
+		str.CancelWrite(quic.StreamErrorCode(v1.Code_CODE_INTERNAL))
+		return
+	}
+	_ = str.Close()
+}
+
+// waitHandshake blocks non-idempotent requests until the handshake is
+// complete, so 0-RTT data replayed by an attacker never reaches them.
+func waitHandshake(sc *servedConn) error {
+	select {
+	case <-sc.conn.HandshakeComplete():
+		return nil
+	case <-sc.conn.Context().Done():
+		return context.Cause(sc.conn.Context())
+	}
+}
+
+func (a *Agent) serveStream(sc *servedConn, str *quic.Stream) {
+	ctx := sc.conn.Context()
+	r := wire.NewReader(str, 0)
+	var req v1.PeerRequest
+	if err := r.ReadMsg(&req); err != nil {
+		str.CancelRead(quic.StreamErrorCode(v1.Code_CODE_INVALID_ARGUMENT))
+		str.CancelWrite(quic.StreamErrorCode(v1.Code_CODE_INVALID_ARGUMENT))
+		return
+	}
+	if req.GetWireVersion() != v1.WireVersion_WIRE_VERSION_1 {
+		err := errorf(v1.Code_CODE_INCOMPATIBLE_MODEL, "wire version %v, this agent speaks %v", req.GetWireVersion(), v1.WireVersion_WIRE_VERSION_1)
+		a.m.failures.WithLabelValues(codes.Of(err).String()).Inc()
+		str.CancelRead(quic.StreamErrorCode(codes.Of(err)))
+		reply(str, errorResponse(&req, err))
+		return
+	}
+	switch body := req.GetBody().(type) {
+	case *v1.PeerRequest_Handshake:
+		var resp *v1.HandshakeResponse
+		if a.cfg.OnHandshake != nil {
+			resp = a.cfg.OnHandshake(ctx, body.Handshake)
+		} else {
+			resp = &v1.HandshakeResponse{Error: codes.ToProto(errorf(v1.Code_CODE_UNAVAILABLE, "this agent serves no handshake"))}
+		}
+		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Handshake{Handshake: resp}})
+	case *v1.PeerRequest_Heartbeat:
+		var resp *v1.HeartbeatAck
+		if a.cfg.OnHeartbeat != nil {
+			resp = a.cfg.OnHeartbeat(ctx, sc.peer, body.Heartbeat)
+		} else {
+			resp = &v1.HeartbeatAck{LeaseExpiresUnixMs: make([]int64, len(body.Heartbeat.GetRequestIds()))}
+		}
+		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Heartbeat{Heartbeat: resp}})
+	case *v1.PeerRequest_Prep:
+		err := a.prepare(sc, body.Prep)
+		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Prep{Prep: codes.ToProto(err)}})
+	case *v1.PeerRequest_Notification:
+		if waitHandshake(sc) != nil {
+			return
+		}
+		err := a.notify(ctx, sc, body.Notification)
+		a.m.notifs.WithLabelValues(codes.Of(err).String()).Inc()
+		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Notification{Notification: &v1.NotificationAck{Error: codes.ToProto(err)}}})
+	case *v1.PeerRequest_Xfer:
+		if waitHandshake(sc) != nil {
+			return
+		}
+		a.serveXfer(ctx, sc, str, r, body.Xfer)
+	default:
+		err := errorf(v1.Code_CODE_INVALID_ARGUMENT, "request carries no known body")
+		str.CancelRead(quic.StreamErrorCode(codes.Of(err)))
+		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Prep{Prep: codes.ToProto(err)}})
+	}
+}
+
+func errorResponse(req *v1.PeerRequest, err error) *v1.PeerResponse {
+	pe := codes.ToProto(err)
+	switch req.GetBody().(type) {
+	case *v1.PeerRequest_Handshake:
+		return &v1.PeerResponse{Body: &v1.PeerResponse_Handshake{Handshake: &v1.HandshakeResponse{Error: pe}}}
+	case *v1.PeerRequest_Heartbeat:
+		return &v1.PeerResponse{Body: &v1.PeerResponse_Heartbeat{Heartbeat: &v1.HeartbeatAck{Error: pe}}}
+	case *v1.PeerRequest_Notification:
+		return &v1.PeerResponse{Body: &v1.PeerResponse_Notification{Notification: &v1.NotificationAck{Error: pe}}}
+	case *v1.PeerRequest_Xfer:
+		return &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{Error: pe}}}
+	}
+	return &v1.PeerResponse{Body: &v1.PeerResponse_Prep{Prep: pe}}
+}
+
+func (a *Agent) notify(ctx context.Context, sc *servedConn, n *v1.Notification) error {
+	sc.notifMu.Lock()
+	defer sc.notifMu.Unlock()
+	if n.GetRequestId() == "" {
+		return errorf(v1.Code_CODE_INVALID_ARGUMENT, "notification has an empty request id")
+	}
+	if a.cfg.OnNotification == nil {
+		return errorf(v1.Code_CODE_NOT_FOUND, "request %q is unknown to this agent", n.GetRequestId())
+	}
+	return a.cfg.OnNotification(ctx, sc.peer, n)
+}
+
+// prepare validates and stores a descriptor list for this connection.
+func (a *Agent) prepare(sc *servedConn, p *v1.PrepDescList) error {
+	descs := p.GetDescs().GetDescs()
+	if len(descs) == 0 || len(descs) > a.cfg.MaxDescsPerTransfer {
+		return errorf(v1.Code_CODE_INVALID_ARGUMENT, "descriptor list %d has %d descriptors, want 1..%d", p.GetDlistId(), len(descs), a.cfg.MaxDescsPerTransfer)
+	}
+	spans, _, err := a.regionSet().resolveAll(descsFromProto(p.GetDescs()))
+	if err != nil {
+		return fmt.Errorf("transfer: descriptor list %d: %w", p.GetDlistId(), err)
+	}
+	sc.mu.Lock()
+	defer sc.mu.Unlock()
+	if _, ok := sc.dlists[p.GetDlistId()]; ok {
+		return errorf(v1.Code_CODE_ALREADY_EXISTS, "descriptor list %d already prepared on this connection", p.GetDlistId())
+	}
+	if len(sc.dlists) >= maxListsPerConn {
+		return errorf(v1.Code_CODE_BUSY, "connection already holds %d descriptor lists", maxListsPerConn)
+	}
+	sc.dlists[p.GetDlistId()] = spans
+	return nil
+}
+
+// servedSpans checks an XferRequest's descriptors: explicit ones against the
+// registered regions, indexed ones against a prepared list.
+func (a *Agent) servedSpans(sc *servedConn, x *v1.XferRequest) ([]span, uint64, error) {
+	switch d := x.GetDescs().(type) {
+	case *v1.XferRequest_List:
+		n := len(d.List.GetDescs())
+		if n == 0 || n > a.cfg.MaxDescsPerTransfer {
+			return nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "transfer names %d descriptors, want 1..%d", n, a.cfg.MaxDescsPerTransfer)
+		}
+		return a.regionSet().resolveAll(descsFromProto(d.List))
+	case *v1.XferRequest_Indexed:
+		idx := d.Indexed.GetIndices()
+		if len(idx) == 0 || len(idx) > a.cfg.MaxDescsPerTransfer {
+			return nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "transfer names %d indices, want 1..%d", len(idx), a.cfg.MaxDescsPerTransfer)
+		}
+		sc.mu.Lock()
+		list, ok := sc.dlists[d.Indexed.GetDlistId()]
+		sc.mu.Unlock()
+		if !ok {
+			return nil, 0, errorf(v1.Code_CODE_NOT_FOUND, "descriptor list %d is not prepared on this connection", d.Indexed.GetDlistId())
+		}
+		out := make([]span, len(idx))
+		var total uint64
+		for i, k := range idx {
+			if int(k) >= len(list) {
+				return nil, 0, errorf(v1.Code_CODE_OUT_OF_RANGE, "index %d (position %d) is beyond descriptor list %d of %d entries", k, i, d.Indexed.GetDlistId(), len(list))
+			}
+			out[i] = list[k]
+			total += list[k].n
+		}
+		return out, total, nil
+	}
+	return nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "transfer names no descriptors")
+}
+
+func (a *Agent) authorize(ctx context.Context, acc *Access) error {
+	switch {
+	case a.cfg.Authorize != nil:
+		return a.cfg.Authorize(ctx, acc)
+	case a.cfg.CapabilityKey != nil:
+		return a.cfg.CapabilityKey.Verify(acc.Capability, acc.RequestID, acc.BlockIDs)
+	}
+	return errorf(v1.Code_CODE_CAPABILITY_DENIED, "this agent authorizes no transfers (no Authorize or CapabilityKey)")
+}
+
+// serveXfer serves one READ or WRITE. Every descriptor is checked and the
+// access authorized before any memory is touched.
+func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream, r *wire.Reader, x *v1.XferRequest) {
+	op := Op(x.GetOp())
+	refuse := func(err error) {
+		a.m.failures.WithLabelValues(codes.Of(err).String()).Inc()
+		a.m.xfers.WithLabelValues(op.label(), "server", "error").Inc()
+		a.log.Debug("transfer: refused", "peer", sc.peer, "xfer", x.GetXferId(), "err", err)
+		str.CancelRead(quic.StreamErrorCode(codes.Of(err)))
+		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{Error: codes.ToProto(err)}}})
+	}
+	if op != OpRead && op != OpWrite {
+		refuse(errorf(v1.Code_CODE_INVALID_ARGUMENT, "transfer op %v is neither READ nor WRITE", x.GetOp()))
+		return
+	}
+	spans, total, err := a.servedSpans(sc, x)
+	if err != nil {
+		refuse(err)
+		return
+	}
+	if total != x.GetTotalLen() {
+		refuse(errorf(v1.Code_CODE_INVALID_ARGUMENT, "total_len %d differs from the descriptors' %d bytes", x.GetTotalLen(), total))
+		return
+	}
+	acc := &Access{Peer: sc.peer, Op: op, RequestID: x.GetRequestId(), Capability: x.GetCapability(), BlockIDs: blockIDs(spans)}
+	acc.Descs = make([]Desc, len(spans))
+	for i, s := range spans {
+		acc.Descs[i] = Desc{Addr: s.reg.Base + s.off, Len: s.n, DevID: s.reg.DevID}
+	}
+	if err := a.authorize(ctx, acc); err != nil {
+		refuse(err)
+		return
+	}
+	if err := sc.budget.acquire(ctx.Done(), func() error { return context.Cause(ctx) }, total); err != nil {
+		refuse(fmt.Errorf("%w: transfer: %w", ErrUnavailable, err))
+		return
+	}
+	a.m.inflight.Add(float64(total))
+	defer func() {
+		sc.budget.release(total)
+		a.m.inflight.Sub(float64(total))
+	}()
+
+	var stalled sync.Once
+	wd := startWatchdog(a.cfg.ProgressTimeout, func() {
+		stalled.Do(func() {
+			str.CancelRead(quic.StreamErrorCode(v1.Code_CODE_TIMEOUT))
+			str.CancelWrite(quic.StreamErrorCode(v1.Code_CODE_TIMEOUT))
+		})
+	})
+	defer wd.stop()
+	var n uint64
+	if op == OpRead {
+		n, err = a.serveRead(str, spans, x.GetChecksum(), wd)
+	} else {
+		n, err = a.serveWrite(str, r, spans, x.GetChecksum(), wd, x.GetXferId())
+	}
+	a.m.bytes.WithLabelValues(op.label(), "server").Add(float64(n))
+	result := "ok"
+	if err != nil {
+		result = "error"
+		a.m.failures.WithLabelValues(codes.Of(err).String()).Inc()
+		a.log.Debug("transfer: served transfer failed", "peer", sc.peer, "xfer", x.GetXferId(), "op", op, "bytes", n, "err", err)
+	}
+	a.m.xfers.WithLabelValues(op.label(), "server", result).Inc()
+}
+
+// serveRead streams the spans' bytes straight from memory, then the status.
+func (a *Agent) serveRead(str *quic.Stream, spans []span, checksum bool, wd *watchdog) (uint64, error) {
+	if err := wire.WriteMsg(str, &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{}}}, 0); err != nil {
+		return 0, err
+	}
+	var sums []uint32
+	var staging []byte
+	var sent uint64
+	for _, s := range spans {
+		var crc uint32
+		err := a.eachChunk(s, &staging, false, func(b []byte) error {
+			if checksum {
+				crc = crc32.Update(crc, castagnoli, b)
+			}
+			for len(b) > 0 {
+				k := min(len(b), writeChunk)
+				if _, err := str.Write(b[:k]); err != nil {
+					return err
+				}
+				b = b[k:]
+				sent += uint64(k)
+				wd.progress()
+			}
+			return nil
+		})
+		if err != nil {
+			code := codes.Of(err)
+			var se *quic.StreamError
+			if !errors.As(err, &se) {
+				str.CancelWrite(quic.StreamErrorCode(code))
+			}
+			return sent, err
+		}
+		sums = append(sums, crc)
+	}
+	if !checksum {
+		sums = nil
+	}
+	fin := &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{Bytes: sent, Checksums: sums}}}
+	if err := wire.WriteMsg(str, fin, 0); err != nil {
+		return sent, err
+	}
+	return sent, str.Close()
+}
+
+// serveWrite reads the bytes straight into memory and acks what landed.
+func (a *Agent) serveWrite(str *quic.Stream, r *wire.Reader, spans []span, checksum bool, wd *watchdog, xferID uint64) (uint64, error) {
+	var sums []uint32
+	var staging []byte
+	var got uint64
+	for _, s := range spans {
+		var crc uint32
+		err := a.eachChunk(s, &staging, true, func(b []byte) error {
+			for off := 0; off < len(b); {
+				k, err := r.Read(b[off:])
+				off += k
+				got += uint64(k)
+				if k > 0 {
+					wd.progress()
+				}
+				if err != nil {
+					if err == io.EOF {
+						return errorf(v1.Code_CODE_INVALID_ARGUMENT, "stream ended after %d bytes", got)
+					}
+					return err
+				}
+			}
+			if checksum {
+				crc = crc32.Update(crc, castagnoli, b)
+			}
+			return nil
+		})
+		if err != nil {
+			str.CancelRead(quic.StreamErrorCode(codes.Of(err)))
+			str.CancelWrite(quic.StreamErrorCode(codes.Of(err)))
+			return got, err
+		}
+		sums = append(sums, crc)
+	}
+	var status error
+	if checksum {
+		var want v1.XferStatus
+		if err := r.ReadMsg(&want); err != nil {
+			status = errorf(v1.Code_CODE_INVALID_ARGUMENT, "checksum frame: %v", err)
+		} else {
+			status = compareChecksums(want.GetChecksums(), sums)
+		}
+	}
+	if a.cfg.testHook != nil {
+		a.cfg.testHook("before-ack", xferID)
+	}
+	reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{Error: codes.ToProto(status), Bytes: got}}})
+	return got, status
+}
+
+// writeChunk is the largest single stream write, so progress is reported at
+// least every 1 MiB.
+const writeChunk = 1 << 20
+
+// eachChunk hands fn the span's bytes: the mapped memory itself when the
+// backend allows, else a staging buffer (filled before fn when !in, copied
+// into memory after fn when in).
+func (a *Agent) eachChunk(s span, staging *[]byte, in bool, fn func([]byte) error) error {
+	if b, err := s.reg.Mem.HostBytes(s.off, s.n); err == nil {
+		return fn(b)
+	}
+	if *staging == nil {
+		*staging = make([]byte, a.cfg.StagingBytes)
+	}
+	for done := uint64(0); done < s.n; {
+		b := (*staging)[:min(uint64(len(*staging)), s.n-done)]
+		if !in {
+			if err := s.reg.Mem.CopyOut(s.off+done, b); err != nil {
+				return fmt.Errorf("%w: transfer: copy out of region %#x: %w", ErrInternal, s.reg.Base, err)
+			}
+		}
+		if err := fn(b); err != nil {
+			return err
+		}
+		if in {
+			if err := s.reg.Mem.CopyIn(s.off+done, b); err != nil {
+				return fmt.Errorf("%w: transfer: copy into region %#x: %w", ErrInternal, s.reg.Base, err)
+			}
+		}
+		done += uint64(len(b))
+	}
+	return nil
+}
+
+func compareChecksums(want, got []uint32) error {
+	if len(want) != len(got) {
+		return errorf(v1.Code_CODE_DATA_LOSS, "%d checksums for %d descriptors", len(want), len(got))
+	}
+	for i := range want {
+		if want[i] != got[i] {
+			return errorf(v1.Code_CODE_DATA_LOSS, "descriptor %d: CRC-32C %08x, sender said %08x", i, got[i], want[i])
+		}
+	}
+	return nil
+}
