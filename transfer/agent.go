@@ -435,7 +435,7 @@ type keyedCache struct {
 }
 
 func (k keyedCache) Get(string) (*tls.ClientSessionState, bool) { return k.c.Get(k.key) }
-func (k keyedCache) Put(_ string, cs *tls.ClientSessionState)    { k.c.Put(k.key, cs) }
+func (k keyedCache) Put(_ string, cs *tls.ClientSessionState)   { k.c.Put(k.key, cs) }
 
 // qlogTracer writes one qlog file per connection into dir.
 func qlogTracer(dir string, log *slog.Logger) func(context.Context, bool, quic.ConnectionID) qlogwriter.Trace {
