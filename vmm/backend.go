@@ -1,0 +1,70 @@
+package vmm
+
+import "os"
+
+// Handle names one physical page of a Backend (a memfd slot for the host
+// backend, a CUmemGenericAllocationHandle for CUDA). Its value is opaque.
+type Handle uint64
+
+// Backend is the virtual memory management a Pool drives: one physical page
+// is Granularity() bytes; a reservation is a virtual range mapped page by
+// page. It mirrors the CUDA driver's VMM calls (cuMemAddressReserve,
+// cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease,
+// cuMemExportToShareableHandle) so the host backend and vmm/cuda behave the
+// same, including their errors.
+//
+// Addresses are uint64: a host pointer for the host backend, a CUdeviceptr
+// for CUDA. Every method is safe for concurrent use. Errors wrap ErrBackend
+// (the OS or driver failed), ErrAlreadyMapped, ErrNotMapped, ErrOverLimit or
+// ErrBlockOutOfRange (an address outside every reservation).
+type Backend interface {
+	// Granularity is the page size in bytes (2 MiB on current GPUs).
+	Granularity() uint64
+	// DevID is the device ordinal the memory lives on (NIXL devID); 0 for host.
+	DevID() int
+	// Reserve reserves size bytes (a multiple of Granularity) of virtual
+	// addresses with no access, and returns the base.
+	Reserve(size uint64) (base uint64, err error)
+	// FreeReservation gives back a range Reserve returned. Pages still
+	// mapped in it are unmapped first.
+	FreeReservation(base, size uint64) error
+	// Create allocates one physical page. ErrOverLimit when the device or
+	// the OS has no memory for it.
+	Create() (Handle, error)
+	// Release frees a physical page; its memory returns to the OS or the
+	// device. Releasing a page that is still mapped is an error wrapping
+	// ErrAlreadyMapped.
+	Release(h Handle) error
+	// Map maps page h at addr (Granularity-aligned, inside a reservation),
+	// still without access. ErrAlreadyMapped when addr is mapped.
+	Map(addr uint64, h Handle) error
+	// Unmap unmaps the page at addr; the range returns to no access.
+	// ErrNotMapped when addr is not mapped.
+	Unmap(addr uint64) error
+	// SetAccess grants read-write access to [addr, addr+size), which must be
+	// mapped (ErrNotMapped otherwise).
+	SetAccess(addr, size uint64) error
+	// Export returns a file that holds page h at byte offset off, for
+	// another process to map the same physical memory (memfd for the host
+	// backend, a POSIX fd from cuMemExportToShareableHandle for CUDA). The
+	// caller owns the file and closes it.
+	Export(h Handle) (f *os.File, off uint64, err error)
+	// CopyIn copies src to [addr, addr+len(src)); every page in the range
+	// must be mapped (ErrNotMapped otherwise).
+	CopyIn(addr uint64, src []byte) error
+	// CopyOut copies [addr, addr+len(dst)) to dst; every page must be mapped.
+	CopyOut(addr uint64, dst []byte) error
+	// Close releases every page and reservation still held. A second Close
+	// returns an error wrapping net.ErrClosed.
+	Close() error
+}
+
+// HostMemory is implemented by backends whose pages are ordinary memory of
+// this process (the host backend).
+type HostMemory interface {
+	// HostBytes returns [addr, addr+n) as a slice over the mapping itself
+	// (zero copy). Every page in the range must be mapped (ErrNotMapped
+	// otherwise). The slice is valid until the page is unmapped; touching it
+	// after that faults.
+	HostBytes(addr, n uint64) ([]byte, error)
+}

@@ -1,0 +1,213 @@
+package vmm
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"google.golang.org/protobuf/proto"
+)
+
+// Layout is the KV cache layout of one rank: Layers layers, each either a K
+// and a V region or one compound region (MLA latent, or K and V packed), of
+// blocks of BlockSize tokens × HeadsPerRank heads × HeadDim elements ×
+// DTypeBytes bytes, HND inside a block (DESIGN.md section 3).
+type Layout struct {
+	Layers       int  // num_hidden_layers, > 0
+	Compound     bool // one region per layer (K then V packed in a block); false: a K and a V region
+	MLA          bool // multi-head latent attention: one latent per token per layer, Compound implied
+	BlockSize    int  // tokens per block, > 0
+	HeadsPerRank int  // KV heads held by this rank, > 0 (1 for MLA)
+	HeadDim      int  // elements per head, > 0 (kv_lora_rank + qk_rope_head_dim for MLA)
+	DTypeBytes   int  // bytes per element: 1, 2 or 4
+	TPRank       int  // informational: this rank
+	TPSize       int  // informational: the group's TP size (0 read as 1)
+}
+
+// Validate checks every field; errors wrap ErrInvalidConfig and name the field.
+func (l Layout) Validate() error {
+	switch {
+	case l.Layers <= 0:
+		return configError("Layout.Layers", "%d must be > 0", l.Layers)
+	case l.BlockSize <= 0:
+		return configError("Layout.BlockSize", "%d must be > 0", l.BlockSize)
+	case l.HeadsPerRank <= 0:
+		return configError("Layout.HeadsPerRank", "%d must be > 0", l.HeadsPerRank)
+	case l.HeadDim <= 0:
+		return configError("Layout.HeadDim", "%d must be > 0", l.HeadDim)
+	case l.DTypeBytes != 1 && l.DTypeBytes != 2 && l.DTypeBytes != 4:
+		return configError("Layout.DTypeBytes", "%d must be 1, 2 or 4", l.DTypeBytes)
+	case l.TPSize < 0 || l.TPRank < 0 || (l.TPSize > 0 && l.TPRank >= l.TPSize):
+		return configError("Layout.TPRank", "rank %d must be in [0, TPSize %d)", l.TPRank, l.TPSize)
+	}
+	return nil
+}
+
+// BlockLen is the bytes of one block in one region: BlockSize × HeadsPerRank
+// × HeadDim × DTypeBytes, doubled for a compound non-MLA region.
+func (l Layout) BlockLen() uint64 {
+	n := uint64(l.BlockSize) * uint64(l.HeadsPerRank) * uint64(l.HeadDim) * uint64(l.DTypeBytes)
+	if l.Compound && !l.MLA {
+		n *= 2
+	}
+	return n
+}
+
+// NumRegions is Layers for a compound or MLA layout, 2 × Layers otherwise.
+func (l Layout) NumRegions() int {
+	if l.Compound || l.MLA {
+		return l.Layers
+	}
+	return 2 * l.Layers
+}
+
+// Region returns the layer and kind of region i (for each layer K then V, or
+// one compound region).
+func (l Layout) Region(i int) (layer int, kind v1.RegionKind) {
+	if l.Compound || l.MLA {
+		return i, v1.RegionKind_REGION_KIND_COMPOUND
+	}
+	if i%2 == 0 {
+		return i / 2, v1.RegionKind_REGION_KIND_K
+	}
+	return i / 2, v1.RegionKind_REGION_KIND_V
+}
+
+// BytesPerToken is the KV bytes one token costs on this rank, all regions.
+func (l Layout) BytesPerToken() uint64 {
+	return l.BlockLen() / uint64(l.BlockSize) * uint64(l.NumRegions())
+}
+
+// DTypeBytes returns the element size of d, or an error wrapping
+// ErrInvalidConfig for DTYPE_UNSPECIFIED or an unknown value.
+func DTypeBytes(d v1.DType) (int, error) {
+	switch d {
+	case v1.DType_DTYPE_FLOAT16, v1.DType_DTYPE_BFLOAT16:
+		return 2, nil
+	case v1.DType_DTYPE_FLOAT32:
+		return 4, nil
+	case v1.DType_DTYPE_FP8_E4M3, v1.DType_DTYPE_FP8_E5M2:
+		return 1, nil
+	}
+	return 0, configError("ModelGeometry.dtype", "%v has no known element size", d)
+}
+
+// LayoutFor derives the layout of rank tpRank of a TP group of tpSize ranks
+// (DESIGN.md section 5). GQA: each rank holds num_kv_heads / tpSize heads,
+// which must divide; when tpSize > num_kv_heads the heads are replicated, one
+// per rank, and tpSize must be a multiple of num_kv_heads. MLA: every rank
+// holds the whole latent, one compound region per layer. Errors wrap
+// ErrInvalidConfig and name the field and the rule.
+func LayoutFor(g *v1.ModelGeometry, tpRank, tpSize int) (Layout, error) {
+	if g == nil {
+		return Layout{}, configError("ModelGeometry", "nil")
+	}
+	if tpSize <= 0 {
+		return Layout{}, configError("tp_size", "%d must be > 0", tpSize)
+	}
+	if tpRank < 0 || tpRank >= tpSize {
+		return Layout{}, configError("tp_rank", "%d must be in [0, tp_size %d)", tpRank, tpSize)
+	}
+	if g.GetLayout() != v1.Layout_LAYOUT_HND && g.GetLayout() != v1.Layout_LAYOUT_UNSPECIFIED {
+		return Layout{}, configError("ModelGeometry.layout", "%v is not supported; only HND", g.GetLayout())
+	}
+	db, err := DTypeBytes(g.GetDtype())
+	if err != nil {
+		return Layout{}, err
+	}
+	kv := int(g.GetNumKvHeads())
+	if kv <= 0 {
+		return Layout{}, configError("ModelGeometry.num_kv_heads", "%d must be > 0", kv)
+	}
+	l := Layout{
+		Layers:     int(g.GetNumLayers()),
+		BlockSize:  int(g.GetBlockSize()),
+		HeadDim:    int(g.GetHeadDim()),
+		DTypeBytes: db,
+		TPRank:     tpRank,
+		TPSize:     tpSize,
+	}
+	switch g.GetAttention() {
+	case v1.Attention_ATTENTION_MLA:
+		l.MLA, l.Compound, l.HeadsPerRank = true, true, kv
+	case v1.Attention_ATTENTION_GQA, v1.Attention_ATTENTION_UNSPECIFIED:
+		switch {
+		case tpSize <= kv && kv%tpSize == 0:
+			l.HeadsPerRank = kv / tpSize
+		case tpSize > kv && tpSize%kv == 0:
+			l.HeadsPerRank = 1 // replicated: each head on tpSize/kv ranks
+		default:
+			return Layout{}, configError("tp_size", "%d and num_kv_heads %d: one must divide the other", tpSize, kv)
+		}
+	default:
+		return Layout{}, configError("ModelGeometry.attention", "unknown %v", g.GetAttention())
+	}
+	if err := l.Validate(); err != nil {
+		return Layout{}, err
+	}
+	return l, nil
+}
+
+// DefaultBlockSize is the tokens per block of the built-in model table:
+// vLLM's default block_size on CUDA (vllm/config/cache.py, 16).
+const DefaultBlockSize = 16
+
+// models is the KV geometry of public models, copied from
+// /work/shared/models.json, which took them from each model's published
+// config.json (num_hidden_layers, num_key_value_heads, head_dim, torch_dtype;
+// for MLA kv_lora_rank 512 + qk_rope_head_dim 64 = 576).
+var models = map[string]*v1.ModelGeometry{
+	"llama-3.1-8b":     gqa("llama-3.1-8b", 32, 8, 128),
+	"llama-3.1-70b":    gqa("llama-3.1-70b", 80, 8, 128),
+	"llama-3.2-1b":     gqa("llama-3.2-1b", 16, 8, 64),
+	"qwen3-8b":         gqa("qwen3-8b", 36, 8, 128),
+	"qwen3-0.6b":       gqa("qwen3-0.6b", 28, 8, 128),
+	"qwen2.5-0.5b":     gqa("qwen2.5-0.5b", 24, 2, 64),
+	"deepseek-v2-lite": mla("deepseek-v2-lite", 27, 1, 576),
+}
+
+func gqa(name string, layers, kv, dim uint32) *v1.ModelGeometry {
+	return &v1.ModelGeometry{Model: name, NumLayers: layers, NumKvHeads: kv, HeadDim: dim,
+		Dtype: v1.DType_DTYPE_BFLOAT16, BlockSize: DefaultBlockSize, Layout: v1.Layout_LAYOUT_HND,
+		Attention: v1.Attention_ATTENTION_GQA}
+}
+
+func mla(name string, layers, kv, dim uint32) *v1.ModelGeometry {
+	g := gqa(name, layers, kv, dim)
+	g.Attention = v1.Attention_ATTENTION_MLA
+	return g
+}
+
+// Model returns a copy of the built-in geometry of name (block_size
+// DefaultBlockSize, bfloat16, HND). An unknown name is an error wrapping
+// ErrInvalidConfig that lists the known names.
+func Model(name string) (*v1.ModelGeometry, error) {
+	g, ok := models[name]
+	if !ok {
+		return nil, configError("model", "unknown %q; known: %s", name, strings.Join(ModelNames(), ", "))
+	}
+	return proto.Clone(g).(*v1.ModelGeometry), nil
+}
+
+// ModelNames returns the names of the built-in model table, sorted.
+func ModelNames() []string {
+	names := make([]string, 0, len(models))
+	for n := range models {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	return names
+}
+
+// blocksPerPage is how many whole blocks fit in a page; blocks never
+// straddle a page, so a page's tail shorter than a block is left unused.
+func blocksPerPage(pageSize, blockLen uint64) int {
+	return int(pageSize / blockLen)
+}
+
+
+func (l Layout) String() string {
+	return fmt.Sprintf("layers=%d regions=%d block_size=%d heads=%d head_dim=%d dtype_bytes=%d block_len=%d",
+		l.Layers, l.NumRegions(), l.BlockSize, l.HeadsPerRank, l.HeadDim, l.DTypeBytes, l.BlockLen())
+}
