@@ -296,7 +296,9 @@ func (g *Group) serveConn(c net.Conn) {
 		switch {
 		case err == nil:
 			resp = g.handle(&req)
-		case errors.Is(err, io.EOF) || g.ctx.Err() != nil || errors.Is(err, net.ErrClosed):
+		case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+			g.ctx.Err() != nil || errors.Is(err, net.ErrClosed):
+			// Closed, possibly mid-frame: nobody is left to answer.
 			return
 		default:
 			// A frame we cannot parse: answer once, then drop the stream
