@@ -293,3 +293,35 @@ func TestCoordinatedMapPeerNeverAnswers(t *testing.T) {
 }
 
 func errorsIsAlreadyMapped(err error) bool { return errors.Is(err, vmm.ErrAlreadyMapped) }
+
+// A failed unmap names the rank and leaves the pages pending on it: the
+// next message to that rank unmaps them first, so no stale page survives.
+func TestCoordinatedUnmapFailureRepaired(t *testing.T) {
+	ctx := t.Context()
+	groups, pools, _ := coordinated(t, 4, &Config{Dir: sockDir(t)})
+	hook := groups[0].Hook()
+	require.NoError(t, hook.MapPages(ctx, []int{2, 3}))
+	require.Equal(t, []int{1, 3, 3, 3}, pagesMapped(pools), "the hook alone maps ranks 1..3")
+	// Rank 2 loses page 3 behind the coordinator's back.
+	require.NoError(t, pools[2].UnmapPages(ctx, []int{3}))
+
+	err := hook.UnmapPages(ctx, []int{2, 3})
+	var oe *OpError
+	require.ErrorAs(t, err, &oe)
+	require.Equal(t, []int{2}, oe.Ranks())
+	require.Equal(t, v1.Code_CODE_NOT_FOUND, CodeOf(err))
+	require.Equal(t, []int{1, 1, 2, 1}, pagesMapped(pools), "rank 2 still holds page 2")
+
+	// The next op to rank 2 repairs it (page 2 unmapped, page 3 "not mapped"
+	// accepted) before mapping.
+	require.NoError(t, hook.MapPages(ctx, []int{2}))
+	require.Equal(t, []int{1, 2, 2, 2}, pagesMapped(pools))
+	require.NoError(t, hook.UnmapPages(ctx, []int{2}))
+	require.Equal(t, []int{1, 1, 1, 1}, pagesMapped(pools))
+
+	t.Run("bad arguments", func(t *testing.T) {
+		require.ErrorIs(t, hook.MapPages(ctx, nil), ErrInvalidArgument)
+		require.ErrorIs(t, hook.MapPages(ctx, []int{-1}), ErrInvalidArgument)
+		require.ErrorIs(t, groups[1].broadcast(ctx, v1.PageOp_KIND_MAP, []int{1}), ErrNotCoordinator)
+	})
+}
