@@ -68,3 +68,13 @@ type HostMemory interface {
 	// after that faults.
 	HostBytes(addr, n uint64) ([]byte, error)
 }
+
+// Importer is implemented by backends that can take in a page exported by
+// Export (possibly from another process) as a new handle that Map accepts:
+// vmm/cuda with cuMemImportFromShareableHandle. The host backend does not
+// need it: an engine maps the exported memfd with mmap directly.
+type Importer interface {
+	// Import returns a handle for the page held by f at byte offset off.
+	// f stays owned by the caller.
+	Import(f *os.File, off uint64) (Handle, error)
+}

@@ -43,8 +43,8 @@ type HostBackend struct {
 	mu        sync.Mutex
 	fd        int
 	closed    bool
-	slots     uint64   // memfd size in slots
-	freeSlots []uint64 // released slots, reused first
+	slots     uint64              // memfd size in slots
+	freeSlots []uint64            // released slots, reused first
 	live      map[Handle]int      // handle → mappings of it
 	mapped    map[uint64]Handle   // page address → handle
 	access    map[uint64]struct{} // mapped pages with read-write access
@@ -114,10 +114,24 @@ func (b *HostBackend) Reserve(size uint64) (uint64, error) {
 	if b.closed {
 		return 0, b.closedErr()
 	}
-	ptr, err := unix.MmapPtr(-1, 0, nil, uintptr(size), unix.PROT_NONE,
+	// Over-reserve by one page and trim, so the base is aligned to the page
+	// size as cuMemAddressReserve's is (and huge pages can back it).
+	raw, err := unix.MmapPtr(-1, 0, nil, uintptr(size+b.gran), unix.PROT_NONE,
 		unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
 	if err != nil {
 		return 0, &BackendError{Op: "mmap reserve", Err: err}
+	}
+	head := (b.gran - uint64(uintptr(raw))%b.gran) % b.gran
+	if head > 0 {
+		if err := unix.MunmapPtr(raw, uintptr(head)); err != nil {
+			return 0, &BackendError{Op: "munmap reserve head", Err: err}
+		}
+	}
+	ptr := unsafe.Add(raw, head)
+	if tail := b.gran - head; tail > 0 {
+		if err := unix.MunmapPtr(unsafe.Add(ptr, size), uintptr(tail)); err != nil {
+			return 0, &BackendError{Op: "munmap reserve tail", Err: err}
+		}
 	}
 	r := reservation{base: uint64(uintptr(ptr)), size: size, ptr: ptr}
 	i := sort.Search(len(b.res), func(i int) bool { return b.res[i].base > r.base })
@@ -447,4 +461,3 @@ func (b *HostBackend) FileOffset(h Handle) (uint64, error) {
 	}
 	return (uint64(h) - 1) * b.gran, nil
 }
-

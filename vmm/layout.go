@@ -206,7 +206,6 @@ func blocksPerPage(pageSize, blockLen uint64) int {
 	return int(pageSize / blockLen)
 }
 
-
 func (l Layout) String() string {
 	return fmt.Sprintf("layers=%d regions=%d block_size=%d heads=%d head_dim=%d dtype_bytes=%d block_len=%d",
 		l.Layers, l.NumRegions(), l.BlockSize, l.HeadsPerRank, l.HeadDim, l.DTypeBytes, l.BlockLen())

@@ -11,8 +11,8 @@ import (
 	"sync"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // DefaultPreallocPages is the prealloc reserve when Config.PreallocPages is
@@ -183,6 +183,8 @@ type Pool struct {
 	freeMapped  int     // free blocks in partial and empty pages
 	used        int     // allocated blocks, null block excluded
 	refilling   int     // pages the refill goroutine is mapping
+
+	onCommit func(committed, limitPages int) // tests: called under mu when a page is committed
 }
 
 // NewPool reserves every region, maps page 0 and allocates the null block
@@ -338,6 +340,9 @@ func (p *Pool) popUnmappedLocked() int {
 	p.unmappedCap -= p.capOf(pg)
 	p.pages[pg].status = pageBusy
 	p.committed++
+	if p.onCommit != nil {
+		p.onCommit(p.committed, p.limitPagesLocked())
+	}
 	return pg
 }
 
@@ -808,6 +813,9 @@ func (p *Pool) removeUnmappedLocked(pg int) {
 	p.unmappedCap -= p.capOf(pg)
 	p.pages[pg].status = pageBusy
 	p.committed++
+	if p.onCommit != nil {
+		p.onCommit(p.committed, p.limitPagesLocked())
+	}
 }
 
 // UnmapPages unmaps page indices mapped by MapPages. Every index is checked
@@ -1000,8 +1008,13 @@ func (p *Pool) refill() {
 			return
 		}
 		p.setMappedLocked(pg)
+		trim := p.trimLocked(p.cfg.PreallocPages) // the limit may have dropped meanwhile
 		p.updateGaugesLocked()
 		p.mu.Unlock()
+		if err := p.unmapTrimmed(p.ctx, trim); err != nil {
+			p.log.Warn("vmm: trim after refill", "err", err)
+			return
+		}
 	}
 }
 

@@ -1,0 +1,601 @@
+//go:build linux
+
+package vmm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	promtest "github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/stretchr/testify/require"
+
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+const testPage = 64 << 10
+
+// testLayout: 2 layers × K/V = 4 regions, 2 KiB blocks, 32 blocks a page.
+var testLayout = Layout{Layers: 2, BlockSize: 16, HeadsPerRank: 1, HeadDim: 64, DTypeBytes: 2}
+
+// failing wraps a real host backend: it fails the k-th Map (counting from
+// 1; 0 = never) and counts what is mapped and created so tests can check
+// nothing leaks.
+type failing struct {
+	*HostBackend
+	failAt    atomic.Int64
+	maps      atomic.Int64
+	mapped    atomic.Int64 // slots mapped now
+	live      atomic.Int64 // handles created and not released
+	doubleMap atomic.Int64
+}
+
+var errInjected = errors.New("injected map failure")
+
+func newFailing(t testing.TB) *failing {
+	t.Helper()
+	hb, err := NewHostBackend(&HostConfig{PageSize: testPage})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = hb.Close() })
+	return &failing{HostBackend: hb}
+}
+
+func (f *failing) Create() (Handle, error) {
+	h, err := f.HostBackend.Create()
+	if err == nil {
+		f.live.Add(1)
+	}
+	return h, err
+}
+
+func (f *failing) Release(h Handle) error {
+	err := f.HostBackend.Release(h)
+	if err == nil {
+		f.live.Add(-1)
+	}
+	return err
+}
+
+func (f *failing) Map(addr uint64, h Handle) error {
+	if n := f.maps.Add(1); n == f.failAt.Load() {
+		return &BackendError{Op: "mmap", Err: errInjected}
+	}
+	err := f.HostBackend.Map(addr, h)
+	if errors.Is(err, ErrAlreadyMapped) {
+		f.doubleMap.Add(1)
+	}
+	if err == nil {
+		f.mapped.Add(1)
+	}
+	return err
+}
+
+func (f *failing) Unmap(addr uint64) error {
+	err := f.HostBackend.Unmap(addr)
+	if err == nil {
+		f.mapped.Add(-1)
+	}
+	return err
+}
+
+func newTestPool(t testing.TB, cfg Config) *Pool {
+	t.Helper()
+	if cfg.Layout.Layers == 0 {
+		cfg.Layout = testLayout
+	}
+	if cfg.NumBlocks == 0 {
+		cfg.NumBlocks = 32 * 8
+	}
+	if cfg.Backend == nil {
+		cfg.Backend = newFailing(t)
+	}
+	p, err := NewPool(context.Background(), &cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		if err := p.Close(); err != nil && !errors.Is(err, net.ErrClosed) {
+			t.Errorf("close pool: %v", err)
+		}
+	})
+	return p
+}
+
+// checkInvariants recomputes the pool's counters from its pages.
+func checkInvariants(t testing.TB, p *Pool) {
+	t.Helper()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	free, used, mapped, committed, unmCap := 0, 0, 0, 0, 0
+	for pg, ps := range p.pages {
+		switch ps.status {
+		case pageMapped:
+			mapped++
+			committed++
+		case pageBusy, pageBroken:
+			committed++
+		case pageUnmapped:
+			unmCap += p.capOf(pg)
+			require.Zero(t, ps.used, "unmapped page %d has used blocks", pg)
+		}
+		if ps.status == pageMapped && !ps.ext {
+			free += len(ps.free)
+			require.Equal(t, p.capOf(pg), int(ps.used)+len(ps.free), "page %d: used + free != capacity", pg)
+		}
+		used += int(ps.used)
+	}
+	require.Equal(t, p.freeMapped, free, "freeMapped")
+	require.Equal(t, p.used+1, used, "used (+1 null block)")
+	require.Equal(t, p.mappedCnt, mapped, "mappedCnt")
+	require.Equal(t, p.committed, committed, "committed")
+	require.Equal(t, p.unmappedCap, unmCap, "unmappedCap")
+	require.GreaterOrEqual(t, p.availableLocked(), 0)
+	n := 0
+	for _, u := range p.blockUsed {
+		if u {
+			n++
+		}
+	}
+	require.Equal(t, p.used+1, n, "blockUsed count")
+}
+
+func TestNewPoolRejects(t *testing.T) {
+	good := Config{Layout: testLayout, NumBlocks: 64}
+	tests := []struct {
+		name  string
+		cfg   *Config
+		field string
+	}{
+		{"nil config", nil, "Config"},
+		{"no blocks", &Config{Layout: testLayout}, "Config.NumBlocks"},
+		{"one block", &Config{Layout: testLayout, NumBlocks: 1}, "Config.NumBlocks"},
+		{"zero layers", &Config{NumBlocks: 64, Layout: Layout{BlockSize: 16, HeadsPerRank: 1, HeadDim: 64, DTypeBytes: 2}}, "Layout.Layers"},
+		{"bad dtype", &Config{NumBlocks: 64, Layout: Layout{Layers: 1, BlockSize: 16, HeadsPerRank: 1, HeadDim: 64, DTypeBytes: 3}}, "Layout.DTypeBytes"},
+		{"block over page", &Config{NumBlocks: 64, Layout: Layout{Layers: 1, BlockSize: 4096, HeadsPerRank: 8, HeadDim: 128, DTypeBytes: 2}}, "page size"},
+		{"limit below page 0", func() *Config { c := good; c.MemoryLimit = 1; return &c }(), "Config.MemoryLimit"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := NewPool(context.Background(), tc.cfg)
+			require.ErrorIs(t, err, ErrInvalidConfig)
+			require.Contains(t, err.Error(), tc.field)
+			require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, CodeOf(err))
+		})
+	}
+}
+
+func TestPoolAllocFreeMapsAndUnmaps(t *testing.T) {
+	be := newFailing(t)
+	reg := prometheus.NewRegistry()
+	p := newTestPool(t, Config{Backend: be, PreallocPages: -1, Registerer: reg})
+	ctx := context.Background()
+	nr := int64(testLayout.NumRegions())
+	st := p.Stats()
+	require.Equal(t, 1, st.PagesMapped, "page 0 for the null block")
+	require.Equal(t, 32, st.BlocksPerPage)
+	require.Equal(t, 255, st.BlocksTotal)
+	require.Equal(t, 255, st.Available)
+	require.Equal(t, nr, be.mapped.Load())
+
+	ids, err := p.Alloc(ctx, 40) // 31 from page 0, 9 from page 1
+	require.NoError(t, err)
+	require.Len(t, ids, 40)
+	require.NotContains(t, ids, 0, "null block handed out")
+	require.Equal(t, 2, p.Stats().PagesMapped)
+	require.Equal(t, 2*nr, be.mapped.Load())
+	require.Equal(t, 40, p.Stats().BlocksUsed)
+	require.InDelta(t, 2, promtest.ToFloat64(p.m.pagesMapped), 0)
+	checkInvariants(t, p)
+
+	// Data written to a block reads back, through HostBytes too.
+	off := p.BlockOffset(ids[39])
+	require.NoError(t, p.CopyIn(3, off, []byte("kv!")))
+	got, err := p.HostBytes(3, off, 3)
+	require.NoError(t, err)
+	require.Equal(t, "kv!", string(got))
+
+	// Freeing the blocks of page 1 unmaps it (no reserve).
+	var page1 []int
+	for _, b := range ids {
+		if b >= 32 {
+			page1 = append(page1, b)
+		}
+	}
+	require.Len(t, page1, 9)
+	require.NoError(t, p.Free(ctx, page1))
+	require.Equal(t, 1, p.Stats().PagesMapped)
+	require.Equal(t, nr, be.mapped.Load())
+	_, err = p.HostBytes(3, off, 3)
+	require.ErrorIs(t, err, ErrNotMapped, "slice over an unmapped page")
+	var pe *PageError
+	require.ErrorAs(t, err, &pe)
+	require.Equal(t, 1, pe.Page)
+	checkInvariants(t, p)
+}
+
+func TestPoolFreeErrors(t *testing.T) {
+	p := newTestPool(t, Config{NumBlocks: 64})
+	ctx := context.Background()
+	ids, err := p.Alloc(ctx, 3)
+	require.NoError(t, err)
+	tests := []struct {
+		name string
+		ids  []int
+		want error
+		code v1.Code
+		msg  string
+	}{
+		{"out of range", []int{ids[0], 64}, ErrBlockOutOfRange, v1.Code_CODE_OUT_OF_RANGE, "block 64 out of range [1, 64)"},
+		{"negative", []int{-1}, ErrBlockOutOfRange, v1.Code_CODE_OUT_OF_RANGE, "block -1"},
+		{"null block", []int{0}, ErrNullBlock, v1.Code_CODE_INVALID_ARGUMENT, "block 0"},
+		{"never allocated", []int{ids[0], 50}, ErrDoubleFree, v1.Code_CODE_INVALID_ARGUMENT, "block 50"},
+		{"named twice", []int{ids[1], ids[1]}, ErrDoubleFree, v1.Code_CODE_INVALID_ARGUMENT, fmt.Sprintf("block %d", ids[1])},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			err := p.Free(ctx, tc.ids)
+			require.ErrorIs(t, err, tc.want)
+			require.Equal(t, tc.code, CodeOf(err))
+			require.Contains(t, err.Error(), tc.msg)
+			require.Equal(t, 3, p.Stats().BlocksUsed, "a rejected Free freed something")
+			checkInvariants(t, p)
+		})
+	}
+	require.NoError(t, p.Free(ctx, ids))
+	require.ErrorIs(t, p.Free(ctx, ids[:1]), ErrDoubleFree)
+}
+
+func TestPoolMemoryLimit(t *testing.T) {
+	be := newFailing(t)
+	pageBytes := uint64(testPage * testLayout.NumRegions())
+	p := newTestPool(t, Config{Backend: be, PreallocPages: -1, MemoryLimit: 2 * pageBytes})
+	ctx := context.Background()
+	require.Equal(t, 63, p.Available(), "two pages minus the null block")
+	_, err := p.Alloc(ctx, 64)
+	require.ErrorIs(t, err, ErrOverLimit)
+	require.Equal(t, v1.Code_CODE_BUSY, CodeOf(err))
+	var le *LimitError
+	require.ErrorAs(t, err, &le)
+	require.Equal(t, 63, le.Available)
+
+	a, err := p.Alloc(ctx, 40)
+	require.NoError(t, err)
+	// Lowering below use stops new maps at once...
+	require.NoError(t, p.SetMemoryLimit(pageBytes))
+	require.Equal(t, 23, p.Available(), "only free blocks of mapped pages")
+	_, err = p.Alloc(ctx, 24)
+	require.ErrorIs(t, err, ErrOverLimit)
+	require.Equal(t, 2, p.Stats().PagesMapped)
+	// ...and shrinks as blocks are freed.
+	var hi []int
+	for _, b := range a {
+		if b >= 32 {
+			hi = append(hi, b)
+		}
+	}
+	require.NoError(t, p.Free(ctx, hi))
+	require.Equal(t, 1, p.Stats().PagesMapped)
+	require.Equal(t, 31-(40-len(hi)), p.Available())
+	// Raising re-enables growth.
+	require.NoError(t, p.SetMemoryLimit(0))
+	b, err := p.Alloc(ctx, 100)
+	require.NoError(t, err)
+	require.Len(t, b, 100)
+	require.ErrorIs(t, p.SetMemoryLimit(10), ErrInvalidConfig)
+	checkInvariants(t, p)
+}
+
+func TestPoolReserve(t *testing.T) {
+	be := newFailing(t)
+	p := newTestPool(t, Config{Backend: be, PreallocPages: 2})
+	ctx := context.Background()
+	p.settle()
+	st := p.Stats()
+	require.Equal(t, 2, st.ReservePages)
+	require.Equal(t, 3, st.PagesMapped)
+	// Taking the reserve's blocks refills it in the background.
+	ids, err := p.Alloc(ctx, 31+32)
+	require.NoError(t, err)
+	p.settle()
+	st = p.Stats()
+	require.Equal(t, 2, st.ReservePages)
+	require.Equal(t, 4, st.PagesMapped)
+	// Freeing keeps at most PreallocPages empty pages mapped.
+	require.NoError(t, p.Free(ctx, ids))
+	p.settle()
+	st = p.Stats()
+	require.Equal(t, 2, st.ReservePages)
+	require.Equal(t, 3, st.PagesMapped)
+	checkInvariants(t, p)
+	// A lower limit trims the reserve at once.
+	require.NoError(t, p.SetMemoryLimit(uint64(testPage*testLayout.NumRegions())))
+	require.Equal(t, 1, p.Stats().PagesMapped)
+	require.Equal(t, int64(testLayout.NumRegions()), be.mapped.Load())
+}
+
+func TestPoolPartialFailure(t *testing.T) {
+	nr := testLayout.NumRegions()
+	for k := 1; k <= 2*nr; k++ {
+		t.Run(fmt.Sprintf("map %d of %d fails", k, 2*nr), func(t *testing.T) {
+			be := newFailing(t)
+			p := newTestPool(t, Config{Backend: be, PreallocPages: -1})
+			ctx := context.Background()
+			held, err := p.Alloc(ctx, 20) // inside page 0
+			require.NoError(t, err)
+			before := p.Stats()
+			beforeMapped, beforeLive := be.mapped.Load(), be.live.Load()
+			be.failAt.Store(be.maps.Load() + int64(k))
+			// 11 blocks left on page 0, then pages 1 and 2: 2×nr maps.
+			_, err = p.Alloc(ctx, 11+32+1)
+			require.ErrorIs(t, err, errInjected)
+			require.ErrorIs(t, err, ErrBackend)
+			var pe *PageError
+			require.ErrorAs(t, err, &pe)
+			require.Equal(t, (k-1)%nr, pe.Region, "region named in %v", err)
+			require.Equal(t, before, p.Stats(), "pool changed by a failed Alloc")
+			require.Equal(t, beforeMapped, be.mapped.Load(), "page left mapped")
+			require.Equal(t, beforeLive, be.live.Load(), "page left created")
+			checkInvariants(t, p)
+			// The same Alloc works once the backend does.
+			ids, err := p.Alloc(ctx, 11+32+1)
+			require.NoError(t, err)
+			require.NoError(t, p.Free(ctx, append(ids, held...)))
+			require.Equal(t, 1, p.Stats().PagesMapped)
+			require.Zero(t, be.doubleMap.Load())
+		})
+	}
+}
+
+type recHook struct {
+	mu       sync.Mutex
+	calls    []string
+	failMaps bool
+}
+
+func (h *recHook) MapPages(_ context.Context, pages []int) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.calls = append(h.calls, fmt.Sprint("map", pages))
+	if h.failMaps {
+		return errors.New("rank 1 refused")
+	}
+	return nil
+}
+
+func (h *recHook) UnmapPages(_ context.Context, pages []int) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.calls = append(h.calls, fmt.Sprint("unmap", pages))
+	return nil
+}
+
+func TestPoolPageHook(t *testing.T) {
+	be := newFailing(t)
+	hook := &recHook{}
+	p := newTestPool(t, Config{Backend: be, PreallocPages: -1, PageHook: hook})
+	ctx := context.Background()
+	ids, err := p.Alloc(ctx, 40)
+	require.NoError(t, err)
+	require.NoError(t, p.Free(ctx, ids))
+	require.Equal(t, []string{"map[1]", "unmap[1]"}, hook.calls, "page 0 is never sent")
+
+	hook.failMaps = true
+	before := p.Stats()
+	_, err = p.Alloc(ctx, 40)
+	var he *HookError
+	require.ErrorAs(t, err, &he)
+	require.Equal(t, []int{1}, he.Pages)
+	require.Contains(t, err.Error(), "rank 1 refused")
+	require.Equal(t, before, p.Stats(), "nothing left allocated after a hook failure")
+	require.Equal(t, int64(testLayout.NumRegions()), be.mapped.Load(), "rank 0 unmapped locally")
+	checkInvariants(t, p)
+}
+
+func TestPoolFollowerMapPages(t *testing.T) {
+	be := newFailing(t)
+	p := newTestPool(t, Config{Backend: be, PreallocPages: -1})
+	ctx := context.Background()
+	nr := int64(testLayout.NumRegions())
+	require.NoError(t, p.MapPages(ctx, []int{2, 3}))
+	require.Equal(t, 3*nr, be.mapped.Load())
+	require.Equal(t, 3, p.Stats().PagesMapped)
+	require.Equal(t, 31+5*32, p.Available(), "follower pages are not allocatable")
+	// A follower's engine writes into them.
+	require.NoError(t, p.CopyIn(0, 2*testPage, []byte{9}))
+
+	tests := []struct {
+		name  string
+		err   error
+		want  error
+		pages []int
+	}{
+		{"map mapped", p.MapPages(ctx, []int{4, 3}), ErrAlreadyMapped, nil},
+		{"map page 0", p.MapPages(ctx, []int{0}), ErrAlreadyMapped, nil},
+		{"map out of range", p.MapPages(ctx, []int{8}), ErrBlockOutOfRange, nil},
+		{"map twice in one call", p.MapPages(ctx, []int{5, 5}), ErrAlreadyMapped, nil},
+		{"unmap unmapped", p.UnmapPages(ctx, []int{2, 4}), ErrNotMapped, nil},
+		{"unmap page 0", p.UnmapPages(ctx, []int{0}), ErrNotMapped, nil},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			require.ErrorIs(t, tc.err, tc.want)
+			require.Equal(t, 3*nr, be.mapped.Load(), "a rejected call changed the mappings")
+		})
+	}
+	// All-or-nothing: the third of four maps fails, nothing stays mapped.
+	be.failAt.Store(be.maps.Load() + nr + 2)
+	require.ErrorIs(t, p.MapPages(ctx, []int{4, 5}), errInjected)
+	require.Equal(t, 3*nr, be.mapped.Load())
+	require.NoError(t, p.UnmapPages(ctx, []int{2, 3}))
+	require.Equal(t, nr, be.mapped.Load())
+	checkInvariants(t, p)
+}
+
+func TestPoolExport(t *testing.T) {
+	p := newTestPool(t, Config{PreallocPages: -1})
+	ctx := context.Background()
+	ids, err := p.Alloc(ctx, 33)
+	require.NoError(t, err)
+	require.NoError(t, p.CopyIn(1, p.BlockOffset(32), []byte("hello")))
+	ex, err := p.Export(nil)
+	require.NoError(t, err)
+	defer ex.Close()
+	require.Len(t, ex.Files, 1, "one memfd for the host backend")
+	require.Len(t, ex.Mappings, 2*testLayout.NumRegions())
+	var m Mapping
+	for _, mm := range ex.Mappings {
+		if mm.Region == 1 && mm.Page == 1 {
+			m = mm
+		}
+	}
+	require.EqualValues(t, testPage, m.RegionOffset)
+	buf := make([]byte, 5)
+	_, err = ex.Files[m.File].ReadAt(buf, int64(m.FileOffset+p.BlockOffset(32)-m.RegionOffset))
+	require.NoError(t, err)
+	require.Equal(t, "hello", string(buf))
+	require.EqualValues(t, 1, m.Proto().GetRegion())
+
+	_, err = p.Export([]int{5})
+	require.ErrorIs(t, err, ErrNotMapped)
+	require.NoError(t, p.Free(ctx, ids))
+}
+
+func TestPoolRegions(t *testing.T) {
+	p := newTestPool(t, Config{NumBlocks: 100})
+	rs := p.Regions()
+	require.Len(t, rs, 4)
+	for i, r := range rs {
+		layer, kind := testLayout.Region(i)
+		require.Equal(t, layer, r.Layer)
+		require.Equal(t, kind, r.Kind)
+		require.EqualValues(t, 4*testPage, r.Len, "100 blocks of 32 a page: 4 pages")
+		require.EqualValues(t, 2048, r.BlockLen)
+		require.Equal(t, uint64(0), r.Base%testPage)
+		require.EqualValues(t, r.Base, r.Proto().GetBase())
+	}
+	require.EqualValues(t, 5*2048, rs[0].BlockOffset(5))
+	_, err := p.HostBytes(4, 0, 1)
+	require.ErrorIs(t, err, ErrBlockOutOfRange)
+	_, err = p.HostBytes(0, 4*testPage-1, 2)
+	require.ErrorIs(t, err, ErrBlockOutOfRange)
+}
+
+func TestPoolClose(t *testing.T) {
+	be := newFailing(t)
+	p, err := NewPool(context.Background(), &Config{Backend: be, Layout: testLayout, NumBlocks: 256, PreallocPages: 3})
+	require.NoError(t, err)
+	_, err = p.Alloc(context.Background(), 70)
+	require.NoError(t, err)
+	require.NoError(t, p.MapPages(context.Background(), []int{7}))
+	require.NoError(t, p.Close())
+	require.ErrorIs(t, p.Close(), net.ErrClosed)
+	require.Zero(t, be.mapped.Load(), "mapped after Close")
+	require.Zero(t, be.live.Load(), "created after Close")
+	_, err = p.Alloc(context.Background(), 1)
+	require.ErrorIs(t, err, net.ErrClosed)
+	require.Equal(t, v1.Code_CODE_UNAVAILABLE, CodeOf(err))
+	_, alloc, err := be.Stat()
+	require.NoError(t, err)
+	require.Zero(t, alloc, "memfd still holds memory")
+}
+
+func TestPoolOwnsDefaultBackend(t *testing.T) {
+	p, err := NewPool(context.Background(), &Config{Layout: testLayout, NumBlocks: 64})
+	require.NoError(t, err)
+	require.EqualValues(t, DefaultHostPageSize, p.PageSize())
+	hb := p.be.(*HostBackend)
+	require.NoError(t, p.Close())
+	require.ErrorIs(t, hb.Close(), net.ErrClosed, "Close closes the backend it created")
+}
+
+func TestPoolAllocCanceled(t *testing.T) {
+	p := newTestPool(t, Config{})
+	ctx, cancel := context.WithCancelCause(context.Background())
+	cause := errors.New("engine gone")
+	cancel(cause)
+	_, err := p.Alloc(ctx, 1)
+	require.ErrorIs(t, err, cause)
+}
+
+// TestPoolProperty runs random interleavings of Alloc, Free and
+// SetMemoryLimit from several goroutines and checks the pool's promises.
+func TestPoolProperty(t *testing.T) {
+	be := newFailing(t)
+	pageBytes := uint64(testPage * testLayout.NumRegions())
+	const pages = 16
+	p := newTestPool(t, Config{Backend: be, NumBlocks: 32 * pages, PreallocPages: 2})
+	var overLimit atomic.Int64
+	p.mu.Lock()
+	p.onCommit = func(committed, limitPages int) {
+		if committed > limitPages {
+			overLimit.Add(1)
+		}
+	}
+	p.mu.Unlock()
+	ctx := context.Background()
+	var wg sync.WaitGroup
+	var negative, unexpected atomic.Int64
+	var firstErr atomic.Value
+	for g := range 4 {
+		wg.Go(func() {
+			r := rand.New(rand.NewPCG(uint64(g), 42))
+			var held []int
+			for range 600 {
+				switch op := r.IntN(10); {
+				case op < 5:
+					ids, err := p.Alloc(ctx, 1+r.IntN(40))
+					if err != nil && !errors.Is(err, ErrOverLimit) {
+						unexpected.Add(1)
+						firstErr.CompareAndSwap(nil, err)
+					}
+					held = append(held, ids...)
+				case op < 9 && len(held) > 0:
+					r.Shuffle(len(held), func(i, j int) { held[i], held[j] = held[j], held[i] })
+					k := 1 + r.IntN(len(held))
+					if err := p.Free(ctx, held[:k]); err != nil {
+						unexpected.Add(1)
+						firstErr.CompareAndSwap(nil, err)
+					}
+					held = held[k:]
+				default:
+					limit := uint64(1+r.IntN(pages+2)) * pageBytes
+					if r.IntN(4) == 0 {
+						limit = 0
+					}
+					if err := p.SetMemoryLimit(limit); err != nil {
+						unexpected.Add(1)
+						firstErr.CompareAndSwap(nil, err)
+					}
+				}
+				if p.Available() < 0 {
+					negative.Add(1)
+				}
+			}
+			if err := p.Free(ctx, held); err != nil {
+				unexpected.Add(1)
+				firstErr.CompareAndSwap(nil, err)
+			}
+		})
+	}
+	wg.Wait()
+	require.Zero(t, unexpected.Load(), "first unexpected error: %v", firstErr.Load())
+	require.Zero(t, negative.Load(), "Available went negative")
+	require.Zero(t, overLimit.Load(), "a page was mapped beyond the limit")
+	require.Zero(t, be.doubleMap.Load(), "a slot was mapped twice")
+	checkInvariants(t, p)
+	require.Zero(t, p.Stats().BlocksUsed)
+
+	// Trim the reserve: only page 0 stays.
+	p.settle()
+	require.NoError(t, p.SetMemoryLimit(pageBytes))
+	p.settle()
+	st := p.Stats()
+	require.Equal(t, 1, st.PagesMapped, "pages leaked: %+v", st)
+	require.Equal(t, int64(testLayout.NumRegions()), be.mapped.Load())
+	require.Equal(t, int64(testLayout.NumRegions()), be.live.Load())
+	checkInvariants(t, p)
+}
