@@ -447,7 +447,7 @@ func (a *Agent) runRead(str *quic.Stream, req *v1.XferRequest, local []span, che
 				if k > 0 {
 					wd.progress()
 				}
-				if err != nil {
+				if err != nil && off < len(b) {
 					if err == io.EOF {
 						return errorf(v1.Code_CODE_DATA_LOSS, "stream from %s ended early", xe.Peer)
 					}

@@ -371,7 +371,7 @@ func (a *Agent) serveWrite(str *quic.Stream, r *wire.Reader, spans []span, check
 				if k > 0 {
 					wd.progress()
 				}
-				if err != nil {
+				if err != nil && off < len(b) {
 					if err == io.EOF {
 						return errorf(v1.Code_CODE_INVALID_ARGUMENT, "stream ended after %d bytes", got)
 					}

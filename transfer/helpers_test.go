@@ -1,0 +1,96 @@
+package transfer
+
+import (
+	"context"
+	"crypto/tls"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+	"golang.org/x/sys/unix"
+
+	"github.com/kvsidecar/kvsidecar/internal/devtls"
+	"github.com/kvsidecar/kvsidecar/internal/testutil"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+var (
+	caOnce sync.Once
+	caSrv  *tls.Config
+	caCli  *tls.Config
+)
+
+// testTLS returns mutual-TLS configs from one dev CA shared by the package.
+func testTLS(t testing.TB) (srv, cli *tls.Config) {
+	t.Helper()
+	caOnce.Do(func() {
+		ca, err := devtls.NewCA()
+		if err != nil {
+			panic(err)
+		}
+		if caSrv, err = ca.ServerConfig(); err != nil {
+			panic(err)
+		}
+		if caCli, err = ca.ClientConfig(); err != nil {
+			panic(err)
+		}
+	})
+	return caSrv.Clone(), caCli.Clone()
+}
+
+// mmapRegion maps size bytes of anonymous page memory (size rounded up to
+// pages) between two PROT_NONE guard pages, so any access outside it
+// faults. It is unmapped when the test ends.
+func mmapRegion(t testing.TB, size int) []byte {
+	t.Helper()
+	pg := unix.Getpagesize()
+	size = (size + pg - 1) / pg * pg
+	all, err := unix.Mmap(-1, 0, size+2*pg, unix.PROT_NONE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, unix.Munmap(all)) })
+	mid := all[pg : pg+size : pg+size]
+	require.NoError(t, unix.Mprotect(mid, unix.PROT_READ|unix.PROT_WRITE))
+	return mid
+}
+
+// fill writes a pattern derived from seed into b.
+func fill(b []byte, seed byte) {
+	x := uint32(seed)*2654435761 + 1
+	for i := range b {
+		x ^= x << 13
+		x ^= x >> 17
+		x ^= x << 5
+		b[i] = byte(x)
+	}
+}
+
+// startAgent starts an agent that both serves and dials and closes it at
+// the end of the test.
+func startAgent(t testing.TB, cfg Config) *Agent {
+	t.Helper()
+	srv, cli := testTLS(t)
+	if cfg.ServerTLS == nil {
+		cfg.ServerTLS = srv
+	}
+	if cfg.ClientTLS == nil {
+		cfg.ClientTLS = cli
+	}
+	a, err := New(&cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = a.Close() })
+	return a
+}
+
+// ctxT returns a context bounded by a scaled real-time limit.
+func ctxT(t testing.TB, d time.Duration) context.Context {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testutil.Scaled(d))
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// allowAll authorizes every transfer.
+func allowAll(context.Context, *Access) error { return nil }

@@ -1,0 +1,433 @@
+package transfer
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"crypto/tls"
+	"math"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	promtest "github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/testutil"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+// layout returns n descriptor lengths of mixed sizes, 4 KiB to 2 MiB.
+func layout(n int) []uint64 {
+	sizes := make([]uint64, n)
+	for i := range sizes {
+		sizes[i] = 4 << 10 << (i % 4) // 4, 8, 16, 32 KiB
+		if i%512 == 0 {
+			sizes[i] = 2 << 20
+		}
+	}
+	return sizes
+}
+
+// descsAt lays descriptors of the given sizes contiguously from base, or in
+// reverse order when rev is set (so local and remote layouts differ).
+func descsAt(r Region, sizes []uint64, rev bool) []Desc {
+	out := make([]Desc, len(sizes))
+	off := uint64(0)
+	for k := range sizes {
+		i := k
+		if rev {
+			i = len(sizes) - 1 - k
+		}
+		out[i] = Desc{Addr: r.Base + off, Len: sizes[i], DevID: r.DevID}
+		off += sizes[i]
+	}
+	return out
+}
+
+func sum(s []uint64) (t uint64) {
+	for _, v := range s {
+		t += v
+	}
+	return t
+}
+
+// bytesOf gathers the bytes of descs from mem (registered as r).
+func bytesOf(r Region, mem []byte, descs []Desc) []byte {
+	var out []byte
+	for _, d := range descs {
+		out = append(out, mem[d.Addr-r.Base:d.Addr-r.Base+d.Len]...)
+	}
+	return out
+}
+
+func TestTransferByteExact(t *testing.T) {
+	tests := []struct {
+		name     string
+		n        int
+		op       Op
+		indexed  bool
+		checksum bool
+	}{
+		{"read 1", 1, OpRead, false, false},
+		{"write 1", 1, OpWrite, false, true},
+		{"read 16 indexed", 16, OpRead, true, true},
+		{"write 16", 16, OpWrite, false, false},
+		{"read 4096", 4096, OpRead, false, true},
+		{"write 4096 indexed", 4096, OpWrite, true, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			sizes := layout(tt.n)
+			total := sum(sizes)
+			srvMem, cliMem := mmapRegion(t, int(total)), mmapRegion(t, int(total))
+			srvReg, cliReg := SliceRegion(srvMem, 0, 0), SliceRegion(cliMem, 0, 0)
+			fill(srvMem, 1)
+			fill(cliMem, 2)
+			srv := startAgent(t, Config{Regions: []Region{srvReg}, Authorize: allowAll})
+			cli := startAgent(t, Config{Regions: []Region{cliReg}})
+			remote, local := descsAt(srvReg, sizes, false), descsAt(cliReg, sizes, true)
+			x := &Xfer{Op: tt.op, Peer: srv.Addr().String(), RequestID: "r1", Local: local, Checksum: tt.checksum}
+			if tt.indexed {
+				l, err := cli.Prepare(ctxT(t, 10*time.Second), x.Peer, remote)
+				require.NoError(t, err)
+				x.RemoteList = l
+				for i := range remote {
+					x.Indices = append(x.Indices, uint32(i))
+				}
+			} else {
+				x.Remote = remote
+			}
+			wantSrc := bytesOf(srvReg, srvMem, remote)
+			if tt.op == OpWrite {
+				wantSrc = bytesOf(cliReg, cliMem, local)
+			}
+			res, err := cli.Transfer(ctxT(t, 60*time.Second), x)
+			require.NoError(t, err)
+			require.Equal(t, total, res.Bytes)
+			if tt.op == OpRead {
+				require.True(t, bytes.Equal(wantSrc, bytesOf(cliReg, cliMem, local)), "local bytes differ from the remote source")
+			} else {
+				require.True(t, bytes.Equal(wantSrc, bytesOf(srvReg, srvMem, remote)), "remote bytes differ from the local source")
+			}
+		})
+	}
+}
+
+func TestServingSideRefuses(t *testing.T) {
+	const blockLen = 64 << 10
+	srvMem := mmapRegion(t, 8*blockLen) // guard pages on both sides
+	srvReg := SliceRegion(srvMem, blockLen, 0)
+	fill(srvMem, 3)
+	before := bytes.Clone(srvMem)
+	key := NewCapabilityKey()
+	srv := startAgent(t, Config{Regions: []Region{srvReg}, CapabilityKey: key})
+	cliMem := mmapRegion(t, 8*blockLen)
+	cliReg := SliceRegion(cliMem, 0, 0)
+	cli := startAgent(t, Config{Regions: []Region{cliReg}})
+	peer := srv.Addr().String()
+	capab := key.Issue("req", 0, 1, 2)
+	pg := uint64(4096)
+
+	tests := []struct {
+		name   string
+		remote Desc
+		req    string
+		want   error
+	}{
+		{"covered block is served", Desc{Addr: srvReg.Base + blockLen, Len: pg}, "req", nil},
+		{"outside any region (guard page after)", Desc{Addr: srvReg.Base + srvReg.Len, Len: pg}, "req", ErrOutOfRange},
+		{"outside any region (guard page before)", Desc{Addr: srvReg.Base - pg, Len: pg}, "req", ErrOutOfRange},
+		{"straddles the region end", Desc{Addr: srvReg.Base + srvReg.Len - pg, Len: 2 * pg}, "req", ErrOutOfRange},
+		{"addr+len overflows", Desc{Addr: math.MaxUint64 - pg + 1, Len: 2 * pg}, "req", ErrOutOfRange},
+		{"zero length", Desc{Addr: srvReg.Base, Len: 0}, "req", ErrInvalidArgument},
+		{"wrong device", Desc{Addr: srvReg.Base, Len: pg, DevID: 7}, "req", ErrOutOfRange},
+		{"block not covered", Desc{Addr: srvReg.Base + 5*blockLen, Len: pg}, "req", ErrCapabilityDenied},
+		{"other request id", Desc{Addr: srvReg.Base, Len: pg}, "other", ErrCapabilityDenied},
+	}
+	for _, tt := range tests {
+		for _, op := range []Op{OpRead, OpWrite} {
+			t.Run(op.String()+" "+tt.name, func(t *testing.T) {
+				x := &Xfer{Op: op, Peer: peer, RequestID: tt.req, Capability: capab,
+					Local: []Desc{{Addr: cliReg.Base, Len: max(tt.remote.Len, 1)}}, Remote: []Desc{tt.remote}}
+				if tt.remote.Len == 0 {
+					// The local side refuses a zero length itself; send the bad
+					// descriptor through a prepared list to reach the server.
+					_, err := cli.Prepare(ctxT(t, 10*time.Second), peer, []Desc{tt.remote})
+					require.ErrorIs(t, err, tt.want)
+					return
+				}
+				_, err := cli.Transfer(ctxT(t, 10*time.Second), x)
+				if tt.want == nil {
+					require.NoError(t, err)
+					if op == OpWrite {
+						fill(cliMem, 3) // restore what the write changed
+						copy(srvMem, before)
+					}
+					return
+				}
+				require.ErrorIs(t, err, tt.want)
+				var xe *XferError
+				require.ErrorAs(t, err, &xe)
+				require.Equal(t, codes.Of(tt.want), xe.Code())
+				require.Zero(t, xe.Bytes)
+				require.True(t, bytes.Equal(before, srvMem), "serving memory changed")
+			})
+		}
+	}
+	t.Run("index beyond prepared list", func(t *testing.T) {
+		l, err := cli.Prepare(ctxT(t, 10*time.Second), peer, []Desc{{Addr: srvReg.Base, Len: pg}})
+		require.NoError(t, err)
+		// Bypass the local index check to exercise the server's.
+		l.descs = append(l.descs, Desc{Addr: srvReg.Base, Len: pg})
+		_, err = cli.Transfer(ctxT(t, 10*time.Second), &Xfer{Op: OpRead, Peer: peer, RequestID: "req", Capability: capab,
+			Local: []Desc{{Addr: cliReg.Base, Len: pg}}, RemoteList: l, Indices: []uint32{1}})
+		require.ErrorIs(t, err, ErrOutOfRange)
+	})
+}
+
+func TestWriteFailsWithoutAck(t *testing.T) {
+	pc := testutil.ListenUDP(t, 0)
+	const size = 4 << 20
+	srvMem, cliMem := mmapRegion(t, size), mmapRegion(t, size)
+	fill(cliMem, 9)
+	srvReg, cliReg := SliceRegion(srvMem, 0, 0), SliceRegion(cliMem, 0, 0)
+	srv := startAgent(t, Config{PacketConn: pc, Regions: []Region{srvReg}, Authorize: allowAll,
+		testHook: func(ev string, _ uint64) {
+			if ev == "before-ack" {
+				pc.Kill() // every byte landed; the receiver dies before acking
+			}
+		}})
+	cli := startAgent(t, Config{Regions: []Region{cliReg}, ProgressTimeout: testutil.Scaled(300 * time.Millisecond)})
+	_, err := cli.Transfer(ctxT(t, 30*time.Second), &Xfer{Op: OpWrite, Peer: srv.Addr().String(),
+		Local: []Desc{{Addr: cliReg.Base, Len: size}}, Remote: []Desc{{Addr: srvReg.Base, Len: size}}})
+	require.ErrorIs(t, err, ErrTimeout)
+	var xe *XferError
+	require.ErrorAs(t, err, &xe)
+	require.Zero(t, xe.Bytes, "no bytes may count as landed without an ack")
+	require.Equal(t, uint64(size), xe.Sent)
+	require.True(t, bytes.Equal(cliMem, srvMem), "the receiver did read every byte before dying")
+}
+
+func TestKillServerMidRead(t *testing.T) {
+	pc := testutil.ListenUDP(t, 0)
+	const size = 64 << 20
+	srvMem, cliMem := mmapRegion(t, size), mmapRegion(t, size)
+	srvReg, cliReg := SliceRegion(srvMem, 0, 0), SliceRegion(cliMem, 0, 0)
+	srv := startAgent(t, Config{PacketConn: pc, Regions: []Region{srvReg}, Authorize: allowAll,
+		ProgressTimeout: testutil.Scaled(300 * time.Millisecond)})
+	var released atomic.Bool
+	cli := startAgent(t, Config{Regions: []Region{cliReg}, ProgressTimeout: testutil.Scaled(300 * time.Millisecond),
+		testHook: func(ev string, _ uint64) {
+			if ev == "released" {
+				released.Store(true)
+			}
+		}})
+	peer := srv.Addr().String()
+	_, err := cli.Handshake(ctxT(t, 10*time.Second), peer, &v1.HandshakeRequest{})
+	require.NoError(t, err)
+	pc.KillAfter(size / 4)
+	_, err = cli.Transfer(ctxT(t, 30*time.Second), &Xfer{Op: OpRead, Peer: peer,
+		Local: []Desc{{Addr: cliReg.Base, Len: size}}, Remote: []Desc{{Addr: srvReg.Base, Len: size}}})
+	require.ErrorIs(t, err, ErrTimeout)
+	var xe *XferError
+	require.ErrorAs(t, err, &xe)
+	require.Greater(t, xe.Bytes, uint64(0))
+	require.Less(t, xe.Bytes, uint64(size))
+	require.Contains(t, err.Error(), "no progress")
+	require.True(t, released.Load(), "local pages handed back")
+	select {
+	case <-pc.Dead():
+	default:
+		t.Fatal("the serving socket never went dark")
+	}
+}
+
+// stallMemory is host memory that cannot be mapped, so the agent stages
+// copies; CopyOut blocks after the first chunk until unblock is closed.
+type stallMemory struct {
+	SliceMemory
+	calls   atomic.Int32
+	started chan struct{}
+	unblock chan struct{}
+}
+
+func (m *stallMemory) HostBytes(off, n uint64) ([]byte, error) {
+	return nil, errors.New("device memory")
+}
+
+func (m *stallMemory) CopyOut(off uint64, dst []byte) error {
+	if m.calls.Add(1) == 2 {
+		close(m.started)
+		<-m.unblock
+	}
+	return m.SliceMemory.CopyOut(off, dst)
+}
+
+func TestAbortReleasesAfterReset(t *testing.T) {
+	const size = 8 << 20
+	srvMem, cliMem := mmapRegion(t, size), mmapRegion(t, size)
+	sm := &stallMemory{SliceMemory: srvMem, started: make(chan struct{}), unblock: make(chan struct{})}
+	srvReg := SliceRegion(srvMem, 0, 0)
+	srvReg.Mem = sm
+	cliReg := SliceRegion(cliMem, 0, 0)
+	srv := startAgent(t, Config{Regions: []Region{srvReg}, Authorize: allowAll})
+	t.Cleanup(func() { close(sm.unblock) })
+	var mu sync.Mutex
+	var events []string
+	cli := startAgent(t, Config{Regions: []Region{cliReg}, testHook: func(ev string, _ uint64) {
+		mu.Lock()
+		events = append(events, ev)
+		mu.Unlock()
+	}})
+	ctx, cancel := context.WithCancelCause(ctxT(t, 30*time.Second))
+	errUser := errors.New("user abort")
+	go func() {
+		<-sm.started
+		cancel(errUser)
+	}()
+	_, err := cli.Transfer(ctx, &Xfer{Op: OpRead, Peer: srv.Addr().String(),
+		Local: []Desc{{Addr: cliReg.Base, Len: size}}, Remote: []Desc{{Addr: srvReg.Base, Len: size}}})
+	require.ErrorIs(t, err, ErrAborted)
+	require.ErrorIs(t, err, errUser)
+	mu.Lock()
+	defer mu.Unlock()
+	require.Equal(t, []string{"reset", "released"}, events)
+}
+
+func TestZeroRTT(t *testing.T) {
+	srvTLS, _ := testTLS(t)
+	var forget atomic.Bool
+	// A fixed ticket key, so the agent's copy of srvTLS and DecryptTicket
+	// below agree.
+	srvTLS.SetSessionTicketKeys([][32]byte{{1, 2, 3}})
+	srvTLS.UnwrapSession = func(identity []byte, cs tls.ConnectionState) (*tls.SessionState, error) {
+		if forget.Load() {
+			return nil, nil
+		}
+		return srvTLS.DecryptTicket(identity, cs)
+	}
+	var handshakes atomic.Int32
+	srv := startAgent(t, Config{ServerTLS: srvTLS, OnHandshake: func(_ context.Context, req *v1.HandshakeRequest) *v1.HandshakeResponse {
+		handshakes.Add(1)
+		return &v1.HandshakeResponse{Metadata: &v1.AgentMetadata{EngineId: req.GetExpectedEngineId()}}
+	}})
+	var gone atomic.Int32
+	cli := startAgent(t, Config{OnPeerGone: func(string, error) { gone.Add(1) }})
+	peer := srv.Addr().String()
+	call := func(t *testing.T) PeerInfo {
+		t.Helper()
+		resp, err := cli.Handshake(ctxT(t, 10*time.Second), peer, &v1.HandshakeRequest{ExpectedEngineId: "e1"})
+		require.NoError(t, err)
+		require.Equal(t, "e1", resp.GetMetadata().GetEngineId())
+		info, err := cli.PeerInfo(ctxT(t, 10*time.Second), peer)
+		require.NoError(t, err)
+		return info
+	}
+	first := call(t)
+	require.False(t, first.Used0RTT)
+	require.Equal(t, 1, first.Dials)
+	require.Equal(t, first, call(t), "the connection is reused")
+
+	cli.Disconnect(peer)
+	second := call(t)
+	require.True(t, second.Used0RTT, "a returning peer uses 0-RTT")
+	require.Equal(t, 2, second.Dials)
+
+	forget.Store(true)
+	cli.Disconnect(peer)
+	n := handshakes.Load()
+	third := call(t)
+	require.False(t, third.Used0RTT, "the server forgot its tickets")
+	require.Equal(t, 3, third.Dials)
+	require.Equal(t, n+1, handshakes.Load(), "the rejected request was resent and served once")
+	require.Equal(t, int32(2), gone.Load())
+}
+
+func TestNotifications(t *testing.T) {
+	var mu sync.Mutex
+	var got []string
+	srv := startAgent(t, Config{OnNotification: func(_ context.Context, _ string, n *v1.Notification) error {
+		mu.Lock()
+		defer mu.Unlock()
+		got = append(got, string(n.GetPayload()))
+		switch n.GetRequestId() {
+		case "known":
+			return nil
+		case "expired":
+			return codes.New(v1.Code_CODE_LEASE_EXPIRED, "lease of %q expired", n.GetRequestId())
+		}
+		return codes.New(v1.Code_CODE_NOT_FOUND, "request %q unknown", n.GetRequestId())
+	}})
+	cli := startAgent(t, Config{})
+	peer := srv.Addr().String()
+	tests := []struct {
+		req  string
+		want error
+	}{{"known", nil}, {"expired", ErrLeaseExpired}, {"unknown", ErrNotFound}}
+	for _, tt := range tests {
+		t.Run(tt.req, func(t *testing.T) {
+			err := cli.Notify(ctxT(t, 10*time.Second), peer, &v1.Notification{RequestId: tt.req, Payload: []byte(tt.req)})
+			if tt.want == nil {
+				require.NoError(t, err)
+			} else {
+				require.ErrorIs(t, err, tt.want)
+			}
+		})
+	}
+	t.Run("in order", func(t *testing.T) {
+		mu.Lock()
+		got = nil
+		mu.Unlock()
+		var want []string
+		for i := range 50 {
+			p := string(rune('A' + i%26))
+			want = append(want, p)
+			require.NoError(t, cli.Notify(ctxT(t, 10*time.Second), peer, &v1.Notification{RequestId: "known", Payload: []byte(p)}))
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		require.Equal(t, want, got)
+	})
+}
+
+func TestMetricsAndHeartbeat(t *testing.T) {
+	const size = 1 << 20
+	srvMem, cliMem := mmapRegion(t, size), mmapRegion(t, size)
+	srvReg, cliReg := SliceRegion(srvMem, 0, 0), SliceRegion(cliMem, 0, 0)
+	reg := prometheus.NewRegistry()
+	srv := startAgent(t, Config{Regions: []Region{srvReg}, Authorize: allowAll})
+	cli := startAgent(t, Config{Regions: []Region{cliReg}, Registerer: reg})
+	peer := srv.Addr().String()
+	_, err := cli.Transfer(ctxT(t, 10*time.Second), &Xfer{Op: OpRead, Peer: peer,
+		Local: []Desc{{Addr: cliReg.Base, Len: size}}, Remote: []Desc{{Addr: srvReg.Base, Len: size}}})
+	require.NoError(t, err)
+	_, err = cli.Transfer(ctxT(t, 10*time.Second), &Xfer{Op: OpRead, Peer: peer,
+		Local: []Desc{{Addr: cliReg.Base, Len: size}}, Remote: []Desc{{Addr: srvReg.Base + size, Len: size}}})
+	require.ErrorIs(t, err, ErrOutOfRange)
+	require.Equal(t, float64(size), promtest.ToFloat64(cli.m.bytes.WithLabelValues("read", "client")))
+	require.Equal(t, 1.0, promtest.ToFloat64(cli.m.xfers.WithLabelValues("read", "client", "ok")))
+	require.Equal(t, 1.0, promtest.ToFloat64(cli.m.failures.WithLabelValues("CODE_OUT_OF_RANGE")))
+	require.Equal(t, 0.0, promtest.ToFloat64(cli.m.inflight))
+	require.Equal(t, 1.0, promtest.ToFloat64(cli.m.dials))
+	n, err := promtest.GatherAndCount(reg, "kvsidecar_transfer_xfer_seconds")
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+
+	ack, err := cli.Heartbeat(ctxT(t, 10*time.Second), peer, &v1.Heartbeat{RequestIds: []string{"a", "b"}})
+	require.NoError(t, err)
+	require.Equal(t, []int64{0, 0}, ack.GetLeaseExpiresUnixMs())
+}
+
+func TestCloseTwice(t *testing.T) {
+	a, err := New(nil)
+	require.NoError(t, err)
+	require.NoError(t, a.Close())
+	require.ErrorIs(t, a.Close(), net.ErrClosed)
+	_, err = a.Transfer(context.Background(), &Xfer{Op: OpRead})
+	require.Error(t, err)
+}
