@@ -1,0 +1,134 @@
+package vmm
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
+
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+func TestLayoutFor(t *testing.T) {
+	tests := []struct {
+		model         string
+		rank, size    int
+		heads         int
+		regions       int
+		blockLen      uint64
+		bytesPerToken uint64
+	}{
+		// llama-3.1-8b: 2 × 32 × 8 × 128 × 2 = 128 KiB per token at TP 1.
+		{"llama-3.1-8b", 0, 1, 8, 64, 16 * 8 * 128 * 2, 131072},
+		{"llama-3.1-8b", 3, 4, 2, 64, 16 * 2 * 128 * 2, 131072 / 4},
+		{"llama-3.1-70b", 7, 8, 1, 160, 16 * 128 * 2, 2 * 80 * 128 * 2},
+		// Replicated: TP 16 > 8 heads, one head per rank.
+		{"llama-3.1-8b", 15, 16, 1, 64, 16 * 128 * 2, 2 * 32 * 128 * 2},
+		{"qwen2.5-0.5b", 1, 2, 1, 48, 16 * 64 * 2, 2 * 24 * 64 * 2},
+		// MLA: the whole latent on every rank, one region per layer.
+		{"deepseek-v2-lite", 1, 2, 1, 27, 16 * 576 * 2, 27 * 576 * 2},
+	}
+	for _, tc := range tests {
+		t.Run(tc.model, func(t *testing.T) {
+			g, err := Model(tc.model)
+			require.NoError(t, err)
+			l, err := LayoutFor(g, tc.rank, tc.size)
+			require.NoError(t, err)
+			require.Equal(t, tc.heads, l.HeadsPerRank)
+			require.Equal(t, tc.regions, l.NumRegions())
+			require.Equal(t, tc.blockLen, l.BlockLen())
+			require.Equal(t, tc.bytesPerToken, l.BytesPerToken())
+		})
+	}
+}
+
+func TestLayoutForRejects(t *testing.T) {
+	g, err := Model("llama-3.1-8b")
+	require.NoError(t, err)
+	noDtype := proto.Clone(g).(*v1.ModelGeometry)
+	noDtype.Dtype = v1.DType_DTYPE_UNSPECIFIED
+	tests := []struct {
+		name       string
+		g          *v1.ModelGeometry
+		rank, size int
+		msg        string
+	}{
+		{"nil geometry", nil, 0, 1, "ModelGeometry"},
+		{"tp 3 of 8 heads", g, 0, 3, "tp_size: 3 and num_kv_heads 8"},
+		{"tp 12 of 8 heads", g, 0, 12, "tp_size: 12"},
+		{"rank beyond size", g, 4, 4, "tp_rank: 4"},
+		{"zero size", g, 0, 0, "tp_size: 0"},
+		{"no dtype", noDtype, 0, 1, "dtype"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := LayoutFor(tc.g, tc.rank, tc.size)
+			require.ErrorIs(t, err, ErrInvalidConfig)
+			require.Contains(t, err.Error(), tc.msg)
+		})
+	}
+}
+
+func TestModelTable(t *testing.T) {
+	names := ModelNames()
+	require.Len(t, names, 7)
+	require.IsIncreasing(t, names)
+	_, err := Model("gpt-5")
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	require.Contains(t, err.Error(), "llama-3.1-8b")
+	a, err := Model("qwen3-8b")
+	require.NoError(t, err)
+	a.NumLayers = 1
+	b, err := Model("qwen3-8b")
+	require.NoError(t, err)
+	require.EqualValues(t, 36, b.GetNumLayers(), "Model returns a copy")
+}
+
+// FuzzLayoutFor checks that any geometry either is rejected or yields a
+// layout whose arithmetic holds.
+func FuzzLayoutFor(f *testing.F) {
+	for _, n := range ModelNames() {
+		g, _ := Model(n)
+		b, _ := proto.Marshal(g)
+		f.Add(b, 0, 1)
+		f.Add(b, 1, 2)
+	}
+	f.Fuzz(func(t *testing.T, raw []byte, rank, size int) {
+		var g v1.ModelGeometry
+		if proto.Unmarshal(raw, &g) != nil {
+			return
+		}
+		l, err := LayoutFor(&g, rank, size)
+		if err != nil {
+			require.ErrorIs(t, err, ErrInvalidConfig)
+			return
+		}
+		require.NoError(t, l.Validate())
+		require.Positive(t, l.BlockLen())
+		if g.GetAttention() != v1.Attention_ATTENTION_MLA {
+			kv := int(g.GetNumKvHeads())
+			require.True(t, l.HeadsPerRank*size == kv || (l.HeadsPerRank == 1 && size%kv == 0),
+				"heads %d × tp %d vs kv %d", l.HeadsPerRank, size, kv)
+		}
+	})
+}
+
+func TestCodeOf(t *testing.T) {
+	tests := []struct {
+		err  error
+		want v1.Code
+	}{
+		{nil, v1.Code_CODE_OK},
+		{&PageError{Op: "map", Page: 12, Region: -1, Err: ErrAlreadyMapped}, v1.Code_CODE_ALREADY_EXISTS},
+		{&PageError{Op: "read", Page: 3, Region: 1, Err: ErrNotMapped}, v1.Code_CODE_NOT_FOUND},
+		{&LimitError{Want: 4}, v1.Code_CODE_BUSY},
+		{&BackendError{Op: "mmap", Err: errors.New("ENOMEM")}, v1.Code_CODE_INTERNAL},
+	}
+	for _, tc := range tests {
+		t.Run(tc.want.String(), func(t *testing.T) {
+			require.Equal(t, tc.want, CodeOf(tc.err))
+		})
+	}
+	require.Equal(t, "vmm: map page 12: page already mapped", tests[1].err.Error())
+}
