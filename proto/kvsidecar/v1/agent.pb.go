@@ -88,9 +88,14 @@ type Region struct {
 	// Bytes of one block of this region on this rank.
 	BlockLen uint64 `protobuf:"varint,3,opt,name=block_len,json=blockLen,proto3" json:"block_len,omitempty"`
 	// Device id the memory lives on (NIXL devID).
-	DevId         uint32     `protobuf:"varint,4,opt,name=dev_id,json=devId,proto3" json:"dev_id,omitempty"`
-	Layer         uint32     `protobuf:"varint,5,opt,name=layer,proto3" json:"layer,omitempty"`
-	Kind          RegionKind `protobuf:"varint,6,opt,name=kind,proto3,enum=kvsidecar.v1.RegionKind" json:"kind,omitempty"`
+	DevId uint32     `protobuf:"varint,4,opt,name=dev_id,json=devId,proto3" json:"dev_id,omitempty"`
+	Layer uint32     `protobuf:"varint,5,opt,name=layer,proto3" json:"layer,omitempty"`
+	Kind  RegionKind `protobuf:"varint,6,opt,name=kind,proto3,enum=kvsidecar.v1.RegionKind" json:"kind,omitempty"`
+	// Bytes of one physical page (the backend's granularity). Blocks are packed
+	// page_size / block_len to a page and never straddle one, so block b lives
+	// at base + (b / per_page) * page_size + (b % per_page) * block_len.
+	// 0 means blocks are packed back to back (offset b * block_len).
+	PageSize      uint64 `protobuf:"varint,7,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -165,6 +170,13 @@ func (x *Region) GetKind() RegionKind {
 		return x.Kind
 	}
 	return RegionKind_REGION_KIND_UNSPECIFIED
+}
+
+func (x *Region) GetPageSize() uint64 {
+	if x != nil {
+		return x.PageSize
+	}
+	return 0
 }
 
 // AgentMetadata is what one rank tells a peer about its memory.
@@ -472,14 +484,15 @@ var File_kvsidecar_v1_agent_proto protoreflect.FileDescriptor
 
 const file_kvsidecar_v1_agent_proto_rawDesc = "" +
 	"\n" +
-	"\x18kvsidecar/v1/agent.proto\x12\fkvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\"\xa6\x01\n" +
+	"\x18kvsidecar/v1/agent.proto\x12\fkvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\"\xc3\x01\n" +
 	"\x06Region\x12\x12\n" +
 	"\x04base\x18\x01 \x01(\x04R\x04base\x12\x10\n" +
 	"\x03len\x18\x02 \x01(\x04R\x03len\x12\x1b\n" +
 	"\tblock_len\x18\x03 \x01(\x04R\bblockLen\x12\x15\n" +
 	"\x06dev_id\x18\x04 \x01(\rR\x05devId\x12\x14\n" +
 	"\x05layer\x18\x05 \x01(\rR\x05layer\x12,\n" +
-	"\x04kind\x18\x06 \x01(\x0e2\x18.kvsidecar.v1.RegionKindR\x04kind\"\x9c\x04\n" +
+	"\x04kind\x18\x06 \x01(\x0e2\x18.kvsidecar.v1.RegionKindR\x04kind\x12\x1b\n" +
+	"\tpage_size\x18\a \x01(\x04R\bpageSize\"\x9c\x04\n" +
 	"\rAgentMetadata\x12<\n" +
 	"\fwire_version\x18\x01 \x01(\x0e2\x19.kvsidecar.v1.WireVersionR\vwireVersion\x12\x1b\n" +
 	"\tengine_id\x18\x02 \x01(\tR\bengineId\x12\x1d\n" +
