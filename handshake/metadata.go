@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
+	"math/bits"
 
 	"google.golang.org/protobuf/proto"
 
@@ -39,6 +40,18 @@ type Region struct {
 	DevID uint32
 	Layer uint32
 	Kind  v1.RegionKind
+	// PageSize is the peer's page size in bytes; blocks never straddle a
+	// page. 0: blocks are packed back to back.
+	PageSize uint64
+}
+
+// BlockOffset returns the byte offset of block b inside the region.
+func (r Region) BlockOffset(b int) uint64 {
+	if r.PageSize == 0 {
+		return uint64(b) * r.BlockLen
+	}
+	per := r.PageSize / r.BlockLen
+	return uint64(b)/per*r.PageSize + uint64(b)%per*r.BlockLen
 }
 
 // Metadata is the validated AgentMetadata of one rank: what it tells a peer
@@ -135,11 +148,20 @@ func FromProto(m *v1.AgentMetadata) (*Metadata, error) {
 		if r.GetBase()+r.GetLen() < r.GetBase() {
 			return nil, bad("regions[%d] base=%#x len=%d overflows", i, r.GetBase(), r.GetLen())
 		}
-		if r.GetBlockLen() > r.GetLen()/uint64(m.GetNumBlocks()) {
-			return nil, bad("regions[%d]: num_blocks=%d × block_len=%d exceeds len=%d", i, m.GetNumBlocks(), r.GetBlockLen(), r.GetLen())
+		if ps := r.GetPageSize(); ps != 0 && ps < r.GetBlockLen() {
+			return nil, bad("regions[%d]: page_size=%d is below block_len=%d", i, ps, r.GetBlockLen())
 		}
 		md.Regions[i] = Region{Base: r.GetBase(), Len: r.GetLen(), BlockLen: r.GetBlockLen(),
-			DevID: r.GetDevId(), Layer: r.GetLayer(), Kind: r.GetKind()}
+			DevID: r.GetDevId(), Layer: r.GetLayer(), Kind: r.GetKind(), PageSize: r.GetPageSize()}
+		// The last block must end inside the region (no overflow: the
+		// offset is below num_blocks × page_size, checked in 128 bits).
+		last := md.Regions[i]
+		if hi, _ := bits.Mul64(uint64(m.GetNumBlocks()), max(r.GetBlockLen(), r.GetPageSize())); hi != 0 {
+			return nil, bad("regions[%d]: num_blocks=%d with block_len=%d overflows", i, m.GetNumBlocks(), r.GetBlockLen())
+		}
+		if end := last.BlockOffset(int(m.GetNumBlocks())-1) + r.GetBlockLen(); end > r.GetLen() {
+			return nil, bad("regions[%d]: num_blocks=%d × block_len=%d (page_size %d) needs %d bytes, len=%d", i, m.GetNumBlocks(), r.GetBlockLen(), r.GetPageSize(), end, r.GetLen())
+		}
 	}
 	return md, nil
 }
@@ -164,7 +186,7 @@ func (md *Metadata) Proto() *v1.AgentMetadata {
 	}
 	for _, r := range md.Regions {
 		m.Regions = append(m.Regions, &v1.Region{Base: r.Base, Len: r.Len, BlockLen: r.BlockLen,
-			DevId: r.DevID, Layer: r.Layer, Kind: r.Kind})
+			DevId: r.DevID, Layer: r.Layer, Kind: r.Kind, PageSize: r.PageSize})
 	}
 	return m
 }
