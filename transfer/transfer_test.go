@@ -3,8 +3,8 @@ package transfer
 import (
 	"bytes"
 	"context"
-	"errors"
 	"crypto/tls"
+	"errors"
 	"math"
 	"net"
 	"sync"

@@ -1,0 +1,262 @@
+package transfer
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"math"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvsidecar/kvsidecar/internal/wire"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+func TestCapability(t *testing.T) {
+	k := NewCapabilityKey()
+	good := k.Issue("req-1", 7, 3, 3, 1000000)
+	tampered := bytes.Clone(good)
+	tampered[2]++ // first delta: claims other blocks
+	tests := []struct {
+		name   string
+		cap    []byte
+		req    string
+		blocks []uint32
+		want   error
+	}{
+		{"covered subset", good, "req-1", []uint32{3, 1000000}, nil},
+		{"no blocks", good, "req-1", nil, nil},
+		{"uncovered block", good, "req-1", []uint32{3, 4}, ErrCapabilityDenied},
+		{"other request", good, "req-2", []uint32{3}, ErrCapabilityDenied},
+		{"other key", NewCapabilityKey().Issue("req-1", 3), "req-1", []uint32{3}, ErrCapabilityDenied},
+		{"tampered block list", tampered, "req-1", []uint32{3}, ErrCapabilityDenied},
+		{"truncated", good[:len(good)-1], "req-1", []uint32{3}, ErrCapabilityDenied},
+		{"empty", nil, "req-1", []uint32{3}, ErrInvalidArgument},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := k.Verify(tt.cap, tt.req, tt.blocks)
+			if tt.want == nil {
+				require.NoError(t, err)
+				return
+			}
+			if tt.name == "truncated" {
+				// Truncation breaks either the encoding or the tag.
+				require.True(t, errors.Is(err, ErrCapabilityDenied) || errors.Is(err, ErrInvalidArgument), "got %v", err)
+				return
+			}
+			require.ErrorIs(t, err, tt.want)
+		})
+	}
+}
+
+func TestWatchdog(t *testing.T) {
+	tests := []struct {
+		name      string
+		steps     []time.Duration // sleep, then report progress
+		wantStall time.Duration   // 0: no stall before stop
+	}{
+		{"stalls one interval after start", nil, time.Second},
+		{"progress pushes the deadline", []time.Duration{600 * time.Millisecond, 600 * time.Millisecond}, 2200 * time.Millisecond},
+		{"steady progress never stalls", []time.Duration{900 * time.Millisecond, 900 * time.Millisecond, 900 * time.Millisecond}, 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				start := time.Now()
+				var stalledAt time.Duration
+				w := startWatchdog(time.Second, func() { stalledAt = time.Since(start) })
+				for _, d := range tt.steps {
+					time.Sleep(d)
+					w.progress()
+				}
+				if tt.wantStall == 0 {
+					w.stop()
+					require.Zero(t, stalledAt)
+					return
+				}
+				time.Sleep(5 * time.Second)
+				synctest.Wait()
+				w.stop()
+				require.Equal(t, tt.wantStall, stalledAt)
+			})
+		})
+	}
+}
+
+func TestBudget(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		b := newBudget(100)
+		never := make(chan struct{})
+		noCause := func() error { return nil }
+		require.NoError(t, b.acquire(never, noCause, 60))
+		got := make(chan uint64, 2)
+		go func() {
+			_ = b.acquire(never, noCause, 50)
+			got <- 50
+		}()
+		synctest.Wait()
+		require.Empty(t, got, "60+50 exceeds 100: must wait")
+		b.release(60)
+		synctest.Wait()
+		require.Equal(t, uint64(50), <-got)
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		// 50 held + 90 exceeds 100: waits until the deadline.
+		err := b.acquire(ctx.Done(), func() error { return context.Cause(ctx) }, 90)
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		b.release(50)
+		require.NoError(t, b.acquire(never, noCause, 500), "a request larger than the bound runs alone")
+		require.Equal(t, uint64(500), b.used)
+	})
+}
+
+func TestConfigValidate(t *testing.T) {
+	srv, _ := testTLS(t)
+	noCA := srv.Clone()
+	noCA.ClientCAs = nil
+	tests := []struct {
+		name string
+		cfg  *Config
+		want string
+	}{
+		{"nil config", nil, ""},
+		{"negative progress timeout", &Config{ProgressTimeout: -1}, "ProgressTimeout"},
+		{"tiny staging", &Config{StagingBytes: 10}, "StagingBytes"},
+		{"conn window below stream window", &Config{MaxStreamWindow: 1 << 20, MaxConnWindow: 1 << 19}, "MaxConnWindow"},
+		{"server without client CAs", &Config{ServerTLS: noCA}, "ClientCAs"},
+		{"region of zero length", &Config{Regions: []Region{{Base: 4096, Mem: SliceMemory(nil)}}}, "Len must be > 0"},
+		{"overflowing region", &Config{Regions: []Region{{Base: math.MaxUint64, Len: 2, Mem: SliceMemory(nil)}}}, "overflows"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := tt.cfg.withDefaults().validate()
+			if tt.want == "" {
+				require.NoError(t, err)
+				return
+			}
+			require.ErrorContains(t, err, tt.want)
+		})
+	}
+}
+
+func TestRegisterRejectsOverlap(t *testing.T) {
+	a, err := New(nil)
+	require.NoError(t, err)
+	defer a.Close()
+	mem := mmapRegion(t, 1<<16)
+	require.NoError(t, a.Register(SliceRegion(mem, 0, 0)))
+	err = a.Register(SliceRegion(mem[4096:8192], 0, 0))
+	require.ErrorContains(t, err, "overlaps")
+}
+
+// fuzzAgent is an agent-less serving state for decoder fuzzing: one 1 MiB
+// region at 1 MiB with 64 KiB blocks, and a prepared list.
+func fuzzAgent() (*Agent, *servedConn) {
+	a := &Agent{cfg: (&Config{}).withDefaults()}
+	a.regions = regionSet{{Base: 1 << 20, Len: 1 << 20, BlockLen: 64 << 10, Mem: SliceMemory(make([]byte, 1<<20))}}
+	sc := &servedConn{budget: newBudget(1 << 30), dlists: map[uint64][]span{}}
+	_ = a.prepare(sc, &v1.PrepDescList{DlistId: 1, Descs: descsToProto([]Desc{{Addr: 1 << 20, Len: 4096}})})
+	return a, sc
+}
+
+func frame(tb testing.TB, m *v1.PeerRequest) []byte {
+	b, err := wire.AppendFrame(nil, m, 0)
+	require.NoError(tb, err)
+	return b
+}
+
+// FuzzPeerRequest decodes a request frame as the serving side does and runs
+// the descriptor checks of prepared lists, explicit lists and indices.
+func FuzzPeerRequest(f *testing.F) {
+	v := v1.WireVersion_WIRE_VERSION_1
+	f.Add(frame(f, &v1.PeerRequest{WireVersion: v, Body: &v1.PeerRequest_Xfer{Xfer: &v1.XferRequest{Op: v1.XferOp_XFER_OP_READ,
+		Descs: &v1.XferRequest_List{List: descsToProto([]Desc{{Addr: 1 << 20, Len: 8192}})}, TotalLen: 8192}}}))
+	f.Add(frame(f, &v1.PeerRequest{WireVersion: v, Body: &v1.PeerRequest_Xfer{Xfer: &v1.XferRequest{Op: v1.XferOp_XFER_OP_WRITE,
+		Descs: &v1.XferRequest_Indexed{Indexed: &v1.IndexedDescs{DlistId: 1, Indices: []uint32{0, 0, 5}}}}}}))
+	f.Add(frame(f, &v1.PeerRequest{WireVersion: v, Body: &v1.PeerRequest_Prep{Prep: &v1.PrepDescList{DlistId: 2,
+		Descs: descsToProto([]Desc{{Addr: 1<<20 + 4096, Len: 1 << 19}, {Addr: math.MaxUint64, Len: 2}})}}}))
+	f.Add(frame(f, &v1.PeerRequest{WireVersion: v, Body: &v1.PeerRequest_Notification{Notification: &v1.Notification{RequestId: "r", Payload: []byte("x")}}}))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		a, sc := fuzzAgent()
+		var req v1.PeerRequest
+		if err := wire.NewReader(bytes.NewReader(data), 1<<16).ReadMsg(&req); err != nil {
+			return
+		}
+		switch body := req.GetBody().(type) {
+		case *v1.PeerRequest_Prep:
+			_ = a.prepare(sc, body.Prep)
+		case *v1.PeerRequest_Notification:
+			require.ErrorIs(t, a.notify(context.Background(), sc, body.Notification), func() error {
+				if body.Notification.GetRequestId() == "" {
+					return ErrInvalidArgument
+				}
+				return ErrNotFound
+			}())
+		case *v1.PeerRequest_Xfer:
+			spans, total, err := a.servedSpans(sc, body.Xfer)
+			if err != nil {
+				return
+			}
+			var sum uint64
+			for _, s := range spans {
+				require.NotZero(t, s.n)
+				require.LessOrEqual(t, s.off+s.n, s.reg.Len, "span leaves its region")
+				sum += s.n
+			}
+			require.Equal(t, sum, total)
+			for _, id := range blockIDs(spans) {
+				require.Less(t, id, uint32(16))
+			}
+		}
+	})
+}
+
+// FuzzPeerResponse decodes a response frame (READ header and final status,
+// WRITE ack, notification ack) as the dialing side does.
+func FuzzPeerResponse(f *testing.F) {
+	for _, m := range []*v1.PeerResponse{
+		{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{Bytes: 4096, Checksums: []uint32{1, 2}}}},
+		{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{Error: &v1.Error{Code: v1.Code_CODE_OUT_OF_RANGE, Message: "x"}}}},
+		{Body: &v1.PeerResponse_Notification{Notification: &v1.NotificationAck{Error: &v1.Error{Code: v1.Code_CODE_NOT_FOUND}}}},
+	} {
+		b, err := wire.AppendFrame(nil, m, 0)
+		require.NoError(f, err)
+		f.Add(b)
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		var resp v1.PeerResponse
+		if err := wire.NewReader(bytes.NewReader(data), 1<<16).ReadMsg(&resp); err != nil {
+			return
+		}
+		st := resp.GetXfer()
+		err := compareChecksums(st.GetChecksums(), []uint32{1, 2})
+		if len(st.GetChecksums()) != 2 {
+			require.ErrorIs(t, err, ErrDataLoss)
+		}
+		_ = resp.GetNotification().GetError().GetCode().String()
+	})
+}
+
+// FuzzCapability decodes arbitrary tokens: no panic, and no allocation
+// beyond one block id per input byte.
+func FuzzCapability(f *testing.F) {
+	k := NewCapabilityKey()
+	f.Add(k.Issue("r", 1, 2, 3))
+	f.Add(k.Issue("r"))
+	f.Add([]byte{1, 0xff, 0xff, 0xff, 0xff, 0x0f})
+	f.Fuzz(func(t *testing.T, data []byte) {
+		ids, err := decodeCapability(data)
+		if err != nil {
+			return
+		}
+		require.LessOrEqual(t, len(ids), len(data))
+		for i := 1; i < len(ids); i++ {
+			require.Less(t, ids[i-1], ids[i])
+		}
+		require.Error(t, k.Verify(data, "other-request", nil), "a decodable token must still fail its tag")
+	})
+}
