@@ -2,7 +2,60 @@
 // mutual authentication, ALPN kvsidecar/1) that move KV bytes between
 // registered memory of two ranks with NIXL-style descriptor lists, READ and
 // WRITE, completion acks, notifications, abort, progress deadlines, bounds and
-// capability checks, and per-peer back-pressure.
+// capability checks, and per-peer back-pressure. It knows nothing about model
+// geometry; the connector drives it and decides what a request may touch
+// through Config.Authorize (or a CapabilityKey).
 //
-// transfer knows nothing about model geometry.
+// # Use
+//
+//	key := transfer.NewCapabilityKey()
+//	a, err := transfer.New(&transfer.Config{
+//		ListenAddr: "0.0.0.0:5600", ServerTLS: srvTLS, ClientTLS: cliTLS,
+//		Regions: []transfer.Region{{Base: base, Len: n, BlockLen: bl, Mem: mem}},
+//		CapabilityKey: key,
+//	})
+//	defer a.Close()
+//	res, err := a.Transfer(ctx, &transfer.Xfer{Op: transfer.OpRead, Peer: "10.0.0.2:5600",
+//		RequestID: id, Capability: capab, Local: local, Remote: remote})
+//
+// # Wire
+//
+// Every exchange is one bidirectional stream opened by the dialer that starts
+// with a PeerRequest frame (internal/wire). READ: the server answers with an
+// XferStatus header, the raw bytes of each descriptor in order, and a final
+// XferStatus (byte count, optional CRC-32C per descriptor). WRITE: the dialer
+// sends the request, the bytes (and a checksum frame when asked); the server
+// answers with an XferStatus ack only after every byte is in its memory, and
+// the WRITE completes only on that ack. Bytes go between page memory and the
+// stream without an intermediate copy when Memory.HostBytes works, through a
+// bounded staging buffer otherwise. A refusal or an abort resets the stream
+// with the v1.Code as application error code.
+//
+// # 0-RTT
+//
+// One connection per remote address, dialed with DialEarly and a session
+// ticket cache keyed by address, so a returning peer reconnects in 0-RTT.
+// Only idempotent requests travel in 0-RTT: Handshake and Heartbeat. Prepare,
+// READ, WRITE and notifications wait for the handshake to complete, on the
+// dialer and again on the server, so replayed 0-RTT data can never move
+// bytes or count a consumer; a READ loses nothing by waiting since it follows
+// the handshake exchange anyway. When the server rejects 0-RTT the request is
+// resent on the completed connection.
+//
+// # Checks on the serving side
+//
+// Every descriptor, whether explicit, prepared or named by index, is checked
+// before memory is touched: length > 0 (else ErrInvalidArgument), addr+len
+// does not overflow, lies inside one registered region of the same device,
+// index within the prepared list (else ErrOutOfRange), and the blocks it
+// touches are authorized for the request (else ErrCapabilityDenied, or the
+// class Authorize returns).
+//
+// # Deadlines and back-pressure
+//
+// A transfer fails with ErrTimeout when no byte moves for
+// Config.ProgressTimeout, on either side; the caller's ctx aborts it with
+// ErrAborted (or ErrTimeout for a deadline). Transfer returns only after the
+// stream was reset or drained, so the local range is the caller's again.
+// Bytes in flight per peer are bounded by Config.MaxInflightPerPeer.
 package transfer
