@@ -55,7 +55,7 @@ demo: ## the main job: prefill→decode on the host backend over a real trace
 	$(GO) run ./cmd/kvsidecar demo
 
 gpu-check: ## conformance + device write/read-back on a real GPU (fails instead of skipping)
-	KVSIDECAR_REQUIRE_GPU=1 $(GO) test -count=1 -v ./vmm/cuda/...
+	CGO_ENABLED=1 KVSIDECAR_REQUIRE_GPU=1 $(GO) test -count=1 -v ./vmm/cuda/...
 
 clean: ## remove build outputs
 	rm -rf bin

@@ -1,0 +1,90 @@
+package cuda
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net"
+	"os"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvsidecar/kvsidecar/vmm"
+	"github.com/kvsidecar/kvsidecar/vmm/vmmtest"
+)
+
+// newGPU returns a CUDA backend on device 0, skipping the test when there is
+// no GPU, or failing instead when KVSIDECAR_REQUIRE_GPU=1 (make gpu-check).
+func newGPU(t testing.TB) *Backend {
+	t.Helper()
+	b, err := New(nil)
+	if err != nil {
+		if os.Getenv("KVSIDECAR_REQUIRE_GPU") == "1" {
+			t.Fatalf("KVSIDECAR_REQUIRE_GPU=1 but no GPU backend: %v", err)
+		}
+		if errors.Is(err, ErrNoGPU) || errors.Is(err, errors.ErrUnsupported) {
+			t.Skipf("no GPU: %v", err)
+		}
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := b.Close(); err != nil && !errors.Is(err, net.ErrClosed) {
+			t.Errorf("close cuda backend: %v", err)
+		}
+	})
+	return b
+}
+
+func TestConformance(t *testing.T) {
+	vmmtest.RunConformance(t, func(t testing.TB) vmm.Backend { return newGPU(t) })
+}
+
+// TestDevicePoolWriteReadBack runs a Pool on device pages: blocks written
+// with CopyIn read back with CopyOut, HostBytes refuses device memory, and a
+// page exported as a POSIX fd imports to the same bytes.
+func TestDevicePoolWriteReadBack(t *testing.T) {
+	b := newGPU(t)
+	g, err := vmm.Model("llama-3.1-8b")
+	require.NoError(t, err)
+	l, err := vmm.LayoutFor(g, 0, 1)
+	require.NoError(t, err)
+	l.Layers = 2
+	ctx := context.Background()
+	p, err := vmm.NewPool(ctx, &vmm.Config{Backend: b, Layout: l, NumBlocks: 512})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, p.Close()) }()
+	ids, err := p.Alloc(ctx, 100)
+	require.NoError(t, err)
+	blen := l.BlockLen()
+	for r := range p.Regions() {
+		for _, id := range []int{ids[0], ids[99]} {
+			want := bytes.Repeat([]byte{byte(r), byte(id)}, int(blen/2))
+			require.NoError(t, p.CopyIn(r, p.BlockOffset(id), want))
+			got := make([]byte, blen)
+			require.NoError(t, p.CopyOut(r, p.BlockOffset(id), got))
+			require.True(t, bytes.Equal(want, got), "region %d block %d read back differs", r, id)
+		}
+	}
+	_, err = p.HostBytes(0, 0, 8)
+	require.ErrorIs(t, err, errors.ErrUnsupported)
+
+	ex, err := p.Export([]int{0})
+	require.NoError(t, err)
+	defer ex.Close()
+	require.Len(t, ex.Files, l.NumRegions(), "one POSIX fd per physical page")
+	m := ex.Mappings[1]
+	h, err := b.Import(ex.Files[m.File], m.FileOffset)
+	require.NoError(t, err)
+	base, err := b.Reserve(b.Granularity())
+	require.NoError(t, err)
+	require.NoError(t, b.Map(base, h))
+	require.NoError(t, b.SetAccess(base, b.Granularity()))
+	got := make([]byte, blen)
+	require.NoError(t, b.CopyOut(base+p.BlockOffset(ids[0]), got))
+	require.Equal(t, bytes.Repeat([]byte{1, byte(ids[0])}, int(blen/2)), got)
+	require.NoError(t, b.Unmap(base))
+	require.NoError(t, b.Release(h))
+	require.NoError(t, b.FreeReservation(base, b.Granularity()))
+	require.NoError(t, p.Free(ctx, ids))
+}
