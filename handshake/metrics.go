@@ -1,9 +1,9 @@
 package handshake
 
 import (
-	"errors"
-
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvsidecar/kvsidecar/internal/promutil"
 )
 
 type metrics struct {
@@ -23,29 +23,12 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help: "Handshakes answered from the metadata cache.",
 		}),
 	}
-	if reg == nil {
-		return m, nil
-	}
 	// Several clients in one process (one per rank) share the collectors.
-	if err := register(reg, &m.seconds); err != nil {
+	if err := promutil.Register(reg, &m.seconds); err != nil {
 		return nil, err
 	}
-	if err := register(reg, &m.cacheHits); err != nil {
+	if err := promutil.Register(reg, &m.cacheHits); err != nil {
 		return nil, err
 	}
 	return m, nil
-}
-
-// register registers *c, or replaces *c with the collector already
-// registered under the same descriptor.
-func register[C prometheus.Collector](reg prometheus.Registerer, c *C) error {
-	err := reg.Register(*c)
-	var are prometheus.AlreadyRegisteredError
-	if errors.As(err, &are) {
-		if existing, ok := are.ExistingCollector.(C); ok {
-			*c = existing
-			return nil
-		}
-	}
-	return err
 }
