@@ -3,7 +3,23 @@
 // page (one granularity, 2 MiB on current GPUs) is mapped when a block in it
 // is first allocated, and it is unmapped and released when its last block is
 // freed. It holds the Backend interface, the host backend (memfd + mmap), the
-// block Pool and the KV layout arithmetic.
+// block Pool and the KV layout arithmetic; vmm/cuda is the device backend and
+// vmm/vmmtest the conformance suite every backend passes.
+//
+// The smallest real use:
+//
+//	g, _ := vmm.Model("llama-3.1-8b")
+//	layout, err := vmm.LayoutFor(g, tpRank, tpSize)
+//	pool, err := vmm.NewPool(ctx, &vmm.Config{Layout: layout, NumBlocks: 4096})
+//	defer pool.Close()
+//	ids, err := pool.Alloc(ctx, 16) // maps pages as needed, all-or-nothing
+//	err = pool.CopyIn(region, pool.BlockOffset(ids[0]), kv)
+//	err = pool.Free(ctx, ids)       // unmaps pages whose last block went
+//
+// Errors are sentinels (ErrAlreadyMapped, ErrNotMapped, ErrOverLimit,
+// ErrBlockOutOfRange, ErrDoubleFree, ErrNullBlock, ErrBackend,
+// ErrInvalidConfig) wrapped in struct types that name the page, block or
+// address; CodeOf maps them to v1.Code.
 //
 // vmm must not import transfer, handshake or connector.
 package vmm
