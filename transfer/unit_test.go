@@ -5,6 +5,8 @@ import (
 	"context"
 	"errors"
 	"math"
+	"os"
+	"path/filepath"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -259,4 +261,19 @@ func FuzzCapability(f *testing.F) {
 		}
 		require.Error(t, k.Verify(data, "other-request", nil), "a decodable token must still fail its tag")
 	})
+}
+
+func TestQlog(t *testing.T) {
+	dir := t.TempDir()
+	srv := startAgent(t, Config{QlogDir: dir})
+	cli := startAgent(t, Config{})
+	_, err := cli.Handshake(ctxT(t, 10*time.Second), srv.Addr().String(), &v1.HandshakeRequest{})
+	require.NoError(t, err)
+	require.NoError(t, srv.Close())
+	files, err := filepath.Glob(filepath.Join(dir, "*_server.sqlog"))
+	require.NoError(t, err)
+	require.Len(t, files, 1)
+	b, err := os.ReadFile(files[0])
+	require.NoError(t, err)
+	require.Contains(t, string(b), "quic-14")
 }
