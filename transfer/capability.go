@@ -26,16 +26,24 @@ const capMACLen = sha256.Size
 // uvarint deltas, then the 32-byte tag over
 // "kvsidecar-cap-v1" | uvarint len(request id) | request id | the preceding bytes.
 type CapabilityKey struct {
-	key [32]byte
+	key []byte
 }
 
 // NewCapabilityKey returns a key with 32 random bytes from crypto/rand.
 func NewCapabilityKey() *CapabilityKey {
-	k := &CapabilityKey{}
-	if _, err := rand.Read(k.key[:]); err != nil {
+	k := &CapabilityKey{key: make([]byte, 32)}
+	if _, err := rand.Read(k.key); err != nil {
 		panic("transfer: crypto/rand failed: " + err.Error())
 	}
 	return k
+}
+
+// NewCapabilityKeyFromSecret returns a key using secret (copied) as the
+// HMAC key, so every rank of an engine sharing the secret verifies the
+// capabilities any of them issued. The secret should hold at least 16
+// random bytes; the caller validates its length.
+func NewCapabilityKeyFromSecret(secret []byte) *CapabilityKey {
+	return &CapabilityKey{key: append([]byte(nil), secret...)}
 }
 
 // Issue returns a capability for requestID covering blockIDs (in any order;
@@ -56,7 +64,7 @@ func (k *CapabilityKey) Issue(requestID string, blockIDs ...uint32) []byte {
 }
 
 func (k *CapabilityKey) mac(requestID string, body []byte) []byte {
-	h := hmac.New(sha256.New, k.key[:])
+	h := hmac.New(sha256.New, k.key)
 	h.Write([]byte("kvsidecar-cap-v1"))
 	h.Write(binary.AppendUvarint(nil, uint64(len(requestID))))
 	h.Write([]byte(requestID))

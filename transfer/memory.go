@@ -36,6 +36,12 @@ type Region struct {
 	// region is not divided into blocks and capabilities are checked on
 	// block 0 only.
 	BlockLen uint64
+	// PageSize, when > 0, says blocks are packed PageSize/BlockLen to a page
+	// and never straddle one (vmm layouts where BlockLen does not divide the
+	// page): block b starts at (b / perPage)·PageSize + (b % perPage)·BlockLen.
+	// Bytes of a page's padding count as its last block. 0 means blocks are
+	// contiguous: block b starts at b·BlockLen.
+	PageSize uint64
 	// DevID is the device the memory lives on (NIXL devID).
 	DevID uint32
 	// Mem gives access to the bytes.
@@ -95,6 +101,16 @@ type span struct {
 	n   uint64
 }
 
+// blockAt returns the id of the block holding byte off of the region.
+func (r *Region) blockAt(off uint64) uint64 {
+	if r.PageSize == 0 || r.BlockLen >= r.PageSize {
+		return off / r.BlockLen
+	}
+	perPage := r.PageSize / r.BlockLen
+	slot := min((off%r.PageSize)/r.BlockLen, perPage-1)
+	return off/r.PageSize*perPage + slot
+}
+
 // regions is an immutable set of registered regions sorted by nothing in
 // particular; lookups are linear since agents hold a few hundred regions at
 // most and a descriptor list is validated once.
@@ -108,6 +124,8 @@ func validateRegion(i int, r Region) error {
 		return errorf(v1.Code_CODE_INVALID_ARGUMENT, "region %d: Base %#x + Len %d overflows", i, r.Base, r.Len)
 	case r.Mem == nil:
 		return errorf(v1.Code_CODE_INVALID_ARGUMENT, "region %d: Mem must not be nil", i)
+	case r.PageSize > 0 && r.BlockLen > r.PageSize:
+		return errorf(v1.Code_CODE_INVALID_ARGUMENT, "region %d: BlockLen %d exceeds PageSize %d", i, r.BlockLen, r.PageSize)
 	case r.BlockLen > r.Len:
 		return errorf(v1.Code_CODE_INVALID_ARGUMENT, "region %d: BlockLen %d exceeds Len %d", i, r.BlockLen, r.Len)
 	}
@@ -158,7 +176,7 @@ func blockIDs(spans []span) []uint32 {
 	for _, s := range spans {
 		first, last := uint64(0), uint64(0)
 		if bl := s.reg.BlockLen; bl > 0 {
-			first, last = s.off/bl, (s.off+s.n-1)/bl
+			first, last = s.reg.blockAt(s.off), s.reg.blockAt(s.off+s.n-1)
 		}
 		for b := first; b <= last; b++ {
 			if _, ok := seen[b]; !ok {

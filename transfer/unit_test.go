@@ -277,3 +277,33 @@ func TestQlog(t *testing.T) {
 	require.NoError(t, err)
 	require.Contains(t, string(b), "quic-14")
 }
+
+func TestBlockIDs(t *testing.T) {
+	contig := &Region{Len: 1 << 20, BlockLen: 4096}
+	// 4 blocks of 1000 bytes per 4096-byte page, 96 bytes of padding.
+	padded := &Region{Len: 1 << 20, BlockLen: 1000, PageSize: 4096}
+	tests := []struct {
+		name  string
+		spans []span
+		want  []uint32
+	}{
+		{"one block", []span{{contig, 4096, 4096}}, []uint32{1}},
+		{"straddles two", []span{{contig, 4095, 2}}, []uint32{0, 1}},
+		{"dedup across spans", []span{{contig, 0, 10}, {contig, 5, 10}, {contig, 8192, 1}}, []uint32{0, 2}},
+		{"padded: second page first block", []span{{padded, 4096, 1000}}, []uint32{4}},
+		{"padded: last block and padding", []span{{padded, 3000, 1096}}, []uint32{3}},
+		{"padded: whole second page", []span{{padded, 4096, 4096}}, []uint32{4, 5, 6, 7}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			require.Equal(t, tt.want, blockIDs(tt.spans))
+		})
+	}
+}
+
+func TestCapabilityKeyFromSecret(t *testing.T) {
+	secret := []byte("0123456789abcdef-shared")
+	a, b := NewCapabilityKeyFromSecret(secret), NewCapabilityKeyFromSecret(secret)
+	require.NoError(t, b.Verify(a.Issue("r", 4), "r", []uint32{4}), "ranks sharing a secret verify each other")
+	require.ErrorIs(t, NewCapabilityKeyFromSecret([]byte("another-secret-16b")).Verify(a.Issue("r", 4), "r", []uint32{4}), ErrCapabilityDenied)
+}
