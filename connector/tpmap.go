@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/kvsidecar/kvsidecar/vmm"
 )
 
 // ErrTPMapping is wrapped by every error of PlanRank: TP sizes that do not
@@ -83,10 +84,10 @@ type TPShape struct {
 
 // ShapeOf returns the TPShape of g.
 func ShapeOf(g *v1.ModelGeometry) (TPShape, error) {
-	size := DTypeBytes(g.GetDtype())
+	size, err := vmm.DTypeBytes(g.GetDtype())
 	switch {
-	case size == 0:
-		return TPShape{}, fmt.Errorf("%w: dtype %s has no size", ErrTPMapping, g.GetDtype())
+	case err != nil:
+		return TPShape{}, fmt.Errorf("%w: %w", ErrTPMapping, err)
 	case g.GetBlockSize() == 0 || g.GetHeadDim() == 0 || g.GetNumKvHeads() == 0:
 		return TPShape{}, fmt.Errorf("%w: block_size=%d, head_dim=%d, num_kv_heads=%d must all be positive",
 			ErrTPMapping, g.GetBlockSize(), g.GetHeadDim(), g.GetNumKvHeads())
@@ -95,20 +96,7 @@ func ShapeOf(g *v1.ModelGeometry) (TPShape, error) {
 	if g.GetAttention() == v1.Attention_ATTENTION_MLA {
 		h = 1
 	}
-	return TPShape{NumKVHeads: h, HeadBlockBytes: uint64(g.GetBlockSize()) * uint64(g.GetHeadDim()) * size}, nil
-}
-
-// DTypeBytes returns the size of one element of d, 0 when unknown.
-func DTypeBytes(d v1.DType) uint64 {
-	switch d {
-	case v1.DType_DTYPE_FLOAT16, v1.DType_DTYPE_BFLOAT16:
-		return 2
-	case v1.DType_DTYPE_FLOAT32:
-		return 4
-	case v1.DType_DTYPE_FP8_E4M3, v1.DType_DTYPE_FP8_E5M2:
-		return 1
-	}
-	return 0
+	return TPShape{NumKVHeads: h, HeadBlockBytes: uint64(g.GetBlockSize()) * uint64(g.GetHeadDim()) * uint64(size)}, nil
 }
 
 // PlanRank maps decode rank d of a decode group of size dTP to the prefill

@@ -1,0 +1,254 @@
+package connector_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvsidecar/kvsidecar/connector"
+	"github.com/kvsidecar/kvsidecar/handshake"
+	"github.com/kvsidecar/kvsidecar/internal/devtls"
+	"github.com/kvsidecar/kvsidecar/internal/kvgen"
+	"github.com/kvsidecar/kvsidecar/internal/testutil"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/kvsidecar/kvsidecar/transfer"
+	"github.com/kvsidecar/kvsidecar/vmm"
+)
+
+// gqa8 is a small GQA geometry with 8 KV heads (llama-like, 2 layers).
+var gqa8 = &v1.ModelGeometry{Model: "tiny-gqa8", NumLayers: 2, NumKvHeads: 8, HeadDim: 64,
+	Dtype: v1.DType_DTYPE_BFLOAT16, BlockSize: 16, Layout: v1.Layout_LAYOUT_HND, Attention: v1.Attention_ATTENTION_GQA}
+
+// gqa2 has 2 KV heads, replicated when TP > 2.
+var gqa2 = &v1.ModelGeometry{Model: "tiny-gqa2", NumLayers: 2, NumKvHeads: 2, HeadDim: 64,
+	Dtype: v1.DType_DTYPE_BFLOAT16, BlockSize: 16, Layout: v1.Layout_LAYOUT_HND, Attention: v1.Attention_ATTENTION_GQA}
+
+// mlaGeom is an MLA geometry (deepseek-v2-lite's latent of 576 elements):
+// its 18 KiB blocks do not divide a page, so blocks are padded per page.
+var mlaGeom = &v1.ModelGeometry{Model: "tiny-mla", NumLayers: 2, NumKvHeads: 1, HeadDim: 576,
+	Dtype: v1.DType_DTYPE_BFLOAT16, BlockSize: 16, Layout: v1.Layout_LAYOUT_HND, Attention: v1.Attention_ATTENTION_MLA}
+
+var testCA = func() *devtls.CA {
+	ca, err := devtls.NewCA()
+	if err != nil {
+		panic(err)
+	}
+	return ca
+}()
+
+type instOpts struct {
+	engine    string
+	tp        int
+	geom      *v1.ModelGeometry
+	numBlocks int
+	mode      handshake.Mode
+	delay     time.Duration // one-way delay on every packet this instance sends
+	leaseTTL  time.Duration
+	addrs     []string // fixed listen addresses (restart on the same ports)
+	secret    []byte
+	reg       prometheus.Registerer
+}
+
+// instance is one engine instance: tp ranks, each with its pool and Rank.
+type instance struct {
+	opts  instOpts
+	pools []*vmm.Pool
+	ranks []*connector.Rank
+	addrs []string
+}
+
+func newInstance(t testing.TB, o instOpts) *instance {
+	t.Helper()
+	if o.numBlocks == 0 {
+		o.numBlocks = 64
+	}
+	if o.secret == nil {
+		o.secret = []byte("0123456789abcdef-" + o.engine)
+	}
+	srv, err := testCA.ServerConfig()
+	require.NoError(t, err)
+	cli, err := testCA.ClientConfig()
+	require.NoError(t, err)
+	in := &instance{opts: o}
+	// Listen first so every rank knows every rank's address.
+	pcs := make([]net.PacketConn, o.tp)
+	for r := range o.tp {
+		addr := "127.0.0.1:0"
+		if o.addrs != nil {
+			addr = o.addrs[r]
+		}
+		udp, err := net.ListenPacket("udp", addr)
+		require.NoError(t, err)
+		pcs[r] = testutil.NewPacketConn(udp, o.delay)
+		in.addrs = append(in.addrs, udp.LocalAddr().String())
+	}
+	for r := range o.tp {
+		layout, err := vmm.LayoutFor(o.geom, r, o.tp)
+		require.NoError(t, err)
+		pool, err := vmm.NewPool(t.Context(), &vmm.Config{Layout: layout, NumBlocks: o.numBlocks})
+		require.NoError(t, err)
+		t.Cleanup(func() { require.NoError(t, pool.Close()) })
+		rank, err := connector.NewRank(t.Context(), &connector.Config{
+			EngineID: o.engine, TPRank: r, TPSize: o.tp, Geometry: o.geom, Pool: pool,
+			Transfer:  &transfer.Config{PacketConn: pcs[r], ServerTLS: srv, ClientTLS: cli, ProgressTimeout: testutil.Scaled(5 * time.Second)},
+			RankAddrs: in.addrs, CapabilitySecret: o.secret, LeaseTTL: o.leaseTTL, HandshakeMode: o.mode, Registerer: o.reg,
+		})
+		require.NoError(t, err)
+		in.pools = append(in.pools, pool)
+		in.ranks = append(in.ranks, rank)
+	}
+	t.Cleanup(in.close)
+	return in
+}
+
+func (in *instance) close() {
+	for _, r := range in.ranks {
+		_ = r.Close()
+	}
+}
+
+// heads returns the head span of rank r.
+func (in *instance) heads(t testing.TB, r int) connector.HeadSpan {
+	t.Helper()
+	h := int(in.opts.geom.GetNumKvHeads())
+	if in.opts.geom.GetAttention() == v1.Attention_ATTENTION_MLA {
+		h = 1
+	}
+	s, err := connector.RankHeads(h, in.opts.tp, r)
+	require.NoError(t, err)
+	return s
+}
+
+func (in *instance) shape(t testing.TB, r int) kvgen.Shape {
+	hs := in.heads(t, r)
+	return kvgen.Shape{BlockSize: int(in.opts.geom.GetBlockSize()), RowBytes: int(in.opts.geom.GetHeadDim()) * 2,
+		FirstHead: hs.First, Heads: hs.Count}
+}
+
+// alloc allocates n blocks on every rank in lockstep (each rank drives its
+// own pool) and returns the ids, equal on every rank.
+func (in *instance) alloc(t testing.TB, n int) []uint32 {
+	t.Helper()
+	var ids []int
+	for r, p := range in.pools {
+		got, err := p.Alloc(t.Context(), n)
+		require.NoError(t, err)
+		if r == 0 {
+			ids = got
+		}
+		require.Equal(t, ids, got, "lockstep allocation gives every rank the same ids")
+	}
+	out := make([]uint32, n)
+	for i, id := range ids {
+		out[i] = uint32(id)
+	}
+	return out
+}
+
+// fill writes the deterministic KV of request key into blocks on every rank.
+func (in *instance) fill(t testing.TB, key uint64, blocks []uint32) {
+	t.Helper()
+	bs := int(in.opts.geom.GetBlockSize())
+	for r, p := range in.pools {
+		s := in.shape(t, r)
+		for _, reg := range p.Regions() {
+			for k, b := range blocks {
+				buf, err := p.HostBytes(reg.Index, reg.BlockOffset(int(b)), reg.BlockLen)
+				require.NoError(t, err)
+				kvgen.FillBlock(buf, s, key, reg.Index, k*bs)
+			}
+		}
+	}
+}
+
+// check verifies every byte of blocks on every rank; blocks[k] holds the
+// request's block skip+k. It returns the bytes checked.
+func (in *instance) check(t testing.TB, key uint64, blocks []uint32, skip int) uint64 {
+	t.Helper()
+	bs := int(in.opts.geom.GetBlockSize())
+	var n uint64
+	for r, p := range in.pools {
+		s := in.shape(t, r)
+		for _, reg := range p.Regions() {
+			for k, b := range blocks {
+				buf, err := p.HostBytes(reg.Index, reg.BlockOffset(int(b)), reg.BlockLen)
+				require.NoError(t, err)
+				bad, first := kvgen.CheckBlock(buf, s, key, reg.Index, (skip+k)*bs)
+				require.Zero(t, bad, "rank %d region %d block %d: %d bytes differ, first at %d", r, reg.Index, b, bad, first)
+				n += uint64(len(buf))
+			}
+		}
+	}
+	return n
+}
+
+// finish calls RequestFinished on every prefill rank and returns rank 0's
+// params after a JSON round trip, as the proxy passes them.
+func (in *instance) finish(t testing.TB, id string, blocks []uint32) *v1.KVTransferParams {
+	t.Helper()
+	var first *v1.KVTransferParams
+	for _, r := range in.ranks {
+		p, err := r.RequestFinished(t.Context(), id, blocks, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
+		require.NoError(t, err)
+		require.NotNil(t, p)
+		if first == nil {
+			first = p
+		}
+	}
+	b, err := connector.MarshalKVTransferParams(first)
+	require.NoError(t, err)
+	out, err := connector.UnmarshalKVTransferParams(b)
+	require.NoError(t, err)
+	return out
+}
+
+// startLoad calls StartLoad on every decode rank.
+func (in *instance) startLoad(t testing.TB, id string, local []uint32, p *v1.KVTransferParams) {
+	t.Helper()
+	for _, r := range in.ranks {
+		require.NoError(t, r.StartLoad(t.Context(), &v1.ReqMeta{RequestId: id, LocalBlockIds: local, Params: p}))
+	}
+}
+
+// wait collects what every rank reports until each reported id in either
+// list; it returns the failures by rank.
+func (in *instance) wait(t testing.TB, id string) []*connector.FailedLoad {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(30*time.Second))
+	defer cancel()
+	out := make([]*connector.FailedLoad, len(in.ranks))
+	for r, rank := range in.ranks {
+		for done := false; !done; {
+			f, err := rank.WaitFinished(ctx)
+			require.NoError(t, err, "rank %d waiting for %q", r, id)
+			for _, d := range f.DoneRecving {
+				done = done || d == id
+			}
+			for i := range f.Failed {
+				if f.Failed[i].RequestID == id {
+					out[r], done = &f.Failed[i], true
+				}
+			}
+		}
+	}
+	return out
+}
+
+func requireAllDone(t testing.TB, fails []*connector.FailedLoad) {
+	t.Helper()
+	for r, f := range fails {
+		require.Nil(t, f, "rank %d failed: %v", r, func() error {
+			if f == nil {
+				return nil
+			}
+			return f.Err
+		}())
+	}
+}
+
+func name(p, d int) string { return fmt.Sprintf("P%d_D%d", p, d) }

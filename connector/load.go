@@ -1,0 +1,289 @@
+package connector
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/kvsidecar/kvsidecar/handshake"
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/kvsidecar/kvsidecar/transfer"
+)
+
+// load is one StartLoad in flight on the worker side.
+type load struct {
+	id     string
+	blocks []int
+	params *v1.KVTransferParams
+	plan   Plan
+	addrs  []string // address of every source of plan, same order
+	cancel context.CancelCauseFunc
+	done   chan struct{}
+}
+
+// StartLoad starts importing a request's KV into local blocks (vLLM
+// start_load_kv for one request). meta.local_block_ids are the local
+// blocks to fill, in token order; when shorter than remote_block_ids, the
+// leading blocks are a local prefix hit and only the tail is read; when
+// empty (full prefix hit) the prefill ranks are only notified. The result is
+// reported by GetFinished: in DoneRecving once every byte is in local pages
+// and every source was notified, or in Failed with the local block ids to
+// recompute. Synchronous errors (bad params, TP sizes that do not map, a
+// request already loading) name the field and start nothing.
+func (r *Rank) StartLoad(ctx context.Context, meta *v1.ReqMeta) error {
+	if err := r.refuseIfDraining(); err != nil {
+		return err
+	}
+	id := meta.GetRequestId()
+	if id == "" {
+		return fmt.Errorf("%w: request_id is empty", ErrInvalidArgument)
+	}
+	p := meta.GetParams()
+	if err := ValidateRemotePrefill(p); err != nil {
+		return err
+	}
+	local, err := r.checkBlocks("local_block_ids", meta.GetLocalBlockIds())
+	if err != nil {
+		return err
+	}
+	if n, m := len(local), len(p.GetRemoteBlockIds()); n > m {
+		return fmt.Errorf("%w: %d local_block_ids for %d remote_block_ids: the local blocks must not outnumber the remote ones", ErrInvalidArgument, n, m)
+	}
+	plan, err := PlanRank(r.shape, int(p.GetTpSize()), r.cfg.TPSize, r.cfg.TPRank)
+	if err != nil {
+		return err
+	}
+	if bl := r.regions[0].BlockLen; plan.LocalBlockLen != bl {
+		return fmt.Errorf("%w: local block_len=%d, the TP mapping of prefill tp_size=%d to decode tp_size=%d needs %d",
+			ErrTPMapping, bl, p.GetTpSize(), r.cfg.TPSize, plan.LocalBlockLen)
+	}
+	l := &load{id: id, blocks: local, params: p, plan: plan, done: make(chan struct{})}
+	for _, s := range plan.Sources {
+		a, err := RankAddr(p, s.PrefillRank)
+		if err != nil {
+			return err
+		}
+		l.addrs = append(l.addrs, a)
+	}
+	lctx, cancel := context.WithCancelCause(r.ctx)
+	lctx, cancelTimeout := context.WithTimeoutCause(lctx, r.cfg.LoadTimeout,
+		fmt.Errorf("connector: load of %q exceeded LoadTimeout %v", id, r.cfg.LoadTimeout))
+	l.cancel = func(err error) { cancel(err); cancelTimeout() }
+	r.mu.Lock()
+	if _, busy := r.loads[id]; busy {
+		r.mu.Unlock()
+		l.cancel(nil)
+		return fmt.Errorf("%w: request %q is already loading", ErrBusy, id)
+	}
+	r.loads[id] = l
+	r.mu.Unlock()
+	r.m.loadsInFlight.Inc()
+	r.wg.Go(func() { r.runLoad(lctx, l) })
+	return nil
+}
+
+// Abort stops a load in flight and returns once no READ into its blocks
+// is running any more, so the caller may free and reuse them. The request
+// is reported in Failed with CODE_ABORTED. Aborting an unknown or finished
+// request is not an error.
+func (r *Rank) Abort(ctx context.Context, requestID string) error {
+	r.mu.Lock()
+	l := r.loads[requestID]
+	r.mu.Unlock()
+	if l == nil {
+		return nil
+	}
+	l.cancel(fmt.Errorf("%w: request %q", ErrAborted, requestID))
+	select {
+	case <-l.done:
+		return nil
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
+}
+
+func (r *Rank) runLoad(ctx context.Context, l *load) {
+	start := time.Now()
+	err := r.load(ctx, l)
+	// Notify every source, read or not, whatever happened: prefill frees
+	// its blocks now instead of at lease expiry. A refused notification
+	// (lease expired, unknown request) means the bytes read may be stale.
+	if nerr := r.notifyAll(l); nerr != nil && err == nil {
+		err = nerr
+	}
+	r.mu.Lock()
+	delete(r.loads, l.id)
+	if err == nil {
+		r.recving = append(r.recving, l.id)
+	} else {
+		r.failed = append(r.failed, FailedLoad{RequestID: l.id, BlockIDs: l.blocks, Err: err})
+	}
+	r.signalLocked()
+	r.mu.Unlock()
+	r.m.loadsInFlight.Dec()
+	outcome := "done"
+	if err != nil {
+		outcome = codes.Of(err).String()
+		r.cfg.Logger.Warn("load failed", "request_id", l.id, "blocks", len(l.blocks), "err", err)
+	}
+	r.m.requests.WithLabelValues("decode", outcome).Inc()
+	r.m.loadSeconds.Observe(time.Since(start).Seconds())
+	close(l.done)
+}
+
+func (r *Rank) targets(l *load) []handshake.Target {
+	p := l.params
+	r0, _ := RankAddr(p, 0)
+	ts := make([]handshake.Target, len(l.plan.Sources))
+	for i, s := range l.plan.Sources {
+		e := handshake.Expect{EngineID: p.GetRemoteEngineId(), TPRank: s.PrefillRank, TPSize: int(p.GetTpSize()),
+			ModelHash: r.modelHash, NumRegions: len(r.regions), BlockLen: l.plan.RemoteBlockLen}
+		if s.PrefillRank == 0 {
+			// remote_incarnation is rank 0's (the params come from its scheduler).
+			e.Incarnation = p.GetRemoteIncarnation()
+		}
+		ts[i] = handshake.Target{Expect: e, Addr: l.addrs[i], Rank0Addr: r0}
+	}
+	return ts
+}
+
+// load handshakes with every source in parallel and READs every reading
+// source's slice of the tail blocks, in parallel.
+func (r *Rank) load(ctx context.Context, l *load) error {
+	mds, err := r.hs.GetAll(ctx, r.targets(l))
+	if err != nil {
+		return fmt.Errorf("connector: load %q: %w", l.id, err)
+	}
+	remote := l.params.GetRemoteBlockIds()
+	remote = remote[len(remote)-len(l.blocks):]
+	if len(l.blocks) == 0 {
+		return nil // full prefix hit: notify only
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, len(mds))
+	for i, s := range l.plan.Sources {
+		if s.NotifyOnly {
+			continue
+		}
+		wg.Go(func() { errs[i] = r.readSource(ctx, l, s, l.addrs[i], mds[i], remote) })
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("connector: load %q: %w", l.id, err)
+	}
+	return nil
+}
+
+// readSource READs source s's slice of every tail block, region by region,
+// in batches of at most MaxDescsPerXfer descriptors; adjacent blocks that
+// are contiguous on both sides travel as one descriptor.
+func (r *Rank) readSource(ctx context.Context, l *load, s Source, addr string, md *handshake.Metadata, remote []uint32) error {
+	var loc, rem []transfer.Desc
+	flush := func() error {
+		if len(loc) == 0 {
+			return nil
+		}
+		_, err := r.agent.Transfer(ctx, &transfer.Xfer{Op: transfer.OpRead, Peer: addr,
+			RequestID: l.params.GetRemoteRequestId(), Capability: l.params.GetCapability(), Local: loc, Remote: rem})
+		if err == nil {
+			var n uint64
+			for _, d := range loc {
+				n += d.Len
+			}
+			r.m.bytesRead.Add(float64(n))
+		}
+		loc, rem = loc[:0], rem[:0]
+		return err
+	}
+	for ri, lr := range r.regions {
+		rr := md.Regions[ri]
+		for k, b := range l.blocks {
+			ld := transfer.Desc{Addr: lr.Base + lr.BlockOffset(b) + s.LocalOffset, Len: s.Len, DevID: uint32(lr.DevID)}
+			rd := transfer.Desc{Addr: rr.Base + rr.BlockOffset(int(remote[k])) + s.RemoteOffset, Len: s.Len, DevID: rr.DevID}
+			if n := len(loc); n > 0 && loc[n-1].Addr+loc[n-1].Len == ld.Addr && rem[n-1].Addr+rem[n-1].Len == rd.Addr &&
+				loc[n-1].DevID == ld.DevID && rem[n-1].DevID == rd.DevID {
+				loc[n-1].Len += s.Len
+				rem[n-1].Len += s.Len
+				continue
+			}
+			if len(loc) == r.cfg.MaxDescsPerXfer {
+				if err := flush(); err != nil {
+					return err
+				}
+			}
+			loc, rem = append(loc, ld), append(rem, rd)
+		}
+	}
+	return flush()
+}
+
+// notifyAll tells every source of l that this rank is done with the
+// request; it returns the first refusal by a source this rank read from.
+func (r *Rank) notifyAll(l *load) error {
+	ctx, cancel := context.WithTimeout(r.ctx, notifyTimeout)
+	defer cancel()
+	errs := make([]error, len(l.addrs))
+	var wg sync.WaitGroup
+	for i, addr := range l.addrs {
+		wg.Go(func() {
+			errs[i] = r.agent.Notify(ctx, addr, &v1.Notification{RequestId: l.params.GetRemoteRequestId(),
+				Capability: l.params.GetCapability(), ConsumerEngineId: r.cfg.EngineID,
+				ConsumerTpRank: uint32(r.cfg.TPRank), ConsumerCount: uint32(l.plan.Consumers)})
+		})
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err == nil {
+			continue
+		}
+		r.cfg.Logger.Warn("notification failed", "request_id", l.id, "peer", l.addrs[i], "err", err)
+		if !l.plan.Sources[i].NotifyOnly && len(l.blocks) > 0 {
+			return fmt.Errorf("connector: load %q: prefill rank %d refused the notification, the bytes read may be stale: %w",
+				l.id, l.plan.Sources[i].PrefillRank, err)
+		}
+		if len(l.blocks) == 0 {
+			return fmt.Errorf("connector: load %q (full prefix hit): prefill rank %d: %w", l.id, l.plan.Sources[i].PrefillRank, err)
+		}
+	}
+	return nil
+}
+
+// notifyTimeout bounds the notifications at the end of a load.
+const notifyTimeout = 10 * time.Second
+
+// heartbeatLoop extends the prefill leases of every load in flight, one
+// Heartbeat per source address every HeartbeatInterval.
+func (r *Rank) heartbeatLoop() {
+	t := time.NewTicker(r.cfg.HeartbeatInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-r.ctx.Done():
+			return
+		case <-t.C:
+		}
+		byAddr := map[string][]string{}
+		r.mu.Lock()
+		for _, l := range r.loads {
+			for _, a := range l.addrs {
+				byAddr[a] = append(byAddr[a], l.params.GetRemoteRequestId())
+			}
+		}
+		r.mu.Unlock()
+		var wg sync.WaitGroup
+		for addr, ids := range byAddr {
+			wg.Go(func() {
+				ctx, cancel := context.WithTimeout(r.ctx, r.cfg.HeartbeatInterval)
+				defer cancel()
+				if _, err := r.agent.Heartbeat(ctx, addr, &v1.Heartbeat{RequestIds: ids,
+					ConsumerEngineId: r.cfg.EngineID, ConsumerTpRank: uint32(r.cfg.TPRank)}); err != nil {
+					r.cfg.Logger.Debug("heartbeat failed", "peer", addr, "requests", len(ids), "err", err)
+				}
+			})
+		}
+		wg.Wait()
+	}
+}

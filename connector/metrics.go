@@ -1,0 +1,56 @@
+package connector
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvsidecar/kvsidecar/internal/promutil"
+)
+
+type metrics struct {
+	requests      *prometheus.CounterVec
+	leasesExpired prometheus.Counter
+	blocksHeld    prometheus.Gauge
+	loadsInFlight prometheus.Gauge
+	loadSeconds   prometheus.Histogram
+	bytesRead     prometheus.Counter
+}
+
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	m := &metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvsidecar_connector_requests_total",
+			Help: "Requests by side (prefill, decode) and outcome (sent, freed_at_once, lease_expired, done, or the failure code).",
+		}, []string{"side", "outcome"}),
+		leasesExpired: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvsidecar_connector_leases_expired_total",
+			Help: "Prefill leases that expired before every consumer notified.",
+		}),
+		blocksHeld: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvsidecar_connector_blocks_held",
+			Help: "Prefill blocks held under a lease for decode.",
+		}),
+		loadsInFlight: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvsidecar_connector_loads_in_flight",
+			Help: "Decode loads started and not finished.",
+		}),
+		loadSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvsidecar_connector_load_seconds",
+			Help:    "Duration of a decode load from StartLoad to its last notification.",
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16),
+		}),
+		bytesRead: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvsidecar_connector_read_bytes_total",
+			Help: "KV bytes read into local pages by decode loads.",
+		}),
+	}
+	for _, err := range []error{
+		promutil.Register(reg, &m.requests), promutil.Register(reg, &m.leasesExpired),
+		promutil.Register(reg, &m.blocksHeld), promutil.Register(reg, &m.loadsInFlight),
+		promutil.Register(reg, &m.loadSeconds), promutil.Register(reg, &m.bytesRead),
+	} {
+		if err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}

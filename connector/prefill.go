@@ -1,0 +1,149 @@
+package connector
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"strconv"
+
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/kvsidecar/kvsidecar/transfer"
+)
+
+// RequestFinished is the scheduler side's hook when a prefill request
+// finishes (vLLM request_finished). When the request asked to keep its KV
+// for a remote decode (in.do_remote_decode) and stopped at its length cap
+// (prefill runs with max_tokens=1), the blocks are held under a lease and
+// the kv_transfer_params for decode are returned: tp_size, engine id, rank
+// addresses, remote request id, incarnation, capability and lease expiry.
+// For any other finish the blocks are released at once and nil is returned.
+// The Rank takes over blockIDs either way (freeing them itself under local
+// ownership; under coordinated ownership the engine frees them once the
+// request is in done_sending of every rank).
+func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs []uint32, status v1.FinishStatus, in *v1.KVTransferParams) (*v1.KVTransferParams, error) {
+	if err := r.refuseIfDraining(); err != nil {
+		return nil, err
+	}
+	if requestID == "" {
+		return nil, fmt.Errorf("%w: request_id is empty", ErrInvalidArgument)
+	}
+	ids, err := r.checkBlocks("block_ids", blockIDs)
+	if err != nil {
+		return nil, err
+	}
+	if !in.GetDoRemoteDecode() || status != v1.FinishStatus_FINISH_STATUS_LENGTH || len(ids) == 0 {
+		r.released(requestID, ids, false)
+		r.m.requests.WithLabelValues("prefill", "freed_at_once").Inc()
+		return nil, nil
+	}
+	capab := r.capKey.Issue(requestID, blockIDs...)
+	expires, err := r.leases.add(requestID, ids, capab)
+	if err != nil {
+		return nil, err
+	}
+	r.m.blocksHeld.Add(float64(len(ids)))
+	out := &v1.KVTransferParams{
+		DoRemotePrefill:    true,
+		RemoteEngineId:     r.cfg.EngineID,
+		RemoteRequestId:    requestID,
+		RemoteBlockIds:     append([]uint32(nil), blockIDs...),
+		TpSize:             new(uint32(r.cfg.TPSize)),
+		RemoteRankAddrs:    append([]string(nil), r.cfg.RankAddrs...),
+		RemoteIncarnation:  r.incarnation,
+		Capability:         capab,
+		LeaseExpiresUnixMs: expires.UnixMilli(),
+	}
+	host, port, err := rank0Addr(r.cfg.AdvertiseAddr, r.cfg.TPRank)
+	if err != nil {
+		return nil, err
+	}
+	if len(out.RemoteRankAddrs) > 0 {
+		host, port, err = rank0Addr(out.RemoteRankAddrs[0], 0)
+		if err != nil {
+			return nil, err
+		}
+	}
+	out.RemoteHost, out.RemotePort = host, port
+	r.cfg.Logger.Debug("request held for decode", "request_id", requestID, "blocks", len(ids), "lease_expires", expires)
+	return out, nil
+}
+
+// rank0Addr derives rank 0's host and port from rank r's address by the
+// remote_port + rank convention.
+func rank0Addr(addr string, rank int) (string, uint32, error) {
+	host, ps, err := net.SplitHostPort(addr)
+	if err != nil {
+		return "", 0, fmt.Errorf("%w: advertised address %q: %v", ErrInvalidArgument, addr, err)
+	}
+	port, err := strconv.Atoi(ps)
+	if err != nil || port-rank < 1 {
+		return "", 0, fmt.Errorf("%w: advertised address %q: port minus tp_rank %d is not a port", ErrInvalidArgument, addr, rank)
+	}
+	return host, uint32(port - rank), nil
+}
+
+// leaseReleased is the lease table's callback.
+func (r *Rank) leaseReleased(id string, blocks []int, expired bool) {
+	r.m.blocksHeld.Sub(float64(len(blocks)))
+	r.released(id, blocks, expired)
+}
+
+// released is called once per lease (or for blocks freed at once): frees
+// the blocks under local ownership and reports the request in done_sending.
+func (r *Rank) released(id string, blocks []int, expired bool) {
+	if len(blocks) > 0 && r.cfg.Ownership == v1.Ownership_OWNERSHIP_LOCAL {
+		if err := r.pool.Free(context.Background(), blocks); err != nil {
+			r.cfg.Logger.Error("freeing released blocks failed", "request_id", id, "blocks", len(blocks), "err", err)
+		}
+	}
+	if expired {
+		r.m.leasesExpired.Inc()
+		r.m.requests.WithLabelValues("prefill", "lease_expired").Inc()
+		r.cfg.Logger.Warn("lease expired", "request_id", id, "blocks", len(blocks))
+	}
+	r.mu.Lock()
+	r.sending = append(r.sending, id)
+	r.signalLocked()
+	r.mu.Unlock()
+}
+
+// authorize is the serving side's check of every READ before memory is
+// touched: the request holds a live lease here and the capability it
+// carries was issued for it and covers every block the descriptors touch.
+func (r *Rank) authorize(_ context.Context, a *transfer.Access) error {
+	if a.Op != transfer.OpRead {
+		return codes.New(v1.Code_CODE_CAPABILITY_DENIED, "connector: %s into exported blocks of request %q is not allowed", a.Op, a.RequestID)
+	}
+	if _, _, err := r.leases.check(a.RequestID); err != nil {
+		return err
+	}
+	return r.capKey.Verify(a.Capability, a.RequestID, a.BlockIDs)
+}
+
+// onNotification counts a consumer's notification; the last expected one
+// releases the lease.
+func (r *Rank) onNotification(_ context.Context, peer string, n *v1.Notification) error {
+	done, err := r.leases.notify(n.GetRequestId(), consumer{n.GetConsumerEngineId(), n.GetConsumerTpRank()}, int(n.GetConsumerCount()),
+		func([]byte) error { return r.capKey.Verify(n.GetCapability(), n.GetRequestId(), nil) })
+	if err != nil {
+		r.cfg.Logger.Warn("notification refused", "peer", peer, "request_id", n.GetRequestId(), "err", err)
+		return err
+	}
+	if done {
+		r.m.requests.WithLabelValues("prefill", "sent").Inc()
+	}
+	return nil
+}
+
+// onHeartbeat extends the leases a consumer is still reading.
+func (r *Rank) onHeartbeat(_ context.Context, _ string, hb *v1.Heartbeat) *v1.HeartbeatAck {
+	dl := r.leases.extend(hb.GetRequestIds())
+	ack := &v1.HeartbeatAck{LeaseExpiresUnixMs: make([]int64, len(dl))}
+	for i, t := range dl {
+		if !t.IsZero() {
+			ack.LeaseExpiresUnixMs[i] = t.UnixMilli()
+		}
+	}
+	return ack
+}

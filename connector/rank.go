@@ -1,0 +1,454 @@
+package connector
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvsidecar/kvsidecar/handshake"
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/kvsidecar/kvsidecar/transfer"
+	"github.com/kvsidecar/kvsidecar/vmm"
+)
+
+// Defaults of Config.
+const (
+	// DefaultLeaseTTL is how long prefill holds a finished request's blocks
+	// for decode. vLLM's NixlConnector frees them after
+	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s by default (vllm/envs.py); a
+	// sidecar that heartbeats can afford a shorter lease.
+	DefaultLeaseTTL = 120 * time.Second
+	// DefaultLoadTimeout bounds one StartLoad from handshake to notification.
+	DefaultLoadTimeout = 120 * time.Second
+	// DefaultMaxDescsPerXfer bounds the descriptors of one READ; a larger
+	// load is split into several READs.
+	DefaultMaxDescsPerXfer = 16384
+)
+
+// Errors of the connector. Each maps to a wire code.
+var (
+	// ErrInvalidArgument: a bad request id, block id or params field.
+	ErrInvalidArgument = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "connector: invalid argument")
+	// ErrBusy: the request id is already loading.
+	ErrBusy = codes.New(v1.Code_CODE_BUSY, "connector: busy")
+	// ErrDraining: the rank is shutting down and refuses new requests.
+	ErrDraining = codes.New(v1.Code_CODE_UNAVAILABLE, "connector: draining")
+	// ErrAborted: the load was aborted by Abort.
+	ErrAborted = codes.New(v1.Code_CODE_ABORTED, "connector: aborted")
+)
+
+// Config configures one Rank. NewRank rejects a nil *Config: EngineID,
+// TPSize, Geometry, Pool and Transfer have no sensible default.
+type Config struct {
+	// EngineID names this engine instance (vLLM engine_id). Required.
+	EngineID string
+	// TPRank is this rank, in [0, TPSize).
+	TPRank int
+	// TPSize is the engine's TP size, fixed for the life of the Rank.
+	// Required (never defaulted to 1).
+	TPSize int
+	// Geometry is the whole-model KV geometry; the Pool's layout must be
+	// the one vmm.LayoutFor derives from it for TPRank/TPSize. Required.
+	Geometry *v1.ModelGeometry
+	// Pool holds this rank's KV pages. Required; not closed by the Rank.
+	Pool *vmm.Pool
+	// Transfer configures the rank's QUIC agent (TLS, listen address or
+	// packet conn, timeouts, qlog). Its Regions, Authorize, OnNotification,
+	// OnHeartbeat, OnHandshake and OnPeerGone are set by the Rank. Required.
+	Transfer *transfer.Config
+	// AdvertiseAddr is the host:port peers reach this rank at. Default: the
+	// agent's local address.
+	AdvertiseAddr string
+	// RankAddrs is every rank's advertised address, index tp_rank; it goes
+	// into kv_transfer_params as remote_rank_addrs. Default (empty): rank r
+	// is at AdvertiseAddr's port - TPRank + r (remote_port + r).
+	RankAddrs []string
+	// CapabilitySecret is shared by every rank of the engine, so a
+	// capability issued by one rank is checked by all (at least 16 bytes).
+	// Default: 32 random bytes, which only works when TPSize is 1.
+	CapabilitySecret []byte
+	// Ownership says who frees a released request's blocks. Default
+	// (OWNERSHIP_UNSPECIFIED) and OWNERSHIP_LOCAL: the Rank frees them in
+	// Pool (each rank drives its own pool, SGLang). OWNERSHIP_COORDINATED:
+	// the engine frees them through rank 0 once every rank reported the
+	// request in done_sending (vLLM's scheduler does exactly that).
+	Ownership v1.Ownership
+	// LeaseTTL is how long blocks are held for decode without a heartbeat.
+	// Default DefaultLeaseTTL.
+	LeaseTTL time.Duration
+	// HeartbeatInterval is how often a decode rank extends the leases of the
+	// requests it is loading. Default LeaseTTL / 4.
+	HeartbeatInterval time.Duration
+	// LoadTimeout bounds one load from StartLoad to its notifications.
+	// Default DefaultLoadTimeout.
+	LoadTimeout time.Duration
+	// MaxDescsPerXfer bounds one READ's descriptors. Default
+	// DefaultMaxDescsPerXfer.
+	MaxDescsPerXfer int
+	// HandshakeMode: handshake.ModePiggyback (default) or ModeLegacy.
+	HandshakeMode handshake.Mode
+	// DeviceID is advertised in the agent metadata. Default 0.
+	DeviceID uint32
+	// Logger: default discards.
+	Logger *slog.Logger
+	// Registerer for metrics of the connector, handshake and transfer
+	// packages. Default none.
+	Registerer prometheus.Registerer
+}
+
+func (c *Config) withDefaults() (Config, error) {
+	if c == nil {
+		return Config{}, fmt.Errorf("%w: nil Config", ErrInvalidArgument)
+	}
+	out := *c
+	if out.LeaseTTL == 0 {
+		out.LeaseTTL = DefaultLeaseTTL
+	}
+	if out.HeartbeatInterval == 0 {
+		out.HeartbeatInterval = out.LeaseTTL / 4
+	}
+	if out.LoadTimeout == 0 {
+		out.LoadTimeout = DefaultLoadTimeout
+	}
+	if out.MaxDescsPerXfer == 0 {
+		out.MaxDescsPerXfer = DefaultMaxDescsPerXfer
+	}
+	if out.Logger == nil {
+		out.Logger = slog.New(slog.DiscardHandler)
+	}
+	if out.Ownership == v1.Ownership_OWNERSHIP_UNSPECIFIED {
+		out.Ownership = v1.Ownership_OWNERSHIP_LOCAL
+	}
+	bad := func(field, format string, a ...any) (Config, error) {
+		return Config{}, fmt.Errorf("%w: Config.%s: %s", ErrInvalidArgument, field, fmt.Sprintf(format, a...))
+	}
+	switch {
+	case out.EngineID == "":
+		return bad("EngineID", "required")
+	case out.TPSize < 1 || out.TPSize > MaxTPSize:
+		return bad("TPSize", "%d must be in [1, %d]", out.TPSize, MaxTPSize)
+	case out.TPRank < 0 || out.TPRank >= out.TPSize:
+		return bad("TPRank", "%d must be in [0, TPSize=%d)", out.TPRank, out.TPSize)
+	case out.Geometry == nil:
+		return bad("Geometry", "required")
+	case out.Pool == nil:
+		return bad("Pool", "required")
+	case out.Transfer == nil:
+		return bad("Transfer", "required (TLS)")
+	case len(out.RankAddrs) != 0 && len(out.RankAddrs) != out.TPSize:
+		return bad("RankAddrs", "%d entries, want TPSize=%d", len(out.RankAddrs), out.TPSize)
+	case out.CapabilitySecret == nil && out.TPSize > 1:
+		return bad("CapabilitySecret", "required when TPSize=%d > 1, shared by every rank", out.TPSize)
+	case out.CapabilitySecret != nil && len(out.CapabilitySecret) < 16:
+		return bad("CapabilitySecret", "%d bytes, want at least 16", len(out.CapabilitySecret))
+	case out.LeaseTTL < 0 || out.HeartbeatInterval <= 0 || out.LoadTimeout < 0:
+		return bad("LeaseTTL", "LeaseTTL, HeartbeatInterval and LoadTimeout must be positive")
+	case out.Ownership != v1.Ownership_OWNERSHIP_LOCAL && out.Ownership != v1.Ownership_OWNERSHIP_COORDINATED:
+		return bad("Ownership", "%v is not an ownership mode", out.Ownership)
+	}
+	for i, a := range out.RankAddrs {
+		if err := checkHostPort(a); err != nil {
+			return bad("RankAddrs", "[%d]=%q: %v", i, a, err)
+		}
+	}
+	if out.CapabilitySecret == nil {
+		out.CapabilitySecret = make([]byte, 32)
+		_, _ = rand.Read(out.CapabilitySecret)
+	}
+	return out, nil
+}
+
+// Rank is the KV connector of one TP rank: the scheduler side (prefill:
+// RequestFinished, leases, serving READs) and the worker side (decode:
+// StartLoad, GetFinished, Abort) over one transfer.Agent. Safe for
+// concurrent use.
+type Rank struct {
+	cfg         Config
+	pool        *vmm.Pool
+	regions     []vmm.RegionInfo
+	shape       TPShape
+	modelHash   []byte
+	incarnation uint64
+	capKey      *transfer.CapabilityKey
+	agent       *transfer.Agent
+	hsServer    atomic.Pointer[handshake.Server]
+	hs          *handshake.Client
+	leases      *leaseTable
+	m           *metrics
+	local       *handshake.Metadata
+
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	wg     sync.WaitGroup
+
+	mu       sync.Mutex
+	loads    map[string]*load
+	sending  []string
+	recving  []string
+	failed   []FailedLoad
+	changed  chan struct{} // closed and replaced when a finished item is added
+	draining bool
+	closed   bool
+}
+
+// FailedLoad is a decode request whose KV did not (fully) arrive.
+type FailedLoad struct {
+	RequestID string
+	// BlockIDs are the local block ids whose KV must be recomputed.
+	BlockIDs []int
+	Err      error
+}
+
+// Finished is what GetFinished reports since the previous call.
+type Finished struct {
+	// DoneSending: prefill request ids whose lease was released (every
+	// consumer notified, or the lease expired).
+	DoneSending []string
+	// DoneRecving: decode request ids whose KV is fully in local pages.
+	DoneRecving []string
+	// Failed: decode requests whose KV must be recomputed.
+	Failed []FailedLoad
+}
+
+// NewRank starts the rank's QUIC agent and its background loops.
+func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
+	c, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	layout, err := vmm.LayoutFor(c.Geometry, c.TPRank, c.TPSize)
+	if err != nil {
+		return nil, fmt.Errorf("connector: %w", err)
+	}
+	if pl := c.Pool.Layout(); pl.BlockLen() != layout.BlockLen() || pl.NumRegions() != layout.NumRegions() {
+		return nil, fmt.Errorf("%w: Config.Pool: layout %v does not match the geometry's %v for tp_rank %d of %d",
+			ErrInvalidArgument, pl, layout, c.TPRank, c.TPSize)
+	}
+	shape, err := ShapeOf(c.Geometry)
+	if err != nil {
+		return nil, err
+	}
+	r := &Rank{cfg: c, pool: c.Pool, regions: c.Pool.Regions(), shape: shape, modelHash: handshake.ModelHash(c.Geometry),
+		capKey: transfer.NewCapabilityKeyFromSecret(c.CapabilitySecret), loads: map[string]*load{}, changed: make(chan struct{})}
+	var inc [8]byte
+	_, _ = rand.Read(inc[:])
+	r.incarnation = binary.LittleEndian.Uint64(inc[:]) | 1
+	if r.m, err = newMetrics(c.Registerer); err != nil {
+		return nil, err
+	}
+
+	tc := *c.Transfer
+	tc.Regions = nil
+	for _, ri := range r.regions {
+		tc.Regions = append(tc.Regions, transfer.Region{Base: ri.Base, Len: ri.Len, BlockLen: ri.BlockLen,
+			PageSize: ri.PageSize, DevID: uint32(ri.DevID), Mem: poolMemory{c.Pool, ri.Index}})
+	}
+	tc.Authorize = r.authorize
+	tc.CapabilityKey = nil
+	tc.OnNotification = r.onNotification
+	tc.OnHeartbeat = r.onHeartbeat
+	tc.OnHandshake = r.onHandshake
+	tc.OnPeerGone = func(addr string, err error) {
+		if hs := r.hs; hs != nil {
+			hs.Forget(addr)
+		}
+	}
+	if tc.Registerer == nil {
+		tc.Registerer = c.Registerer
+	}
+	if tc.Logger == nil {
+		tc.Logger = c.Logger
+	}
+	if r.agent, err = transfer.New(&tc); err != nil {
+		return nil, fmt.Errorf("connector: %w", err)
+	}
+	if r.cfg.AdvertiseAddr == "" {
+		r.cfg.AdvertiseAddr = r.agent.Addr().String()
+	}
+	r.local = &handshake.Metadata{EngineID: c.EngineID, AgentName: c.EngineID + "/tp" + strconv.Itoa(c.TPRank),
+		Incarnation: r.incarnation, TPRank: c.TPRank, TPSize: c.TPSize, DeviceID: c.DeviceID, ModelHash: r.modelHash,
+		Geometry: c.Geometry, BlockSize: int(c.Geometry.GetBlockSize()), NumBlocks: c.Pool.NumBlocks(),
+		HeadsPerRank: layout.HeadsPerRank, Addr: r.cfg.AdvertiseAddr}
+	for _, ri := range r.regions {
+		r.local.Regions = append(r.local.Regions, handshake.Region{Base: ri.Base, Len: ri.Len, BlockLen: ri.BlockLen,
+			DevID: uint32(ri.DevID), Layer: uint32(ri.Layer), Kind: ri.Kind, PageSize: ri.PageSize})
+	}
+	srv, err := handshake.NewServer(r.local)
+	if err != nil {
+		_ = r.agent.Close()
+		return nil, err
+	}
+	r.hsServer.Store(srv)
+	if r.hs, err = handshake.NewClient(&handshake.Config{Caller: r.agent, Local: r.local, Mode: c.HandshakeMode,
+		Logger: c.Logger, Registerer: c.Registerer}); err != nil {
+		_ = r.agent.Close()
+		return nil, err
+	}
+	r.leases = newLeaseTable(c.LeaseTTL, r.leaseReleased)
+	r.ctx, r.cancel = context.WithCancelCause(context.WithoutCancel(ctx))
+	r.wg.Go(r.heartbeatLoop)
+	c.Logger.Info("rank started", "engine_id", c.EngineID, "tp_rank", c.TPRank, "tp_size", c.TPSize,
+		"addr", r.cfg.AdvertiseAddr, "incarnation", r.incarnation, "regions", len(r.regions))
+	return r, nil
+}
+
+// Addr is the address peers reach this rank at.
+func (r *Rank) Addr() string { return r.cfg.AdvertiseAddr }
+
+// Incarnation is random per NewRank; a restarted rank has another.
+func (r *Rank) Incarnation() uint64 { return r.incarnation }
+
+// Agent is the rank's QUIC agent (for counters in tests and benchmarks).
+func (r *Rank) Agent() *transfer.Agent { return r.agent }
+
+// Handshakes is the rank's handshake client.
+func (r *Rank) Handshakes() *handshake.Client { return r.hs }
+
+// Metadata is what this rank tells peers about itself.
+func (r *Rank) Metadata() *handshake.Metadata { return r.local }
+
+// poolMemory adapts one region of a vmm.Pool to transfer.Memory.
+type poolMemory struct {
+	p      *vmm.Pool
+	region int
+}
+
+func (m poolMemory) HostBytes(off, n uint64) ([]byte, error) { return m.p.HostBytes(m.region, off, n) }
+func (m poolMemory) CopyOut(off uint64, dst []byte) error    { return m.p.CopyOut(m.region, off, dst) }
+func (m poolMemory) CopyIn(off uint64, src []byte) error     { return m.p.CopyIn(m.region, off, src) }
+
+func (r *Rank) onHandshake(ctx context.Context, req *v1.HandshakeRequest) *v1.HandshakeResponse {
+	return r.hsServer.Load().Handle(ctx, req)
+}
+
+// checkBlocks validates engine block ids against the pool: in
+// [1, NumBlocks), no duplicates.
+func (r *Rank) checkBlocks(field string, ids []uint32) ([]int, error) {
+	out := make([]int, len(ids))
+	seen := make(map[uint32]struct{}, len(ids))
+	n := r.pool.NumBlocks()
+	for i, id := range ids {
+		if id == 0 || int(id) >= n {
+			return nil, fmt.Errorf("%w: %s[%d]=%d outside [1, %d) (block 0 is the null block)", ErrInvalidArgument, field, i, id, n)
+		}
+		if _, dup := seen[id]; dup {
+			return nil, fmt.Errorf("%w: %s[%d]=%d appears twice", ErrInvalidArgument, field, i, id)
+		}
+		seen[id] = struct{}{}
+		out[i] = int(id)
+	}
+	return out, nil
+}
+
+func (r *Rank) refuseIfDraining() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return fmt.Errorf("connector: rank closed: %w", net.ErrClosed)
+	}
+	if r.draining {
+		return fmt.Errorf("%w: rank %d of %q refuses new requests", ErrDraining, r.cfg.TPRank, r.cfg.EngineID)
+	}
+	return nil
+}
+
+// GetFinished returns, and forgets, what finished since the last call.
+func (r *Rank) GetFinished() Finished {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	f := Finished{DoneSending: r.sending, DoneRecving: r.recving, Failed: r.failed}
+	r.sending, r.recving, r.failed = nil, nil, nil
+	return f
+}
+
+// WaitFinished blocks until GetFinished has something to report, then
+// returns it like GetFinished; or returns context.Cause(ctx).
+func (r *Rank) WaitFinished(ctx context.Context) (Finished, error) {
+	for {
+		r.mu.Lock()
+		if len(r.sending)+len(r.recving)+len(r.failed) > 0 {
+			f := Finished{DoneSending: r.sending, DoneRecving: r.recving, Failed: r.failed}
+			r.sending, r.recving, r.failed = nil, nil, nil
+			r.mu.Unlock()
+			return f, nil
+		}
+		ch := r.changed
+		r.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return Finished{}, context.Cause(ctx)
+		}
+	}
+}
+
+// signalLocked wakes WaitFinished; r.mu is held.
+func (r *Rank) signalLocked() {
+	close(r.changed)
+	r.changed = make(chan struct{})
+}
+
+// Stats is a snapshot of the rank's connector state.
+type Stats struct {
+	LeasesHeld    int
+	BlocksHeld    int
+	LoadsInFlight int
+}
+
+// Stats returns a snapshot.
+func (r *Rank) Stats() Stats {
+	l, b := r.leases.held()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return Stats{LeasesHeld: l, BlocksHeld: b, LoadsInFlight: len(r.loads)}
+}
+
+// Drain refuses new requests, waits until every load in flight finished or
+// ctx is done (then aborts them), releases every lease and closes the rank.
+func (r *Rank) Drain(ctx context.Context) error {
+	r.mu.Lock()
+	r.draining = true
+	loads := make([]*load, 0, len(r.loads))
+	for _, l := range r.loads {
+		loads = append(loads, l)
+	}
+	r.mu.Unlock()
+	for _, l := range loads {
+		select {
+		case <-l.done:
+		case <-ctx.Done():
+			l.cancel(fmt.Errorf("%w: rank shutting down: %w", ErrDraining, context.Cause(ctx)))
+			<-l.done
+		}
+	}
+	return r.Close()
+}
+
+// Close aborts loads in flight, releases every lease (freeing its blocks
+// under local ownership), and closes the agent. A second Close returns an
+// error wrapping net.ErrClosed.
+func (r *Rank) Close() error {
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return fmt.Errorf("connector: rank already closed: %w", net.ErrClosed)
+	}
+	r.closed = true
+	r.mu.Unlock()
+	r.cancel(fmt.Errorf("%w: rank closed", ErrDraining))
+	r.wg.Wait()
+	r.leases.close()
+	err := errors.Join(r.hs.Close(), r.agent.Close())
+	return err
+}
