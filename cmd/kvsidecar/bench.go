@@ -5,30 +5,6 @@ import (
 	"io"
 )
 
-func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("serve", "Run the sidecar beside one GPU (one tp_rank) of an inference engine.", stderr)
-	if err := parseFlags(fs, args); err != nil {
-		return err
-	}
-	return errNotImplemented
-}
-
-func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("demo", "Run a prefill and a decode instance on the host backend and replay a real trace through them.", stderr)
-	if err := parseFlags(fs, args); err != nil {
-		return err
-	}
-	return errNotImplemented
-}
-
-func runCtl(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("ctl", "Show stats and set the memory limit of a running sidecar.", stderr)
-	if err := parseFlags(fs, args); err != nil {
-		return err
-	}
-	return errNotImplemented
-}
-
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" {
 		stderr.Write([]byte("Usage: kvsidecar bench handshake|transfer [flags]\n"))
