@@ -8,12 +8,13 @@ package wire
 
 import (
 	"bufio"
+	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
 
 	"google.golang.org/protobuf/encoding/protodelim"
-	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -49,6 +50,7 @@ func (e *SizeError) Unwrap() error { return ErrFrameTooLarge }
 type Reader struct {
 	br  *bufio.Reader
 	max int
+	buf bytes.Buffer
 }
 
 // NewReader returns a Reader of r with a frame limit of maxFrame bytes
@@ -60,26 +62,41 @@ func NewReader(r io.Reader, maxFrame int) *Reader {
 	return &Reader{br: bufio.NewReaderSize(r, 64<<10), max: maxFrame}
 }
 
-// ReadMsg reads one frame into m. It returns io.EOF when the stream ends
+// ReadMsg reads one frame into m, in protodelim's format. It returns io.EOF when the stream ends
 // cleanly before a frame, ErrTruncated when it ends inside one, and a
-// *SizeError when the declared size exceeds the limit; in that case nothing
-// of the declared size is allocated.
+// *SizeError when the declared size exceeds the limit. Memory grows with the
+// bytes that actually arrive, never with the declared size, so a peer that
+// claims a large frame and sends nothing costs nothing.
 func (r *Reader) ReadMsg(m proto.Message) error {
-	err := protodelim.UnmarshalOptions{MaxSize: int64(r.max)}.UnmarshalFrom(r.br, m)
-	if err == nil {
-		return nil
-	}
-	var sz *protodelim.SizeTooLargeError
+	size, err := binary.ReadUvarint(r.br)
 	switch {
-	case errors.As(err, &sz):
-		return &SizeError{Size: sz.Size, Max: r.max}
-	case errors.Is(err, io.ErrUnexpectedEOF):
-		return ErrTruncated
 	case errors.Is(err, io.EOF):
 		return io.EOF
+	case errors.Is(err, io.ErrUnexpectedEOF):
+		return ErrTruncated
+	case err != nil:
+		return fmt.Errorf("wire: bad frame length: %w", err)
+	case size > uint64(r.max):
+		return &SizeError{Size: size, Max: r.max}
 	}
-	return fmt.Errorf("wire: bad frame: %w", err)
+	r.buf.Reset()
+	if n, err := io.CopyN(&r.buf, r.br, int64(size)); err != nil {
+		if errors.Is(err, io.EOF) && n < int64(size) {
+			return ErrTruncated
+		}
+		return fmt.Errorf("wire: read frame: %w", err)
+	}
+	if err := proto.Unmarshal(r.buf.Bytes(), m); err != nil {
+		return fmt.Errorf("wire: bad frame: %w", err)
+	}
+	if r.buf.Cap() > retainBuf {
+		r.buf = bytes.Buffer{}
+	}
+	return nil
 }
+
+// retainBuf is the largest frame buffer a Reader keeps between frames.
+const retainBuf = 64 << 10
 
 // Read reads raw bytes that follow a frame. Large reads into an empty buffer
 // go straight into p without an intermediate copy.
@@ -98,8 +115,11 @@ func AppendFrame(b []byte, m proto.Message, maxFrame int) ([]byte, error) {
 	if size > maxFrame {
 		return b, &SizeError{Size: uint64(size), Max: maxFrame}
 	}
-	b = protowire.AppendVarint(b, uint64(size))
-	return proto.MarshalOptions{}.MarshalAppend(b, m)
+	buf := bytes.NewBuffer(b)
+	if _, err := protodelim.MarshalTo(buf, m); err != nil {
+		return b, fmt.Errorf("wire: encode frame: %w", err)
+	}
+	return buf.Bytes(), nil
 }
 
 // WriteMsg writes the frame of m to w in one Write call.

@@ -1,19 +1,21 @@
 package wire_test
 
 import (
+	"bufio"
 	"bytes"
 	"errors"
 	"io"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/encoding/protodelim"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
 
-	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/internal/wire"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
 // allMessages returns one populated instance of every message of the
@@ -185,6 +187,33 @@ func FuzzFrame(f *testing.F) {
 			}
 		}
 	})
+}
+
+func TestProtodelimCompatible(t *testing.T) {
+	m := &v1.Error{Code: v1.Code_CODE_TIMEOUT, Message: "late"}
+	var buf bytes.Buffer
+	_, err := protodelim.MarshalTo(&buf, m)
+	require.NoError(t, err)
+	var got v1.Error
+	require.NoError(t, wire.NewReader(&buf, 0).ReadMsg(&got))
+	require.True(t, proto.Equal(m, &got))
+
+	b, err := wire.AppendFrame(nil, m, 0)
+	require.NoError(t, err)
+	var back v1.Error
+	require.NoError(t, protodelim.UnmarshalFrom(bufio.NewReader(bytes.NewReader(b)), &back))
+	require.True(t, proto.Equal(m, &back))
+}
+
+// A frame that claims the full limit but sends a few bytes costs memory
+// in proportion to the bytes that came, not to the claim.
+func TestClaimedSizeDoesNotAllocate(t *testing.T) {
+	in := append(protowire.AppendVarint(nil, wire.DefaultMaxFrame), 1, 2, 3)
+	var ms runtimeMem
+	before := ms.heap()
+	err := wire.NewReader(bytes.NewReader(in), 0).ReadMsg(&v1.PeerRequest{})
+	require.ErrorIs(t, err, wire.ErrTruncated)
+	require.Less(t, ms.heap()-before, uint64(1<<20), "heap grew by the claimed size")
 }
 
 func TestHugePrefixDoesNotAllocate(t *testing.T) {
