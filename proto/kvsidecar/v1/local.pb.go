@@ -254,9 +254,15 @@ type KVCacheInfo struct {
 	RegionLen  uint64 `protobuf:"varint,7,opt,name=region_len,json=regionLen,proto3" json:"region_len,omitempty"`
 	NumRegions uint32 `protobuf:"varint,8,opt,name=num_regions,json=numRegions,proto3" json:"num_regions,omitempty"`
 	// Page (granularity) size in bytes.
-	PageSize      uint64         `protobuf:"varint,9,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
-	Mappings      []*PageMapping `protobuf:"bytes,10,rep,name=mappings,proto3" json:"mappings,omitempty"`
-	EngineId      string         `protobuf:"bytes,11,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
+	PageSize uint64 `protobuf:"varint,9,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	// Unused by the v1 server: mappings travel in LocalReply.mappings.
+	Mappings []*PageMapping `protobuf:"bytes,10,rep,name=mappings,proto3" json:"mappings,omitempty"`
+	EngineId string         `protobuf:"bytes,11,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
+	// True when the pages are device memory (CUDA POSIX fds, one per page,
+	// imported with cuMemImportFromShareableHandle), false for host memfd
+	// ranges that the engine maps with mmap.
+	DeviceMemory  bool      `protobuf:"varint,12,opt,name=device_memory,json=deviceMemory,proto3" json:"device_memory,omitempty"`
+	Ownership     Ownership `protobuf:"varint,13,opt,name=ownership,proto3,enum=kvsidecar.v1.Ownership" json:"ownership,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -368,6 +374,20 @@ func (x *KVCacheInfo) GetEngineId() string {
 	return ""
 }
 
+func (x *KVCacheInfo) GetDeviceMemory() bool {
+	if x != nil {
+		return x.DeviceMemory
+	}
+	return false
+}
+
+func (x *KVCacheInfo) GetOwnership() Ownership {
+	if x != nil {
+		return x.Ownership
+	}
+	return Ownership_OWNERSHIP_UNSPECIFIED
+}
+
 type AllocBlocks struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Count         uint32                 `protobuf:"varint,1,opt,name=count,proto3" json:"count,omitempty"`
@@ -415,8 +435,7 @@ func (x *AllocBlocks) GetCount() uint32 {
 type AllocBlocksReply struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	BlockIds []uint32               `protobuf:"varint,1,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"`
-	// Pages newly mapped for these blocks that the engine must map too
-	// (empty for the host backend, whose memfd is passed once at attach).
+	// Unused by the v1 server: mappings travel in LocalReply.mappings.
 	Mappings      []*PageMapping `protobuf:"bytes,2,rep,name=mappings,proto3" json:"mappings,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1036,8 +1055,15 @@ type StatsReply struct {
 	LoadsInFlight    uint64                 `protobuf:"varint,7,opt,name=loads_in_flight,json=loadsInFlight,proto3" json:"loads_in_flight,omitempty"`
 	DeviceBytes      uint64                 `protobuf:"varint,8,opt,name=device_bytes,json=deviceBytes,proto3" json:"device_bytes,omitempty"`
 	ReservePages     uint64                 `protobuf:"varint,9,opt,name=reserve_pages,json=reservePages,proto3" json:"reserve_pages,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Bytes reserved across all regions: the largest useful memory limit and
+	// the base of a limit given in percent.
+	ReservationBytes uint64 `protobuf:"varint,10,opt,name=reservation_bytes,json=reservationBytes,proto3" json:"reservation_bytes,omitempty"`
+	PageSize         uint64 `protobuf:"varint,11,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	NumRegions       uint64 `protobuf:"varint,12,opt,name=num_regions,json=numRegions,proto3" json:"num_regions,omitempty"`
+	// False before an engine created the KV cache (every other field is 0).
+	CacheReady    bool `protobuf:"varint,13,opt,name=cache_ready,json=cacheReady,proto3" json:"cache_ready,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *StatsReply) Reset() {
@@ -1133,6 +1159,102 @@ func (x *StatsReply) GetReservePages() uint64 {
 	return 0
 }
 
+func (x *StatsReply) GetReservationBytes() uint64 {
+	if x != nil {
+		return x.ReservationBytes
+	}
+	return 0
+}
+
+func (x *StatsReply) GetPageSize() uint64 {
+	if x != nil {
+		return x.PageSize
+	}
+	return 0
+}
+
+func (x *StatsReply) GetNumRegions() uint64 {
+	if x != nil {
+		return x.NumRegions
+	}
+	return 0
+}
+
+func (x *StatsReply) GetCacheReady() bool {
+	if x != nil {
+		return x.CacheReady
+	}
+	return false
+}
+
+// MappingDelta brings an attached engine's view of the shared pages up to
+// date. Every reply to an attached connection carries the pages mapped or
+// remapped since its previous reply (with their fds, SCM_RIGHTS, in the
+// same order as fd_index) and the pages unmapped since, so the engine never
+// keeps a mapping of a hole-punched or reused range past its next call.
+type MappingDelta struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Ranges to map (MAP_FIXED over whatever the engine had there).
+	Map []*PageMapping `protobuf:"bytes,1,rep,name=map,proto3" json:"map,omitempty"`
+	// Page indices (of every region) to return to no access.
+	UnmappedPages []uint32 `protobuf:"varint,2,rep,packed,name=unmapped_pages,json=unmappedPages,proto3" json:"unmapped_pages,omitempty"`
+	// File descriptors passed with this reply; fd_index < num_fds.
+	NumFds        uint32 `protobuf:"varint,3,opt,name=num_fds,json=numFds,proto3" json:"num_fds,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MappingDelta) Reset() {
+	*x = MappingDelta{}
+	mi := &file_kvsidecar_v1_local_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MappingDelta) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MappingDelta) ProtoMessage() {}
+
+func (x *MappingDelta) ProtoReflect() protoreflect.Message {
+	mi := &file_kvsidecar_v1_local_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MappingDelta.ProtoReflect.Descriptor instead.
+func (*MappingDelta) Descriptor() ([]byte, []int) {
+	return file_kvsidecar_v1_local_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *MappingDelta) GetMap() []*PageMapping {
+	if x != nil {
+		return x.Map
+	}
+	return nil
+}
+
+func (x *MappingDelta) GetUnmappedPages() []uint32 {
+	if x != nil {
+		return x.UnmappedPages
+	}
+	return nil
+}
+
+func (x *MappingDelta) GetNumFds() uint32 {
+	if x != nil {
+		return x.NumFds
+	}
+	return 0
+}
+
 // LocalRequest is one call from the engine.
 type LocalRequest struct {
 	state       protoimpl.MessageState `protogen:"open.v1"`
@@ -1151,6 +1273,7 @@ type LocalRequest struct {
 	//	*LocalRequest_GetFinished
 	//	*LocalRequest_Abort
 	//	*LocalRequest_Stats
+	//	*LocalRequest_Sync
 	Call          isLocalRequest_Call `protobuf_oneof:"call"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1158,7 +1281,7 @@ type LocalRequest struct {
 
 func (x *LocalRequest) Reset() {
 	*x = LocalRequest{}
-	mi := &file_kvsidecar_v1_local_proto_msgTypes[17]
+	mi := &file_kvsidecar_v1_local_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1170,7 +1293,7 @@ func (x *LocalRequest) String() string {
 func (*LocalRequest) ProtoMessage() {}
 
 func (x *LocalRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_local_proto_msgTypes[17]
+	mi := &file_kvsidecar_v1_local_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1183,7 +1306,7 @@ func (x *LocalRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LocalRequest.ProtoReflect.Descriptor instead.
 func (*LocalRequest) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_local_proto_rawDescGZIP(), []int{17}
+	return file_kvsidecar_v1_local_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *LocalRequest) GetWireVersion() WireVersion {
@@ -1297,6 +1420,15 @@ func (x *LocalRequest) GetStats() *Stats {
 	return nil
 }
 
+func (x *LocalRequest) GetSync() bool {
+	if x != nil {
+		if x, ok := x.Call.(*LocalRequest_Sync); ok {
+			return x.Sync
+		}
+	}
+	return false
+}
+
 type isLocalRequest_Call interface {
 	isLocalRequest_Call()
 }
@@ -1341,6 +1473,11 @@ type LocalRequest_Stats struct {
 	Stats *Stats `protobuf:"bytes,12,opt,name=stats,proto3,oneof"`
 }
 
+type LocalRequest_Sync struct {
+	// Sync asks for nothing but the reply's MappingDelta.
+	Sync bool `protobuf:"varint,13,opt,name=sync,proto3,oneof"`
+}
+
 func (*LocalRequest_Create) isLocalRequest_Call() {}
 
 func (*LocalRequest_Alloc) isLocalRequest_Call() {}
@@ -1361,6 +1498,8 @@ func (*LocalRequest_Abort) isLocalRequest_Call() {}
 
 func (*LocalRequest_Stats) isLocalRequest_Call() {}
 
+func (*LocalRequest_Sync) isLocalRequest_Call() {}
+
 // LocalReply answers one LocalRequest.
 type LocalReply struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
@@ -1374,14 +1513,17 @@ type LocalReply struct {
 	//	*LocalReply_RequestFinished
 	//	*LocalReply_GetFinished
 	//	*LocalReply_Stats
-	Result        isLocalReply_Result `protobuf_oneof:"result"`
+	Result isLocalReply_Result `protobuf_oneof:"result"`
+	// Set on every reply to an attached connection that has anything to
+	// change; see MappingDelta.
+	Mappings      *MappingDelta `protobuf:"bytes,9,opt,name=mappings,proto3" json:"mappings,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *LocalReply) Reset() {
 	*x = LocalReply{}
-	mi := &file_kvsidecar_v1_local_proto_msgTypes[18]
+	mi := &file_kvsidecar_v1_local_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1393,7 +1535,7 @@ func (x *LocalReply) String() string {
 func (*LocalReply) ProtoMessage() {}
 
 func (x *LocalReply) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_local_proto_msgTypes[18]
+	mi := &file_kvsidecar_v1_local_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1406,7 +1548,7 @@ func (x *LocalReply) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LocalReply.ProtoReflect.Descriptor instead.
 func (*LocalReply) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_local_proto_rawDescGZIP(), []int{18}
+	return file_kvsidecar_v1_local_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *LocalReply) GetCallId() uint64 {
@@ -1484,6 +1626,13 @@ func (x *LocalReply) GetStats() *StatsReply {
 	return nil
 }
 
+func (x *LocalReply) GetMappings() *MappingDelta {
+	if x != nil {
+		return x.Mappings
+	}
+	return nil
+}
+
 type isLocalReply_Result interface {
 	isLocalReply_Result()
 }
@@ -1541,7 +1690,7 @@ const file_kvsidecar_v1_local_proto_rawDesc = "" +
 	"\rregion_offset\x18\x02 \x01(\x04R\fregionOffset\x12\x10\n" +
 	"\x03len\x18\x03 \x01(\x04R\x03len\x12\x19\n" +
 	"\bfd_index\x18\x04 \x01(\rR\afdIndex\x12\x1b\n" +
-	"\tfd_offset\x18\x05 \x01(\x04R\bfdOffset\"\x8b\x03\n" +
+	"\tfd_offset\x18\x05 \x01(\x04R\bfdOffset\"\xe7\x03\n" +
 	"\vKVCacheInfo\x127\n" +
 	"\bgeometry\x18\x01 \x01(\v2\x1b.kvsidecar.v1.ModelGeometryR\bgeometry\x12\x17\n" +
 	"\atp_rank\x18\x02 \x01(\rR\x06tpRank\x12\x17\n" +
@@ -1557,7 +1706,9 @@ const file_kvsidecar_v1_local_proto_rawDesc = "" +
 	"\tpage_size\x18\t \x01(\x04R\bpageSize\x125\n" +
 	"\bmappings\x18\n" +
 	" \x03(\v2\x19.kvsidecar.v1.PageMappingR\bmappings\x12\x1b\n" +
-	"\tengine_id\x18\v \x01(\tR\bengineId\"#\n" +
+	"\tengine_id\x18\v \x01(\tR\bengineId\x12#\n" +
+	"\rdevice_memory\x18\f \x01(\bR\fdeviceMemory\x125\n" +
+	"\townership\x18\r \x01(\x0e2\x17.kvsidecar.v1.OwnershipR\townership\"#\n" +
 	"\vAllocBlocks\x12\x14\n" +
 	"\x05count\x18\x01 \x01(\rR\x05count\"f\n" +
 	"\x10AllocBlocksReply\x12\x1b\n" +
@@ -1597,7 +1748,7 @@ const file_kvsidecar_v1_local_proto_rawDesc = "" +
 	"\x05Abort\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\"\a\n" +
-	"\x05Stats\"\xd5\x02\n" +
+	"\x05Stats\"\xe1\x03\n" +
 	"\n" +
 	"StatsReply\x12!\n" +
 	"\fpages_mapped\x18\x01 \x01(\x04R\vpagesMapped\x12!\n" +
@@ -1610,7 +1761,18 @@ const file_kvsidecar_v1_local_proto_rawDesc = "" +
 	"leasesHeld\x12&\n" +
 	"\x0floads_in_flight\x18\a \x01(\x04R\rloadsInFlight\x12!\n" +
 	"\fdevice_bytes\x18\b \x01(\x04R\vdeviceBytes\x12#\n" +
-	"\rreserve_pages\x18\t \x01(\x04R\freservePages\"\x84\x05\n" +
+	"\rreserve_pages\x18\t \x01(\x04R\freservePages\x12+\n" +
+	"\x11reservation_bytes\x18\n" +
+	" \x01(\x04R\x10reservationBytes\x12\x1b\n" +
+	"\tpage_size\x18\v \x01(\x04R\bpageSize\x12\x1f\n" +
+	"\vnum_regions\x18\f \x01(\x04R\n" +
+	"numRegions\x12\x1f\n" +
+	"\vcache_ready\x18\r \x01(\bR\n" +
+	"cacheReady\"{\n" +
+	"\fMappingDelta\x12+\n" +
+	"\x03map\x18\x01 \x03(\v2\x19.kvsidecar.v1.PageMappingR\x03map\x12%\n" +
+	"\x0eunmapped_pages\x18\x02 \x03(\rR\runmappedPages\x12\x17\n" +
+	"\anum_fds\x18\x03 \x01(\rR\x06numFds\"\x9a\x05\n" +
 	"\fLocalRequest\x12<\n" +
 	"\fwire_version\x18\x01 \x01(\x0e2\x19.kvsidecar.v1.WireVersionR\vwireVersion\x12\x17\n" +
 	"\acall_id\x18\x02 \x01(\x04R\x06callId\x125\n" +
@@ -1625,8 +1787,9 @@ const file_kvsidecar_v1_local_proto_rawDesc = "" +
 	"\fget_finished\x18\n" +
 	" \x01(\v2\x19.kvsidecar.v1.GetFinishedH\x00R\vgetFinished\x12+\n" +
 	"\x05abort\x18\v \x01(\v2\x13.kvsidecar.v1.AbortH\x00R\x05abort\x12+\n" +
-	"\x05stats\x18\f \x01(\v2\x13.kvsidecar.v1.StatsH\x00R\x05statsB\x06\n" +
-	"\x04call\"\xcb\x03\n" +
+	"\x05stats\x18\f \x01(\v2\x13.kvsidecar.v1.StatsH\x00R\x05stats\x12\x14\n" +
+	"\x04sync\x18\r \x01(\bH\x00R\x04syncB\x06\n" +
+	"\x04call\"\x83\x04\n" +
 	"\n" +
 	"LocalReply\x12\x17\n" +
 	"\acall_id\x18\x01 \x01(\x04R\x06callId\x12)\n" +
@@ -1636,7 +1799,8 @@ const file_kvsidecar_v1_local_proto_rawDesc = "" +
 	"\tavailable\x18\x05 \x01(\v2\x1c.kvsidecar.v1.AvailableReplyH\x00R\tavailable\x12O\n" +
 	"\x10request_finished\x18\x06 \x01(\v2\".kvsidecar.v1.RequestFinishedReplyH\x00R\x0frequestFinished\x12C\n" +
 	"\fget_finished\x18\a \x01(\v2\x1e.kvsidecar.v1.GetFinishedReplyH\x00R\vgetFinished\x120\n" +
-	"\x05stats\x18\b \x01(\v2\x18.kvsidecar.v1.StatsReplyH\x00R\x05statsB\b\n" +
+	"\x05stats\x18\b \x01(\v2\x18.kvsidecar.v1.StatsReplyH\x00R\x05stats\x126\n" +
+	"\bmappings\x18\t \x01(\v2\x1a.kvsidecar.v1.MappingDeltaR\bmappingsB\b\n" +
 	"\x06result*\x93\x01\n" +
 	"\fFinishStatus\x12\x1d\n" +
 	"\x19FINISH_STATUS_UNSPECIFIED\x10\x00\x12\x18\n" +
@@ -1658,7 +1822,7 @@ func file_kvsidecar_v1_local_proto_rawDescGZIP() []byte {
 }
 
 var file_kvsidecar_v1_local_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvsidecar_v1_local_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
+var file_kvsidecar_v1_local_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
 var file_kvsidecar_v1_local_proto_goTypes = []any{
 	(FinishStatus)(0),            // 0: kvsidecar.v1.FinishStatus
 	(*CreateKVCache)(nil),        // 1: kvsidecar.v1.CreateKVCache
@@ -1678,49 +1842,53 @@ var file_kvsidecar_v1_local_proto_goTypes = []any{
 	(*Abort)(nil),                // 15: kvsidecar.v1.Abort
 	(*Stats)(nil),                // 16: kvsidecar.v1.Stats
 	(*StatsReply)(nil),           // 17: kvsidecar.v1.StatsReply
-	(*LocalRequest)(nil),         // 18: kvsidecar.v1.LocalRequest
-	(*LocalReply)(nil),           // 19: kvsidecar.v1.LocalReply
-	(*ModelGeometry)(nil),        // 20: kvsidecar.v1.ModelGeometry
-	(Ownership)(0),               // 21: kvsidecar.v1.Ownership
-	(*KVTransferParams)(nil),     // 22: kvsidecar.v1.KVTransferParams
-	(*ReqMeta)(nil),              // 23: kvsidecar.v1.ReqMeta
-	(*Error)(nil),                // 24: kvsidecar.v1.Error
-	(WireVersion)(0),             // 25: kvsidecar.v1.WireVersion
+	(*MappingDelta)(nil),         // 18: kvsidecar.v1.MappingDelta
+	(*LocalRequest)(nil),         // 19: kvsidecar.v1.LocalRequest
+	(*LocalReply)(nil),           // 20: kvsidecar.v1.LocalReply
+	(*ModelGeometry)(nil),        // 21: kvsidecar.v1.ModelGeometry
+	(Ownership)(0),               // 22: kvsidecar.v1.Ownership
+	(*KVTransferParams)(nil),     // 23: kvsidecar.v1.KVTransferParams
+	(*ReqMeta)(nil),              // 24: kvsidecar.v1.ReqMeta
+	(*Error)(nil),                // 25: kvsidecar.v1.Error
+	(WireVersion)(0),             // 26: kvsidecar.v1.WireVersion
 }
 var file_kvsidecar_v1_local_proto_depIdxs = []int32{
-	20, // 0: kvsidecar.v1.CreateKVCache.geometry:type_name -> kvsidecar.v1.ModelGeometry
-	21, // 1: kvsidecar.v1.CreateKVCache.ownership:type_name -> kvsidecar.v1.Ownership
-	20, // 2: kvsidecar.v1.KVCacheInfo.geometry:type_name -> kvsidecar.v1.ModelGeometry
+	21, // 0: kvsidecar.v1.CreateKVCache.geometry:type_name -> kvsidecar.v1.ModelGeometry
+	22, // 1: kvsidecar.v1.CreateKVCache.ownership:type_name -> kvsidecar.v1.Ownership
+	21, // 2: kvsidecar.v1.KVCacheInfo.geometry:type_name -> kvsidecar.v1.ModelGeometry
 	2,  // 3: kvsidecar.v1.KVCacheInfo.mappings:type_name -> kvsidecar.v1.PageMapping
-	2,  // 4: kvsidecar.v1.AllocBlocksReply.mappings:type_name -> kvsidecar.v1.PageMapping
-	0,  // 5: kvsidecar.v1.RequestFinished.status:type_name -> kvsidecar.v1.FinishStatus
-	22, // 6: kvsidecar.v1.RequestFinished.params:type_name -> kvsidecar.v1.KVTransferParams
-	22, // 7: kvsidecar.v1.RequestFinishedReply.params:type_name -> kvsidecar.v1.KVTransferParams
-	23, // 8: kvsidecar.v1.StartLoad.meta:type_name -> kvsidecar.v1.ReqMeta
-	24, // 9: kvsidecar.v1.FailedRequest.error:type_name -> kvsidecar.v1.Error
-	13, // 10: kvsidecar.v1.GetFinishedReply.failed:type_name -> kvsidecar.v1.FailedRequest
-	25, // 11: kvsidecar.v1.LocalRequest.wire_version:type_name -> kvsidecar.v1.WireVersion
-	1,  // 12: kvsidecar.v1.LocalRequest.create:type_name -> kvsidecar.v1.CreateKVCache
-	4,  // 13: kvsidecar.v1.LocalRequest.alloc:type_name -> kvsidecar.v1.AllocBlocks
-	6,  // 14: kvsidecar.v1.LocalRequest.free:type_name -> kvsidecar.v1.FreeBlocks
-	8,  // 15: kvsidecar.v1.LocalRequest.set_limit:type_name -> kvsidecar.v1.SetMemoryLimit
-	9,  // 16: kvsidecar.v1.LocalRequest.request_finished:type_name -> kvsidecar.v1.RequestFinished
-	11, // 17: kvsidecar.v1.LocalRequest.start_load:type_name -> kvsidecar.v1.StartLoad
-	12, // 18: kvsidecar.v1.LocalRequest.get_finished:type_name -> kvsidecar.v1.GetFinished
-	15, // 19: kvsidecar.v1.LocalRequest.abort:type_name -> kvsidecar.v1.Abort
-	16, // 20: kvsidecar.v1.LocalRequest.stats:type_name -> kvsidecar.v1.Stats
-	24, // 21: kvsidecar.v1.LocalReply.error:type_name -> kvsidecar.v1.Error
-	3,  // 22: kvsidecar.v1.LocalReply.cache:type_name -> kvsidecar.v1.KVCacheInfo
-	5,  // 23: kvsidecar.v1.LocalReply.alloc:type_name -> kvsidecar.v1.AllocBlocksReply
-	7,  // 24: kvsidecar.v1.LocalReply.available:type_name -> kvsidecar.v1.AvailableReply
-	10, // 25: kvsidecar.v1.LocalReply.request_finished:type_name -> kvsidecar.v1.RequestFinishedReply
-	14, // 26: kvsidecar.v1.LocalReply.get_finished:type_name -> kvsidecar.v1.GetFinishedReply
-	17, // 27: kvsidecar.v1.LocalReply.stats:type_name -> kvsidecar.v1.StatsReply
-	28, // [28:28] is the sub-list for method output_type
-	28, // [28:28] is the sub-list for method input_type
-	28, // [28:28] is the sub-list for extension type_name
-	28, // [28:28] is the sub-list for extension extendee
-	0,  // [0:28] is the sub-list for field type_name
+	22, // 4: kvsidecar.v1.KVCacheInfo.ownership:type_name -> kvsidecar.v1.Ownership
+	2,  // 5: kvsidecar.v1.AllocBlocksReply.mappings:type_name -> kvsidecar.v1.PageMapping
+	0,  // 6: kvsidecar.v1.RequestFinished.status:type_name -> kvsidecar.v1.FinishStatus
+	23, // 7: kvsidecar.v1.RequestFinished.params:type_name -> kvsidecar.v1.KVTransferParams
+	23, // 8: kvsidecar.v1.RequestFinishedReply.params:type_name -> kvsidecar.v1.KVTransferParams
+	24, // 9: kvsidecar.v1.StartLoad.meta:type_name -> kvsidecar.v1.ReqMeta
+	25, // 10: kvsidecar.v1.FailedRequest.error:type_name -> kvsidecar.v1.Error
+	13, // 11: kvsidecar.v1.GetFinishedReply.failed:type_name -> kvsidecar.v1.FailedRequest
+	2,  // 12: kvsidecar.v1.MappingDelta.map:type_name -> kvsidecar.v1.PageMapping
+	26, // 13: kvsidecar.v1.LocalRequest.wire_version:type_name -> kvsidecar.v1.WireVersion
+	1,  // 14: kvsidecar.v1.LocalRequest.create:type_name -> kvsidecar.v1.CreateKVCache
+	4,  // 15: kvsidecar.v1.LocalRequest.alloc:type_name -> kvsidecar.v1.AllocBlocks
+	6,  // 16: kvsidecar.v1.LocalRequest.free:type_name -> kvsidecar.v1.FreeBlocks
+	8,  // 17: kvsidecar.v1.LocalRequest.set_limit:type_name -> kvsidecar.v1.SetMemoryLimit
+	9,  // 18: kvsidecar.v1.LocalRequest.request_finished:type_name -> kvsidecar.v1.RequestFinished
+	11, // 19: kvsidecar.v1.LocalRequest.start_load:type_name -> kvsidecar.v1.StartLoad
+	12, // 20: kvsidecar.v1.LocalRequest.get_finished:type_name -> kvsidecar.v1.GetFinished
+	15, // 21: kvsidecar.v1.LocalRequest.abort:type_name -> kvsidecar.v1.Abort
+	16, // 22: kvsidecar.v1.LocalRequest.stats:type_name -> kvsidecar.v1.Stats
+	25, // 23: kvsidecar.v1.LocalReply.error:type_name -> kvsidecar.v1.Error
+	3,  // 24: kvsidecar.v1.LocalReply.cache:type_name -> kvsidecar.v1.KVCacheInfo
+	5,  // 25: kvsidecar.v1.LocalReply.alloc:type_name -> kvsidecar.v1.AllocBlocksReply
+	7,  // 26: kvsidecar.v1.LocalReply.available:type_name -> kvsidecar.v1.AvailableReply
+	10, // 27: kvsidecar.v1.LocalReply.request_finished:type_name -> kvsidecar.v1.RequestFinishedReply
+	14, // 28: kvsidecar.v1.LocalReply.get_finished:type_name -> kvsidecar.v1.GetFinishedReply
+	17, // 29: kvsidecar.v1.LocalReply.stats:type_name -> kvsidecar.v1.StatsReply
+	18, // 30: kvsidecar.v1.LocalReply.mappings:type_name -> kvsidecar.v1.MappingDelta
+	31, // [31:31] is the sub-list for method output_type
+	31, // [31:31] is the sub-list for method input_type
+	31, // [31:31] is the sub-list for extension type_name
+	31, // [31:31] is the sub-list for extension extendee
+	0,  // [0:31] is the sub-list for field type_name
 }
 
 func init() { file_kvsidecar_v1_local_proto_init() }
@@ -1731,7 +1899,7 @@ func file_kvsidecar_v1_local_proto_init() {
 	file_kvsidecar_v1_common_proto_init()
 	file_kvsidecar_v1_group_proto_init()
 	file_kvsidecar_v1_params_proto_init()
-	file_kvsidecar_v1_local_proto_msgTypes[17].OneofWrappers = []any{
+	file_kvsidecar_v1_local_proto_msgTypes[18].OneofWrappers = []any{
 		(*LocalRequest_Create)(nil),
 		(*LocalRequest_Alloc)(nil),
 		(*LocalRequest_Free)(nil),
@@ -1742,8 +1910,9 @@ func file_kvsidecar_v1_local_proto_init() {
 		(*LocalRequest_GetFinished)(nil),
 		(*LocalRequest_Abort)(nil),
 		(*LocalRequest_Stats)(nil),
+		(*LocalRequest_Sync)(nil),
 	}
-	file_kvsidecar_v1_local_proto_msgTypes[18].OneofWrappers = []any{
+	file_kvsidecar_v1_local_proto_msgTypes[19].OneofWrappers = []any{
 		(*LocalReply_Cache)(nil),
 		(*LocalReply_Alloc)(nil),
 		(*LocalReply_Available)(nil),
@@ -1757,7 +1926,7 @@ func file_kvsidecar_v1_local_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvsidecar_v1_local_proto_rawDesc), len(file_kvsidecar_v1_local_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   19,
+			NumMessages:   20,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
