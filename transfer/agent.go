@@ -109,6 +109,10 @@ func New(cfg *Config) (*Agent, error) {
 	if err := c.validate(); err != nil {
 		return nil, err
 	}
+	m, err := newMetrics(c.Registerer)
+	if err != nil {
+		return nil, err
+	}
 	pc := c.PacketConn
 	if pc == nil {
 		udp, err := net.ListenPacket("udp", c.ListenAddr)
@@ -121,7 +125,7 @@ func New(cfg *Config) (*Agent, error) {
 		cfg:       c,
 		tr:        &quic.Transport{Conn: pc},
 		qconf:     QUICConfig(c),
-		m:         newMetrics(c.Registerer),
+		m:         m,
 		log:       c.Logger,
 		peers:     make(map[string]*peer),
 		dials:     make(map[string]int),

@@ -1,7 +1,11 @@
 package transfer
 
 import (
+	"fmt"
+
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvsidecar/kvsidecar/internal/promutil"
 )
 
 // metrics are the agent's Prometheus collectors. Labels are bounded: op is
@@ -19,7 +23,7 @@ type metrics struct {
 	notifs     *prometheus.CounterVec
 }
 
-func newMetrics(reg prometheus.Registerer) *metrics {
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
 		bytes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvsidecar_transfer_bytes_total",
@@ -64,9 +68,16 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Help: "Notifications served, by result code.",
 		}, []string{"code"}),
 	}
-	if reg != nil {
-		reg.MustRegister(m.bytes, m.xfers, m.xferSecs, m.postSecs, m.failures, m.inflight,
-			m.reconnects, m.dials, m.zeroRTT, m.notifs)
+	// Several agents in one process (one per rank) share one registry.
+	for _, err := range []error{
+		promutil.Register(reg, &m.bytes), promutil.Register(reg, &m.xfers), promutil.Register(reg, &m.xferSecs),
+		promutil.Register(reg, &m.postSecs), promutil.Register(reg, &m.failures), promutil.Register(reg, &m.inflight),
+		promutil.Register(reg, &m.reconnects), promutil.Register(reg, &m.dials), promutil.Register(reg, &m.zeroRTT),
+		promutil.Register(reg, &m.notifs),
+	} {
+		if err != nil {
+			return nil, fmt.Errorf("transfer: Config.Registerer: %w", err)
+		}
 	}
-	return m
+	return m, nil
 }

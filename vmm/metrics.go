@@ -2,6 +2,8 @@ package vmm
 
 import (
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvsidecar/kvsidecar/internal/promutil"
 )
 
 // metrics of one Pool; names follow kvsidecar_vmm_<what>_{total,bytes,seconds}.
@@ -47,11 +49,15 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help: "Alloc calls refused because the limit or the reservation had no room.",
 		}),
 	}
-	if reg != nil {
-		for _, c := range []prometheus.Collector{m.pagesMapped, m.bytesMapped, m.blocksUsed, m.limitBytes, m.mapSeconds, m.failures, m.allocRefused} {
-			if err := reg.Register(c); err != nil {
-				return nil, configError("Config.Registerer", "%v", err)
-			}
+	// Several pools in one process share one registry's collectors.
+	for _, err := range []error{
+		promutil.Register(reg, &m.pagesMapped), promutil.Register(reg, &m.bytesMapped),
+		promutil.Register(reg, &m.blocksUsed), promutil.Register(reg, &m.limitBytes),
+		promutil.Register(reg, &m.mapSeconds), promutil.Register(reg, &m.failures),
+		promutil.Register(reg, &m.allocRefused),
+	} {
+		if err != nil {
+			return nil, configError("Config.Registerer", "%v", err)
 		}
 	}
 	return m, nil

@@ -154,6 +154,11 @@ type Pool struct {
 	ownBE     bool
 	log       *slog.Logger
 	m         *metrics
+	// gauged is what this pool last added to the shared gauges.
+	gauged struct {
+		mapped, used int
+		limit        uint64
+	}
 	ps        uint64 // page size
 	blen      uint64
 	bpp       int
@@ -291,7 +296,7 @@ func newPool(ctx context.Context, c Config, be Backend) (*Pool, error) {
 	p.used = 0 // the null block is not counted as used
 	p.updateGaugesLocked()
 	p.mu.Unlock()
-	p.m.limitBytes.Set(float64(c.MemoryLimit))
+	p.setLimitGauge(c.MemoryLimit)
 	return p, nil
 }
 
@@ -890,7 +895,7 @@ func (p *Pool) SetMemoryLimit(bytes uint64) error {
 	p.ops.Add(1)
 	p.mu.Unlock()
 	defer p.ops.Done()
-	p.m.limitBytes.Set(float64(bytes))
+	p.setLimitGauge(bytes)
 	err := p.unmapTrimmed(p.ctx, trim)
 	p.nudge()
 	return err
@@ -912,10 +917,24 @@ func (p *Pool) Stats() Stats {
 	return s
 }
 
+// updateGaugesLocked adds this pool's changes since the last update to the
+// gauges, so several pools reporting into one registry (one per rank in
+// one process) sum instead of overwriting each other.
 func (p *Pool) updateGaugesLocked() {
-	p.m.pagesMapped.Set(float64(p.mappedCnt))
-	p.m.bytesMapped.Set(float64(uint64(p.mappedCnt) * p.pageBytes))
-	p.m.blocksUsed.Set(float64(p.used))
+	mapped, used := p.mappedCnt, p.used
+	if p.closed {
+		mapped, used = 0, 0
+	}
+	p.m.pagesMapped.Add(float64(mapped - p.gauged.mapped))
+	p.m.bytesMapped.Add(float64(mapped-p.gauged.mapped) * float64(p.pageBytes))
+	p.m.blocksUsed.Add(float64(used - p.gauged.used))
+	p.gauged.mapped, p.gauged.used = mapped, used
+}
+
+// setLimitGauge adds the change of this pool's limit to the limit gauge.
+func (p *Pool) setLimitGauge(limit uint64) {
+	p.m.limitBytes.Add(float64(limit) - float64(p.gauged.limit))
+	p.gauged.limit = limit
 }
 
 // Layout returns the pool's layout.
@@ -1029,6 +1048,8 @@ func (p *Pool) Close() error {
 		return p.closedErr()
 	}
 	p.closed = true
+	p.updateGaugesLocked() // a closed pool counts nothing in the shared gauges
+	p.setLimitGauge(0)
 	p.mu.Unlock()
 	p.cancel()
 	p.bg.Wait()
