@@ -160,13 +160,23 @@ func (a *Agent) Notify(ctx context.Context, addr string, n *v1.Notification) err
 	return codes.FromProto(addr, b.Notification.GetError())
 }
 
-// call runs one request/response exchange with addr.
+// call runs one request/response exchange with addr. An idempotent
+// (early) request that fails because the cached connection died under it,
+// e.g. the peer restarted and closed it just now, is sent once more on a
+// new connection.
 func (a *Agent) call(ctx context.Context, addr string, req *v1.PeerRequest, early bool) (*v1.PeerResponse, error) {
-	p, err := a.peerFor(ctx, addr)
-	if err != nil {
-		return nil, err
+	for attempt := 0; ; attempt++ {
+		p, err := a.peerFor(ctx, addr)
+		if err != nil {
+			return nil, err
+		}
+		resp, err := a.roundTrip(ctx, p, req, early)
+		if err != nil && early && attempt == 0 && ctx.Err() == nil && p.conn.Context().Err() != nil && !a.isClosed() {
+			a.dropPeer(p)
+			continue
+		}
+		return resp, err
 	}
-	return a.roundTrip(ctx, p, req, early)
 }
 
 // roundTrip opens a stream on p, sends req, reads one response. early

@@ -1,0 +1,287 @@
+package connector_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvsidecar/kvsidecar/connector"
+	"github.com/kvsidecar/kvsidecar/handshake"
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/kvgen"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+// TestConnectionsOnlyToTargets is acceptance 2: in piggyback mode each
+// decode rank dials only the prefill ranks that hold its heads; in legacy
+// mode a rank whose target is not rank 0 dials rank 0 first.
+func TestConnectionsOnlyToTargets(t *testing.T) {
+	for _, mode := range []handshake.Mode{handshake.ModePiggyback, handshake.ModeLegacy} {
+		for _, pd := range [][2]int{{2, 4}, {4, 2}} {
+			p, d := pd[0], pd[1]
+			t.Run(mode.String()+"_"+name(p, d), func(t *testing.T) {
+				pre := newInstance(t, instOpts{engine: "prefill", tp: p, geom: gqa8})
+				dec := newInstance(t, instOpts{engine: "decode", tp: d, geom: gqa8, mode: mode})
+				blocks := pre.alloc(t, 2)
+				pre.fill(t, 1, blocks)
+				params := pre.finish(t, "r", blocks)
+				dec.startLoad(t, "r", dec.alloc(t, 2), params)
+				requireAllDone(t, dec.wait(t, "r"))
+
+				for dr, rank := range dec.ranks {
+					plan, err := connector.PlanRank(connector.TPShape{NumKVHeads: 8, HeadBlockBytes: 1}, p, d, dr)
+					require.NoError(t, err)
+					targets := map[int]bool{}
+					for _, s := range plan.Sources {
+						targets[s.PrefillRank] = true
+					}
+					for pr, addr := range pre.addrs {
+						want := 0
+						if targets[pr] || (mode == handshake.ModeLegacy && pr == 0) {
+							want = 1
+						}
+						require.Equal(t, want, rank.Agent().DialCount(addr), "decode rank %d dials of prefill rank %d", dr, pr)
+						require.Equal(t, want, rank.Handshakes().Exchanges(addr), "decode rank %d handshakes with prefill rank %d", dr, pr)
+					}
+				}
+			})
+		}
+	}
+}
+
+// TestTPSizeChecks is acceptance 3.
+func TestTPSizeChecks(t *testing.T) {
+	pre := newInstance(t, instOpts{engine: "prefill", tp: 4, geom: gqa8})
+	reg := prometheus.NewRegistry()
+	dec := newInstance(t, instOpts{engine: "decode", tp: 2, geom: gqa8, reg: reg})
+	blocks := pre.alloc(t, 3)
+	pre.fill(t, 2, blocks)
+	params := pre.finish(t, "r", blocks)
+	local := dec.alloc(t, 3)
+
+	t.Run("missing tp_size", func(t *testing.T) {
+		p := clone(params)
+		p.TpSize = nil
+		err := dec.ranks[0].StartLoad(t.Context(), &v1.ReqMeta{RequestId: "x", LocalBlockIds: local, Params: p})
+		require.ErrorIs(t, err, connector.ErrInvalidParams)
+		require.ErrorContains(t, err, "tp_size: missing")
+		require.Equal(t, 0, dec.ranks[0].Stats().LoadsInFlight)
+	})
+
+	t.Run("tp_size disagrees with the prefill group", func(t *testing.T) {
+		p := clone(params)
+		p.TpSize = new(uint32(2))
+		p.RemoteRankAddrs = p.RemoteRankAddrs[:2]
+		dec.startLoad(t, "y", local, p)
+		for r, f := range dec.wait(t, "y") {
+			require.NotNil(t, f, "rank %d must fail", r)
+			require.Equal(t, v1.Code_CODE_TP_MISMATCH, codes.Of(f.Err), "rank %d: %v", r, f.Err)
+			require.ErrorContains(t, f.Err, "has tp_size=4, the request said tp_size=2")
+			require.Equal(t, []int{int(local[0]), int(local[1]), int(local[2])}, f.BlockIDs)
+		}
+		require.Zero(t, counter(t, reg, "kvsidecar_connector_read_bytes_total"), "no bytes read")
+		require.Zero(t, counter(t, reg, "kvsidecar_transfer_bytes_total"), "no bytes moved")
+	})
+}
+
+func clone(p *v1.KVTransferParams) *v1.KVTransferParams {
+	b, err := connector.MarshalKVTransferParams(p)
+	if err != nil {
+		panic(err)
+	}
+	out, err := connector.UnmarshalKVTransferParams(b)
+	if err != nil {
+		panic(err)
+	}
+	return out
+}
+
+// counter sums every series of the named counter in reg (0 when absent).
+func counter(t testing.TB, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	var sum float64
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			for _, m := range mf.GetMetric() {
+				sum += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return sum
+}
+
+// TestExpiredLeaseFailsTheLoad is acceptance 4 end to end: a READ after the
+// lease expired is refused with lease-expired, and decode reports the
+// blocks as failed, never as done.
+func TestExpiredLeaseFailsTheLoad(t *testing.T) {
+	pre := newInstance(t, instOpts{engine: "prefill", tp: 2, geom: gqa8, leaseTTL: 20 * time.Millisecond})
+	dec := newInstance(t, instOpts{engine: "decode", tp: 2, geom: gqa8})
+	blocks := pre.alloc(t, 2)
+	params := pre.finish(t, "r", blocks)
+	for r, rank := range pre.ranks {
+		f, err := rank.WaitFinished(t.Context())
+		require.NoError(t, err)
+		require.Equal(t, []string{"r"}, f.DoneSending, "rank %d lease expired", r)
+		require.Zero(t, pre.pools[r].Stats().BlocksUsed, "rank %d freed the blocks", r)
+	}
+	local := dec.alloc(t, 2)
+	dec.startLoad(t, "r", local, params)
+	for r, f := range dec.wait(t, "r") {
+		require.NotNil(t, f, "rank %d must fail", r)
+		require.Equal(t, v1.Code_CODE_LEASE_EXPIRED, codes.Of(f.Err), "rank %d: %v", r, f.Err)
+		require.Len(t, f.BlockIDs, 2)
+	}
+}
+
+// TestPrefixHits is acceptance 5 (first half): a partial prefix hit reads
+// only the tail; a full hit (no local blocks) only notifies, finishes, and
+// the prefill frees its blocks.
+func TestPrefixHits(t *testing.T) {
+	pre := newInstance(t, instOpts{engine: "prefill", tp: 2, geom: gqa8})
+	dec := newInstance(t, instOpts{engine: "decode", tp: 4, geom: gqa8})
+	key := kvgen.Key(9)
+
+	blocks := pre.alloc(t, 6)
+	pre.fill(t, key, blocks)
+	params := pre.finish(t, "partial", blocks)
+	tail := dec.alloc(t, 2)
+	dec.startLoad(t, "partial", tail, params)
+	requireAllDone(t, dec.wait(t, "partial"))
+	dec.check(t, key, tail, 4)
+
+	blocks = pre.alloc(t, 3)
+	params = pre.finish(t, "full", blocks)
+	for _, r := range pre.ranks {
+		r.GetFinished() // drop "partial"
+	}
+	dec.startLoad(t, "full", nil, params)
+	requireAllDone(t, dec.wait(t, "full"))
+	for r, rank := range pre.ranks {
+		f := rank.GetFinished()
+		require.Equal(t, []string{"full"}, f.DoneSending, "prefill rank %d", r)
+		require.Zero(t, pre.pools[r].Stats().BlocksUsed)
+	}
+}
+
+// TestAbortStopsTheRead is acceptance 5 (second half): Abort returns only
+// once no READ runs into the blocks; the request is reported failed with
+// CODE_ABORTED, and the blocks can be reused without a late write.
+func TestAbortStopsTheRead(t *testing.T) {
+	pre := newInstance(t, instOpts{engine: "prefill", tp: 1, geom: gqa8, numBlocks: 512, delay: 5 * time.Millisecond})
+	dec := newInstance(t, instOpts{engine: "decode", tp: 1, geom: gqa8, numBlocks: 512})
+	blocks := pre.alloc(t, 500)
+	pre.fill(t, 3, blocks)
+	params := pre.finish(t, "r", blocks)
+	local := dec.alloc(t, 500)
+	dec.startLoad(t, "r", local, params)
+	require.NoError(t, dec.ranks[0].Abort(t.Context(), "r"))
+	require.Equal(t, 0, dec.ranks[0].Stats().LoadsInFlight)
+	f := dec.ranks[0].GetFinished()
+	if len(f.DoneRecving) == 0 { // the load may have finished before the abort
+		require.Len(t, f.Failed, 1)
+		require.Equal(t, v1.Code_CODE_ABORTED, codes.Of(f.Failed[0].Err), "%v", f.Failed[0].Err)
+	}
+	// The blocks are the caller's again: fill them and run another request
+	// through the same connection; nothing from the aborted READ lands.
+	dec.fill(t, 77, local)
+	blocks2 := pre.alloc(t, 2)
+	pre.fill(t, 5, blocks2)
+	params2 := pre.finish(t, "r2", blocks2)
+	local2 := dec.alloc(t, 2)
+	dec.startLoad(t, "r2", local2, params2)
+	requireAllDone(t, dec.wait(t, "r2"))
+	dec.check(t, 5, local2, 0)
+	dec.check(t, 77, local, 0)
+}
+
+// TestPrefillRestart is acceptance 6: a prefill restarted on the same
+// address (new incarnation) is handshaked again, and the request succeeds.
+func TestPrefillRestart(t *testing.T) {
+	pre := newInstance(t, instOpts{engine: "prefill", tp: 2, geom: gqa8})
+	dec := newInstance(t, instOpts{engine: "decode", tp: 2, geom: gqa8})
+	blocks := pre.alloc(t, 2)
+	pre.fill(t, 1, blocks)
+	dec.startLoad(t, "a", dec.alloc(t, 2), pre.finish(t, "a", blocks))
+	requireAllDone(t, dec.wait(t, "a"))
+	oldInc := pre.ranks[0].Incarnation()
+	addrs := pre.addrs
+	pre.close()
+
+	pre2 := newInstance(t, instOpts{engine: "prefill", tp: 2, geom: gqa8, addrs: addrs})
+	require.NotEqual(t, oldInc, pre2.ranks[0].Incarnation())
+	blocks = pre2.alloc(t, 2)
+	pre2.fill(t, 2, blocks)
+	params := pre2.finish(t, "b", blocks)
+	local := dec.alloc(t, 2)
+	dec.startLoad(t, "b", local, params)
+	requireAllDone(t, dec.wait(t, "b"))
+	dec.check(t, 2, local, 0)
+	for r, rank := range dec.ranks {
+		require.Equal(t, 2, rank.Handshakes().Exchanges(addrs[r]), "decode rank %d handshaked again", r)
+	}
+}
+
+// TestHandshakeRTTs is acceptance 7 at an injected RTT of 20 ms (10 ms
+// one-way on every socket of both instances). Round trips are counted as
+// (latency with the delay - latency of the same exchange without it) / RTT,
+// so the CPU cost of TLS and QUIC on a loaded 2-core machine, which the
+// race detector multiplies, is not mistaken for round trips.
+func TestHandshakeRTTs(t *testing.T) {
+	const rtt = 20 * time.Millisecond
+	measure := func(t *testing.T, p, d int, mode handshake.Mode, dr int, delay time.Duration) (first, cached time.Duration, targets []int) {
+		pre := newInstance(t, instOpts{engine: "prefill", tp: p, geom: gqa8, delay: delay})
+		dec := newInstance(t, instOpts{engine: "decode", tp: d, geom: gqa8, delay: delay, mode: mode})
+		plan, err := connector.PlanRank(connector.TPShape{NumKVHeads: 8, HeadBlockBytes: 64 * 16 * 2}, p, d, dr)
+		require.NoError(t, err)
+		var ts []handshake.Target
+		for _, s := range plan.Sources {
+			targets = append(targets, s.PrefillRank)
+			ts = append(ts, handshake.Target{Expect: handshake.Expect{EngineID: "prefill", TPRank: s.PrefillRank, TPSize: p},
+				Addr: pre.addrs[s.PrefillRank], Rank0Addr: pre.addrs[0]})
+		}
+		hs := dec.ranks[dr].Handshakes()
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		defer cancel()
+		start := time.Now()
+		_, err = hs.GetAll(ctx, ts)
+		require.NoError(t, err)
+		first = time.Since(start)
+		start = time.Now()
+		_, err = hs.GetAll(ctx, ts)
+		require.NoError(t, err)
+		return first, time.Since(start), targets
+	}
+	// rtts returns the round trips of the first contact and of the cached
+	// lookup of decode rank dr.
+	rtts := func(t *testing.T, p, d int, mode handshake.Mode, dr int) (first, cached float64, targets []int) {
+		f1, c1, targets := measure(t, p, d, mode, dr, rtt/2)
+		f0, c0, _ := measure(t, p, d, mode, dr, 0)
+		first = float64(f1-f0) / float64(rtt)
+		cached = float64(c1-c0) / float64(rtt)
+		t.Logf("decode rank %d of %s %s, targets %v: first contact %.2f RTT (%v with delay, %v without), cached %.2f RTT",
+			dr, name(p, d), mode, targets, first, f1, f0, cached)
+		return first, cached, targets
+	}
+	t.Run("piggyback first contact and cached", func(t *testing.T) {
+		for dr := range 4 {
+			first, cached, _ := rtts(t, 2, 4, handshake.ModePiggyback, dr)
+			require.LessOrEqual(t, first, 2.5)
+			require.Less(t, cached, 0.5, "a cached peer costs no round trip")
+		}
+	})
+	t.Run("legacy asks rank 0 first", func(t *testing.T) {
+		first, _, targets := rtts(t, 2, 4, handshake.ModeLegacy, 3)
+		require.Equal(t, []int{1}, targets)
+		require.GreaterOrEqual(t, first, 3.5)
+	})
+	t.Run("P>D sources in parallel", func(t *testing.T) {
+		first, _, targets := rtts(t, 4, 1, handshake.ModePiggyback, 0)
+		require.Equal(t, []int{0, 1, 2, 3}, targets)
+		require.LessOrEqual(t, first, 2.5, "four handshakes in parallel, not serial (8 RTT)")
+	})
+}
