@@ -149,11 +149,11 @@ type page struct {
 // counted against the limit, so Available stays consistent and no page is
 // mapped twice.
 type Pool struct {
-	cfg       Config
-	be        Backend
-	ownBE     bool
-	log       *slog.Logger
-	m         *metrics
+	cfg   Config
+	be    Backend
+	ownBE bool
+	log   *slog.Logger
+	m     *metrics
 	// gauged is what this pool last added to the shared gauges.
 	gauged struct {
 		mapped, used int
