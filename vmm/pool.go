@@ -425,6 +425,20 @@ func (p *Pool) Alloc(ctx context.Context, n int) ([]int, error) {
 		p.mu.Unlock()
 		return []int{}, nil
 	}
+	// A page the background refill is mapping is neither free nor
+	// unmapped: wait for the refill instead of refusing blocks it brings.
+	for n > p.availableLocked() && p.refilling > 0 {
+		p.mu.Unlock()
+		p.settle()
+		if err := ctx.Err(); err != nil {
+			return nil, context.Cause(ctx)
+		}
+		p.mu.Lock()
+		if p.closed {
+			p.mu.Unlock()
+			return nil, p.closedErr()
+		}
+	}
 	if avail := p.availableLocked(); n > avail {
 		p.mu.Unlock()
 		p.m.allocRefused.Inc()
@@ -892,10 +906,10 @@ func (p *Pool) SetMemoryLimit(bytes uint64) error {
 	p.limit = bytes
 	trim := p.trimLocked(p.cfg.PreallocPages)
 	p.updateGaugesLocked()
+	p.setLimitGauge(bytes)
 	p.ops.Add(1)
 	p.mu.Unlock()
 	defer p.ops.Done()
-	p.setLimitGauge(bytes)
 	err := p.unmapTrimmed(p.ctx, trim)
 	p.nudge()
 	return err

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 
 	"github.com/prometheus/client_golang/prometheus"
 	promtest "github.com/prometheus/client_golang/prometheus/testutil"
@@ -34,6 +35,8 @@ type failing struct {
 	mapped    atomic.Int64 // slots mapped now
 	live      atomic.Int64 // handles created and not released
 	doubleMap atomic.Int64
+	// gate, when set before a Map, holds that Map until it is closed.
+	gate atomic.Pointer[chan struct{}]
 }
 
 var errInjected = errors.New("injected map failure")
@@ -63,6 +66,9 @@ func (f *failing) Release(h Handle) error {
 }
 
 func (f *failing) Map(addr uint64, h Handle) error {
+	if g := f.gate.Load(); g != nil {
+		<-*g
+	}
 	if n := f.maps.Add(1); n == f.failAt.Load() {
 		return &BackendError{Op: "mmap", Err: errInjected}
 	}
@@ -315,6 +321,45 @@ func TestPoolReserve(t *testing.T) {
 	require.NoError(t, p.SetMemoryLimit(uint64(testPage*testLayout.NumRegions())))
 	require.Equal(t, 1, p.Stats().PagesMapped)
 	require.Equal(t, int64(testLayout.NumRegions()), be.mapped.Load())
+}
+
+// TestPoolAllocWaitsForRefill is a regression test: an Alloc that needs the
+// page the background refill is mapping was refused ("want 500, only 383
+// available") because a page in flight counted as neither free nor
+// unmapped. It must wait for the refill instead.
+func TestPoolAllocWaitsForRefill(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		be := newFailing(t)
+		p := newTestPool(t, Config{Backend: be, PreallocPages: 1})
+		p.settle()
+		ctx := context.Background()
+		// Take page 0's and the reserve page's blocks: the refill starts
+		// mapping the next page and is held there.
+		gate := make(chan struct{})
+		be.gate.Store(&gate)
+		first, err := p.Alloc(ctx, 31+32)
+		require.NoError(t, err)
+		synctest.Wait()
+		rest := p.Stats().BlocksTotal - len(first)
+		var got []int
+		done := make(chan error, 1)
+		go func() {
+			var err error
+			got, err = p.Alloc(ctx, rest)
+			done <- err
+		}()
+		synctest.Wait() // the Alloc waits for the refill, it does not fail
+		select {
+		case err := <-done:
+			t.Fatalf("Alloc returned before the refill finished: %v", err)
+		default:
+		}
+		be.gate.Store(nil)
+		close(gate)
+		require.NoError(t, <-done)
+		require.Len(t, got, rest)
+		require.NoError(t, p.Close())
+	})
 }
 
 func TestPoolPartialFailure(t *testing.T) {
