@@ -258,9 +258,24 @@ func TestHandshakeRTTs(t *testing.T) {
 	}
 	// rtts returns the round trips of the first contact and of the cached
 	// lookup of decode rank dr.
+	// Each latency is the minimum of three fresh pairs: CPU contention only
+	// ever adds time, so the minimum is the structural latency.
+	best := func(t *testing.T, p, d int, mode handshake.Mode, dr int, delay time.Duration) (first, cached time.Duration, targets []int) {
+		for i := range 3 {
+			f, c, tg := measure(t, p, d, mode, dr, delay)
+			if i == 0 || f < first {
+				first = f
+			}
+			if i == 0 || c < cached {
+				cached = c
+			}
+			targets = tg
+		}
+		return first, cached, targets
+	}
 	rtts := func(t *testing.T, p, d int, mode handshake.Mode, dr int) (first, cached float64, targets []int) {
-		f1, c1, targets := measure(t, p, d, mode, dr, rtt/2)
-		f0, c0, _ := measure(t, p, d, mode, dr, 0)
+		f1, c1, targets := best(t, p, d, mode, dr, rtt/2)
+		f0, c0, _ := best(t, p, d, mode, dr, 0)
 		first = float64(f1-f0) / float64(rtt)
 		cached = float64(c1-c0) / float64(rtt)
 		t.Logf("decode rank %d of %s %s, targets %v: first contact %.2f RTT (%v with delay, %v without), cached %.2f RTT",

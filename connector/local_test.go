@@ -1,0 +1,340 @@
+package connector_test
+
+import (
+	"context"
+	"encoding/binary"
+	"net"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvsidecar/kvsidecar/connector"
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/kvgen"
+	"github.com/kvsidecar/kvsidecar/internal/testutil"
+	"github.com/kvsidecar/kvsidecar/internal/wire"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/kvsidecar/kvsidecar/transfer"
+	"github.com/kvsidecar/kvsidecar/vmm"
+)
+
+// localSidecar is one in-process sidecar: a LocalServer whose Open builds a
+// host pool and a Rank on loopback, the way `kvsidecar serve` does.
+type localSidecar struct {
+	srv    *connector.LocalServer
+	engine string
+}
+
+func newLocalSidecar(t testing.TB, engine string, reg prometheus.Registerer) *localSidecar {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "kvs")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	path, err := connector.LocalSocketPath(dir, engine, 0)
+	require.NoError(t, err)
+	srvTLS, err := testCA.ServerConfig()
+	require.NoError(t, err)
+	cliTLS, err := testCA.ClientConfig()
+	require.NoError(t, err)
+	open := func(ctx context.Context, req *v1.CreateKVCache) (*connector.LocalCache, error) {
+		layout, err := vmm.LayoutFor(req.GetGeometry(), int(req.GetTpRank()), int(req.GetTpSize()))
+		if err != nil {
+			return nil, err
+		}
+		tr := connector.NewPageTracker(nil)
+		pool, err := vmm.NewPool(ctx, &vmm.Config{Layout: layout, NumBlocks: int(req.GetNumBlocks()), PageHook: tr, Registerer: reg})
+		if err != nil {
+			return nil, err
+		}
+		rank, err := connector.NewRank(ctx, &connector.Config{EngineID: engine, TPRank: int(req.GetTpRank()), TPSize: int(req.GetTpSize()),
+			Geometry: req.GetGeometry(), Pool: pool, Registerer: reg,
+			Transfer: &transfer.Config{ListenAddr: "127.0.0.1:0", ServerTLS: srvTLS, ClientTLS: cliTLS, ProgressTimeout: testutil.Scaled(5 * time.Second)}})
+		if err != nil {
+			_ = pool.Close()
+			return nil, err
+		}
+		return &connector.LocalCache{Pool: pool, Rank: rank, Tracker: tr, Create: req, EngineID: engine, Close: pool.Close}, nil
+	}
+	srv, err := connector.NewLocalServer(t.Context(), &connector.LocalServerConfig{Path: path, Open: open, Registerer: reg})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = srv.Close() })
+	return &localSidecar{srv: srv, engine: engine}
+}
+
+func dialLocal(t testing.TB, s *localSidecar) *connector.LocalClient {
+	t.Helper()
+	c, err := connector.DialLocal(t.Context(), s.srv.Path(), nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+func createReq(g *v1.ModelGeometry, blocks uint32) *v1.CreateKVCache {
+	return &v1.CreateKVCache{Geometry: g, TpRank: 0, TpSize: 1, NumBlocks: blocks}
+}
+
+func codeOf(err error) v1.Code { return codes.Of(err) }
+
+func TestLocalSharedMapping(t *testing.T) {
+	s := newLocalSidecar(t, "prefill-a", nil)
+	require.False(t, s.srv.Ready())
+	c := dialLocal(t, s)
+	info, err := c.Attach(t.Context(), createReq(gqa8, 512))
+	require.NoError(t, err)
+	require.True(t, s.srv.Ready())
+	require.Equal(t, uint32(4), info.GetNumRegions(), "2 layers × K/V")
+	pool := s.srv.Cache().Pool
+
+	ids, err := c.Alloc(t.Context(), 200)
+	require.NoError(t, err)
+	// The engine writes through its own mapping; the sidecar sees it.
+	for r := range int(info.GetNumRegions()) {
+		for _, id := range ids {
+			b, err := c.Block(r, int(id))
+			require.NoError(t, err)
+			binary.LittleEndian.PutUint64(b, uint64(r)<<32|uint64(id))
+		}
+	}
+	for r := range int(info.GetNumRegions()) {
+		for _, id := range ids {
+			got, err := pool.HostBytes(r, pool.BlockOffset(int(id)), 8)
+			require.NoError(t, err)
+			require.Equal(t, uint64(r)<<32|uint64(id), binary.LittleEndian.Uint64(got), "region %d block %d", r, id)
+		}
+	}
+	// And the other way.
+	require.NoError(t, pool.CopyIn(1, pool.BlockOffset(int(ids[7])), []byte("from the sidecar")))
+	b, err := c.Block(1, int(ids[7]))
+	require.NoError(t, err)
+	require.Equal(t, "from the sidecar", string(b[:16]))
+
+	// Freeing everything unmaps the pages in the engine too.
+	before := pool.Stats().PagesMapped
+	require.NoError(t, c.Free(t.Context(), ids))
+	require.Less(t, pool.Stats().PagesMapped, before)
+	_, err = c.Block(0, int(ids[len(ids)-1]))
+	require.ErrorIs(t, err, connector.ErrInvalidArgument, "the engine dropped its mapping of the unmapped page")
+
+	st, err := c.Stats(t.Context())
+	require.NoError(t, err)
+	require.True(t, st.GetCacheReady())
+	require.Zero(t, st.GetBlocksUsed())
+}
+
+func TestLocalMemoryLimit(t *testing.T) {
+	s := newLocalSidecar(t, "limit", nil)
+	c := dialLocal(t, s)
+	info, err := c.Attach(t.Context(), createReq(gqa8, 1024))
+	require.NoError(t, err)
+	pageBytes := info.GetPageSize() * uint64(info.GetNumRegions())
+	perPage := info.GetPageSize() / info.GetBlockLen()
+
+	ids, err := c.Alloc(t.Context(), int(perPage)) // page 0 holds the null block: this spans 2 pages
+	require.NoError(t, err)
+	tests := []struct {
+		name   string
+		bytes  uint64
+		strict bool
+		code   v1.Code
+	}{
+		{"below one page", pageBytes - 1, false, v1.Code_CODE_INVALID_ARGUMENT},
+		{"above the reservation", 1 << 50, false, v1.Code_CODE_INVALID_ARGUMENT},
+		{"below use, strict", pageBytes, true, v1.Code_CODE_INVALID_ARGUMENT},
+		{"two pages", 2 * pageBytes, false, v1.Code_CODE_OK},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			err := c.SetMemoryLimit(t.Context(), tc.bytes, tc.strict)
+			require.Equal(t, tc.code, codeOf(err), "%v", err)
+		})
+	}
+	_, err = c.Alloc(t.Context(), int(perPage))
+	require.Equal(t, v1.Code_CODE_BUSY, codeOf(err), "a third page is over the limit: %v", err)
+	require.NoError(t, c.SetMemoryLimit(t.Context(), 0, false))
+	more, err := c.Alloc(t.Context(), int(perPage))
+	require.NoError(t, err)
+	require.NoError(t, c.Free(t.Context(), append(ids, more...)))
+}
+
+func TestLocalBadInput(t *testing.T) {
+	s := newLocalSidecar(t, "bad-input", nil)
+	good := dialLocal(t, s)
+	_, err := good.Attach(t.Context(), createReq(gqa8, 256))
+	require.NoError(t, err)
+
+	raw := func(t *testing.T, b []byte) (*v1.LocalReply, error) {
+		t.Helper()
+		nc, err := net.Dial("unix", s.srv.Path())
+		require.NoError(t, err)
+		defer nc.Close()
+		require.NoError(t, nc.SetDeadline(time.Now().Add(testutil.Scaled(10*time.Second))))
+		_, err = nc.Write(b)
+		require.NoError(t, err)
+		rep := &v1.LocalReply{}
+		return rep, wire.NewReader(nc, 0).ReadMsg(rep)
+	}
+	frame := func(t *testing.T, req *v1.LocalRequest) []byte {
+		b, err := wire.AppendFrame(nil, req, 0)
+		require.NoError(t, err)
+		return b
+	}
+	huge := binary.AppendUvarint(nil, 1<<30)
+	tests := []struct {
+		name string
+		b    []byte
+		code v1.Code
+	}{
+		{"garbage", []byte{0x05, 0xff, 0xff, 0xff, 0xff, 0xff}, v1.Code_CODE_INVALID_ARGUMENT},
+		{"oversized frame", append(huge, 1, 2, 3), v1.Code_CODE_INVALID_ARGUMENT},
+		{"no wire version", frame(t, &v1.LocalRequest{Call: &v1.LocalRequest_Sync{Sync: true}}), v1.Code_CODE_INCOMPATIBLE_MODEL},
+		{"unknown call", frame(t, &v1.LocalRequest{WireVersion: 1}), v1.Code_CODE_INVALID_ARGUMENT},
+		{"alloc before attach", frame(t, &v1.LocalRequest{WireVersion: 1, Call: &v1.LocalRequest_Alloc{Alloc: &v1.AllocBlocks{Count: 1}}}), v1.Code_CODE_UNAVAILABLE},
+		{"other geometry", frame(t, &v1.LocalRequest{WireVersion: 1, Call: &v1.LocalRequest_Create{Create: createReq(gqa2, 256)}}), v1.Code_CODE_ALREADY_EXISTS},
+		{"create without geometry", frame(t, &v1.LocalRequest{WireVersion: 1, Call: &v1.LocalRequest_Create{Create: &v1.CreateKVCache{TpSize: 1}}}), v1.Code_CODE_INVALID_ARGUMENT},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			rep, err := raw(t, tc.b)
+			require.NoError(t, err)
+			require.Equal(t, tc.code, rep.GetError().GetCode(), rep.GetError().GetMessage())
+		})
+	}
+	t.Run("block ids out of range", func(t *testing.T) {
+		c := dialLocal(t, s)
+		_, err := c.Attach(t.Context(), createReq(gqa8, 256))
+		require.NoError(t, err)
+		require.Equal(t, v1.Code_CODE_OUT_OF_RANGE, codeOf(c.Free(t.Context(), []uint32{1 << 20})))
+		_, err = c.RequestFinished(t.Context(), "r", []uint32{9999}, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
+		require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, codeOf(err))
+		_, err = c.Alloc(t.Context(), 100000)
+		require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, codeOf(err))
+		_, err = c.Block(0, 256)
+		require.ErrorIs(t, err, connector.ErrInvalidArgument)
+	})
+	// The first engine is still served.
+	ids, err := good.Alloc(t.Context(), 3)
+	require.NoError(t, err)
+	require.Len(t, ids, 3)
+}
+
+func TestLocalSocketPath(t *testing.T) {
+	tests := []struct {
+		name, dir, engine string
+		rank              int
+		want              string
+		wantErr           bool
+	}{
+		{"plain", "/run/kvs", "prefill-a", 3, "/run/kvs/kvsidecar-prefill-a-tp3-api.sock", false},
+		{"sanitized", "/run/kvs", "a/b", 0, "/run/kvs/kvsidecar-a_b-", false},
+		{"relative dir", "run", "a", 0, "", true},
+		{"empty engine", "/run", "", 0, "", true},
+		{"bad rank", "/run", "a", -1, "", true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := connector.LocalSocketPath(tc.dir, tc.engine, tc.rank)
+			if tc.wantErr {
+				require.ErrorIs(t, err, connector.ErrInvalidArgument)
+				return
+			}
+			require.NoError(t, err)
+			require.Contains(t, got, tc.want)
+			require.Equal(t, "-tp"+string(rune('0'+tc.rank))+"-api.sock", got[len(got)-len("-tpN-api.sock"):])
+		})
+	}
+}
+
+func TestLocalStaleSocket(t *testing.T) {
+	s := newLocalSidecar(t, "stale", nil)
+	// A live socket is not stolen.
+	_, err := connector.NewLocalServer(t.Context(), &connector.LocalServerConfig{Path: s.srv.Path(),
+		Open: func(context.Context, *v1.CreateKVCache) (*connector.LocalCache, error) { return nil, nil }})
+	require.ErrorIs(t, err, connector.ErrSocketInUse)
+	// A stale one is replaced.
+	path := filepath.Join(t.TempDir(), "s.sock")
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	require.NoError(t, err)
+	ln.SetUnlinkOnClose(false)
+	require.NoError(t, ln.Close())
+	srv, err := connector.NewLocalServer(t.Context(), &connector.LocalServerConfig{Path: path,
+		Open: func(context.Context, *v1.CreateKVCache) (*connector.LocalCache, error) { return nil, nil }})
+	require.NoError(t, err)
+	fi, err := os.Stat(path)
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
+	require.NoError(t, srv.Close())
+	require.ErrorIs(t, srv.Close(), net.ErrClosed)
+	_, err = os.Stat(path)
+	require.ErrorIs(t, err, os.ErrNotExist, "the socket is removed on close")
+}
+
+// TestLocalTransfer runs prefill→decode through two local servers: each
+// engine writes and reads KV only through its own mapping.
+func TestLocalTransfer(t *testing.T) {
+	pre := newLocalSidecar(t, "prefill-l", nil)
+	dec := newLocalSidecar(t, "decode-l", nil)
+	pc, dc := dialLocal(t, pre), dialLocal(t, dec)
+	pinfo, err := pc.Attach(t.Context(), createReq(gqa8, 256))
+	require.NoError(t, err)
+	_, err = dc.Attach(t.Context(), createReq(gqa8, 256))
+	require.NoError(t, err)
+
+	shape := kvgen.Shape{BlockSize: 16, RowBytes: 128, FirstHead: 0, Heads: 8}
+	const key = 42
+	src, err := pc.Alloc(t.Context(), 20)
+	require.NoError(t, err)
+	for r := range int(pinfo.GetNumRegions()) {
+		for k, id := range src {
+			b, err := pc.Block(r, int(id))
+			require.NoError(t, err)
+			kvgen.FillBlock(b, shape, key, r, k*16)
+		}
+	}
+	params, err := pc.RequestFinished(t.Context(), "req-1", src, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
+	require.NoError(t, err)
+	require.NotNil(t, params)
+	dst, err := dc.Alloc(t.Context(), 20)
+	require.NoError(t, err)
+	require.NoError(t, dc.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "req-1", LocalBlockIds: dst, Params: params}))
+
+	ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(30*time.Second))
+	defer cancel()
+	waitFinished(ctx, t, dc, func(f *v1.GetFinishedReply) bool {
+		require.Empty(t, f.GetFailed())
+		return len(f.GetDoneRecving()) > 0
+	})
+	for r := range int(pinfo.GetNumRegions()) {
+		for k, id := range dst {
+			b, err := dc.Block(r, int(id))
+			require.NoError(t, err)
+			bad, first := kvgen.CheckBlock(b, shape, key, r, k*16)
+			require.Zero(t, bad, "region %d block %d: first bad byte %d", r, id, first)
+		}
+	}
+	waitFinished(ctx, t, pc, func(f *v1.GetFinishedReply) bool { return proto.Equal(f, &v1.GetFinishedReply{DoneSending: []string{"req-1"}}) })
+}
+
+// waitFinished polls GetFinished until done says so; polling is how an
+// engine's scheduler loop asks, so this is not a timing assumption.
+func waitFinished(ctx context.Context, t testing.TB, c *connector.LocalClient, done func(*v1.GetFinishedReply) bool) {
+	t.Helper()
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	for {
+		f, err := c.GetFinished(ctx)
+		require.NoError(t, err)
+		if done(f) {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("waiting for GetFinished: %v", context.Cause(ctx))
+		case <-tick.C:
+		}
+	}
+}

@@ -1,0 +1,442 @@
+package connector
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/fdpass"
+	"github.com/kvsidecar/kvsidecar/internal/wire"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+// ErrBrokenConn: an earlier call on this LocalClient failed mid-exchange
+// (timeout, bad reply), so the stream's state is unknown; dial again.
+var ErrBrokenConn = errors.New("connector: local client: connection broken by an earlier error")
+
+// LocalClientConfig configures DialLocal. A nil *LocalClientConfig is the
+// zero value.
+type LocalClientConfig struct {
+	// MaxReplyBytes bounds a reply frame. Default DefaultMaxReplyBytes.
+	MaxReplyBytes int
+	// Logger: default discards.
+	Logger *slog.Logger
+}
+
+// LocalClient is an engine's (or an operator tool's) connection to its
+// sidecar's local API. After Attach it maps the sidecar's pages into its own
+// reservation (one PROT_NONE range per region; each passed memfd range
+// mapped MAP_FIXED|MAP_SHARED at its region offset), so Region and Block
+// address the same physical memory as the sidecar. Every reply brings the
+// pages mapped and unmapped since the previous one, so a mapping of a page
+// the sidecar released never outlives the next call. Calls are serialized;
+// safe for concurrent use.
+type LocalClient struct {
+	cfg  LocalClientConfig
+	conn *fdpass.Conn
+	r    *wire.Reader
+
+	mu     sync.Mutex // one call at a time
+	nextID uint64
+	broken error
+
+	mapMu   sync.RWMutex
+	info    *v1.KVCacheInfo
+	regions [][]byte // reservations, one per region
+	mapped  [][]bool // [region][page]
+	closed  bool
+}
+
+// DialLocal connects to the local API socket at path.
+func DialLocal(ctx context.Context, path string, cfg *LocalClientConfig) (*LocalClient, error) {
+	var c LocalClientConfig
+	if cfg != nil {
+		c = *cfg
+	}
+	if c.MaxReplyBytes == 0 {
+		c.MaxReplyBytes = DefaultMaxReplyBytes
+	}
+	if c.MaxReplyBytes < 64 {
+		return nil, fmt.Errorf("%w: LocalClientConfig.MaxReplyBytes %d must be at least 64", ErrInvalidArgument, c.MaxReplyBytes)
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	var d net.Dialer
+	nc, err := d.DialContext(ctx, "unix", path)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil, context.Cause(ctx)
+		}
+		return nil, fmt.Errorf("connector: local client: dial %s: %w", path, err)
+	}
+	fc := fdpass.New(nc.(*net.UnixConn))
+	return &LocalClient{cfg: c, conn: fc, r: wire.NewReader(fc, c.MaxReplyBytes)}, nil
+}
+
+// call sends req and waits for its reply; it applies the reply's
+// MappingDelta, then returns the reply's error (a *codes.Error carrying the
+// sidecar's code) or the reply.
+func (c *LocalClient) call(ctx context.Context, req *v1.LocalRequest) (*v1.LocalReply, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.broken != nil {
+		return nil, fmt.Errorf("%w: %w", ErrBrokenConn, c.broken)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, context.Cause(ctx)
+	}
+	c.nextID++
+	req.WireVersion = v1.WireVersion_WIRE_VERSION_1
+	req.CallId = c.nextID
+	rep, err := c.exchange(ctx, req)
+	if err != nil {
+		if ctx.Err() != nil {
+			err = context.Cause(ctx)
+		}
+		c.broken = err
+		return nil, err
+	}
+	if err := c.apply(rep.GetMappings()); err != nil {
+		c.broken = err
+		return nil, err
+	}
+	if e := rep.GetError(); e.GetCode() != v1.Code_CODE_OK {
+		return nil, codes.FromProto("kvsidecar", e)
+	}
+	return rep, nil
+}
+
+func (c *LocalClient) exchange(ctx context.Context, req *v1.LocalRequest) (*v1.LocalReply, error) {
+	uc := c.conn.Unix()
+	dl, _ := ctx.Deadline()
+	_ = uc.SetDeadline(dl)
+	stop := context.AfterFunc(ctx, func() { _ = uc.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+	if err := wire.WriteMsg(uc, req, DefaultMaxRequestBytes); err != nil {
+		return nil, fmt.Errorf("connector: local client: send: %w", err)
+	}
+	rep := &v1.LocalReply{}
+	if err := c.r.ReadMsg(rep); err != nil {
+		return nil, fmt.Errorf("connector: local client: reply: %w", err)
+	}
+	if rep.GetCallId() != req.GetCallId() {
+		return nil, fmt.Errorf("connector: local client: reply for call %d, want %d", rep.GetCallId(), req.GetCallId())
+	}
+	return rep, nil
+}
+
+// apply maps and unmaps what d says; d's fds are closed after.
+func (c *LocalClient) apply(d *v1.MappingDelta) error {
+	if d == nil {
+		return nil
+	}
+	files, err := c.conn.TakeFiles(int(d.GetNumFds()))
+	if err != nil {
+		return fmt.Errorf("connector: local client: %w", err)
+	}
+	defer func() {
+		for _, f := range files {
+			_ = f.Close()
+		}
+	}()
+	c.mapMu.Lock()
+	defer c.mapMu.Unlock()
+	if c.info == nil {
+		return fmt.Errorf("connector: local client: mappings before attach")
+	}
+	ps := c.info.GetPageSize()
+	for _, pg := range d.GetUnmappedPages() {
+		if int(pg) >= len(c.mapped[0]) {
+			return fmt.Errorf("connector: local client: unmapped page %d outside [0, %d)", pg, len(c.mapped[0]))
+		}
+		for r := range c.regions {
+			if err := c.protNone(r, uint64(pg)*ps, ps); err != nil {
+				return err
+			}
+			c.mapped[r][pg] = false
+		}
+	}
+	for _, m := range d.GetMap() {
+		r, off, n := int(m.GetRegion()), m.GetRegionOffset(), m.GetLen()
+		switch {
+		case r >= len(c.regions):
+			return fmt.Errorf("connector: local client: mapping of region %d outside [0, %d)", r, len(c.regions))
+		case n == 0 || off%ps != 0 || n%ps != 0 || off+n < off || off+n > uint64(len(c.regions[r])):
+			return fmt.Errorf("connector: local client: mapping [%d, +%d) of region %d is not whole pages of %d inside %d bytes",
+				off, n, r, ps, len(c.regions[r]))
+		case int(m.GetFdIndex()) >= len(files):
+			return fmt.Errorf("connector: local client: fd_index %d outside the %d passed fds", m.GetFdIndex(), len(files))
+		}
+		f := files[m.GetFdIndex()]
+		addr := unsafe.Pointer(&c.regions[r][off])
+		if _, err := unix.MmapPtr(int(f.Fd()), int64(m.GetFdOffset()), addr, uintptr(n),
+			unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_FIXED); err != nil {
+			return fmt.Errorf("connector: local client: mmap region %d [%d, +%d) at fd offset %d: %w", r, off, n, m.GetFdOffset(), err)
+		}
+		for pg := off / ps; pg < (off+n)/ps; pg++ {
+			c.mapped[r][pg] = true
+		}
+	}
+	return nil
+}
+
+// protNone returns [off, off+n) of region r to an inaccessible anonymous
+// mapping, dropping whatever shared page was there.
+func (c *LocalClient) protNone(r int, off, n uint64) error {
+	addr := unsafe.Pointer(&c.regions[r][off])
+	if _, err := unix.MmapPtr(-1, 0, addr, uintptr(n), unix.PROT_NONE,
+		unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_FIXED|unix.MAP_NORESERVE); err != nil {
+		return fmt.Errorf("connector: local client: unmap region %d [%d, +%d): %w", r, off, n, err)
+	}
+	return nil
+}
+
+// Attach creates the sidecar's KV cache (or attaches to the existing one,
+// which must have the same geometry, tp rank and size: CODE_ALREADY_EXISTS
+// otherwise), reserves the regions in this process and maps every page
+// the sidecar has mapped. Device memory (CUDA) is refused with an error
+// wrapping errors.ErrUnsupported: its fds must be imported with
+// cuMemImportFromShareableHandle by the engine itself.
+func (c *LocalClient) Attach(ctx context.Context, req *v1.CreateKVCache) (*v1.KVCacheInfo, error) {
+	c.mapMu.RLock()
+	attached := c.info != nil
+	c.mapMu.RUnlock()
+	if attached {
+		return nil, fmt.Errorf("%w: local client already attached", ErrInvalidArgument)
+	}
+	// The reply's mappings need the reservation, which needs the reply:
+	// attach, reserve, then apply (call applies after reserving through
+	// the hook below).
+	c.mu.Lock()
+	if c.broken != nil {
+		c.mu.Unlock()
+		return nil, fmt.Errorf("%w: %w", ErrBrokenConn, c.broken)
+	}
+	c.nextID++
+	r := &v1.LocalRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1, CallId: c.nextID, Call: &v1.LocalRequest_Create{Create: req}}
+	rep, err := c.exchange(ctx, r)
+	if err != nil {
+		if ctx.Err() != nil {
+			err = context.Cause(ctx)
+		}
+		c.broken = err
+		c.mu.Unlock()
+		return nil, err
+	}
+	defer c.mu.Unlock()
+	if e := rep.GetError(); e.GetCode() != v1.Code_CODE_OK {
+		return nil, codes.FromProto("kvsidecar", e)
+	}
+	info := rep.GetCache()
+	if err := c.reserve(info); err != nil {
+		c.broken = err
+		// Close the fds of the delta we cannot use.
+		if files, ferr := c.conn.TakeFiles(int(rep.GetMappings().GetNumFds())); ferr == nil {
+			for _, f := range files {
+				_ = f.Close()
+			}
+		}
+		return nil, err
+	}
+	if err := c.apply(rep.GetMappings()); err != nil {
+		c.broken = err
+		return nil, err
+	}
+	return info, nil
+}
+
+func (c *LocalClient) reserve(info *v1.KVCacheInfo) error {
+	ps, rl, nr := info.GetPageSize(), info.GetRegionLen(), info.GetNumRegions()
+	switch {
+	case info.GetDeviceMemory():
+		return fmt.Errorf("connector: local client: the sidecar's pages are device memory; import its fds with cuMemImportFromShareableHandle: %w", errors.ErrUnsupported)
+	case ps == 0 || ps%uint64(os.Getpagesize()) != 0 || rl == 0 || rl%ps != 0 || nr == 0 || info.GetBlockLen() == 0 || info.GetBlockLen() > ps:
+		return fmt.Errorf("connector: local client: cache info page_size=%d region_len=%d num_regions=%d block_len=%d is not a usable layout",
+			ps, rl, nr, info.GetBlockLen())
+	}
+	c.mapMu.Lock()
+	defer c.mapMu.Unlock()
+	for range nr {
+		b, err := unix.Mmap(-1, 0, int(rl), unix.PROT_NONE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
+		if err != nil {
+			c.unreserveLocked()
+			return fmt.Errorf("connector: local client: reserve %d bytes: %w", rl, err)
+		}
+		c.regions = append(c.regions, b)
+		c.mapped = append(c.mapped, make([]bool, rl/ps))
+	}
+	c.info = info
+	return nil
+}
+
+func (c *LocalClient) unreserveLocked() {
+	for _, b := range c.regions {
+		_ = unix.Munmap(b)
+	}
+	c.regions, c.mapped, c.info = nil, nil, nil
+}
+
+// Info returns the attached cache's description (nil before Attach).
+func (c *LocalClient) Info() *v1.KVCacheInfo {
+	c.mapMu.RLock()
+	defer c.mapMu.RUnlock()
+	return c.info
+}
+
+// Region returns region i's whole reservation in this process. Only pages
+// that are mapped may be touched (the rest fault); use Block for checked
+// access. Nil before Attach or for i out of range.
+func (c *LocalClient) Region(i int) []byte {
+	c.mapMu.RLock()
+	defer c.mapMu.RUnlock()
+	if i < 0 || i >= len(c.regions) {
+		return nil
+	}
+	return c.regions[i]
+}
+
+// BlockOffset returns the byte offset of block b in every region (blocks
+// never straddle a page).
+func (c *LocalClient) BlockOffset(b int) uint64 {
+	c.mapMu.RLock()
+	defer c.mapMu.RUnlock()
+	return c.blockOffsetLocked(b)
+}
+
+func (c *LocalClient) blockOffsetLocked(b int) uint64 {
+	bl, ps := c.info.GetBlockLen(), c.info.GetPageSize()
+	bpp := int(ps / bl)
+	return uint64(b/bpp)*ps + uint64(b%bpp)*bl
+}
+
+// Block returns block b of region as a slice of this process's mapping of
+// the shared page. Errors (ErrInvalidArgument): not attached, region or
+// block out of range, or the page not mapped here (the block is not
+// allocated; Sync first if it was allocated through another connection).
+// The slice stays valid while the block stays allocated.
+func (c *LocalClient) Block(region, b int) ([]byte, error) {
+	c.mapMu.RLock()
+	defer c.mapMu.RUnlock()
+	switch {
+	case c.info == nil:
+		return nil, fmt.Errorf("%w: local client not attached", ErrInvalidArgument)
+	case region < 0 || region >= len(c.regions):
+		return nil, fmt.Errorf("%w: region %d outside [0, %d)", ErrInvalidArgument, region, len(c.regions))
+	case b < 0 || b >= int(c.info.GetNumBlocks()):
+		return nil, fmt.Errorf("%w: block %d outside [0, %d)", ErrInvalidArgument, b, c.info.GetNumBlocks())
+	}
+	off := c.blockOffsetLocked(b)
+	if !c.mapped[region][off/c.info.GetPageSize()] {
+		return nil, fmt.Errorf("%w: block %d of region %d: page %d is not mapped in this process",
+			ErrInvalidArgument, b, region, off/c.info.GetPageSize())
+	}
+	return c.regions[region][off : off+c.info.GetBlockLen() : off+c.info.GetBlockLen()], nil
+}
+
+// Alloc allocates n blocks; the pages they need are mapped here before it
+// returns. Over the memory limit: a *codes.Error with CODE_BUSY.
+func (c *LocalClient) Alloc(ctx context.Context, n int) ([]uint32, error) {
+	if n < 1 || n > 1<<31 {
+		return nil, fmt.Errorf("%w: alloc count %d must be at least 1", ErrInvalidArgument, n)
+	}
+	rep, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_Alloc{Alloc: &v1.AllocBlocks{Count: uint32(n)}}})
+	if err != nil {
+		return nil, err
+	}
+	return rep.GetAlloc().GetBlockIds(), nil
+}
+
+// Free frees blocks; pages the sidecar unmapped are unmapped here before it
+// returns.
+func (c *LocalClient) Free(ctx context.Context, ids []uint32) error {
+	_, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_Free{Free: &v1.FreeBlocks{BlockIds: ids}}})
+	return err
+}
+
+// Available returns the blocks the sidecar could allocate now.
+func (c *LocalClient) Available(ctx context.Context) (uint64, error) {
+	rep, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_Available{Available: true}})
+	return rep.GetAvailable().GetBlocks(), err
+}
+
+// SetMemoryLimit sets the limit on mapped bytes (0 = none). With strict, a
+// limit below what is in use is refused.
+func (c *LocalClient) SetMemoryLimit(ctx context.Context, bytes uint64, strict bool) error {
+	_, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_SetLimit{SetLimit: &v1.SetMemoryLimit{Bytes: bytes, Strict: strict}}})
+	return err
+}
+
+// RequestFinished is Rank.RequestFinished through the sidecar: params for
+// decode when the blocks are held under a lease, nil when freed at once.
+func (c *LocalClient) RequestFinished(ctx context.Context, requestID string, blockIDs []uint32, status v1.FinishStatus, in *v1.KVTransferParams) (*v1.KVTransferParams, error) {
+	rep, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_RequestFinished{RequestFinished: &v1.RequestFinished{
+		RequestId: requestID, BlockIds: blockIDs, Status: status, Params: in}}})
+	if err != nil {
+		return nil, err
+	}
+	return rep.GetRequestFinished().GetParams(), nil
+}
+
+// StartLoad is Rank.StartLoad through the sidecar.
+func (c *LocalClient) StartLoad(ctx context.Context, meta *v1.ReqMeta) error {
+	_, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_StartLoad{StartLoad: &v1.StartLoad{Meta: meta}}})
+	return err
+}
+
+// GetFinished returns, and the sidecar forgets, what finished since the
+// last call.
+func (c *LocalClient) GetFinished(ctx context.Context) (*v1.GetFinishedReply, error) {
+	rep, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_GetFinished{GetFinished: &v1.GetFinished{}}})
+	if err != nil {
+		return nil, err
+	}
+	return rep.GetGetFinished(), nil
+}
+
+// Abort stops a load; it returns after the READ stopped.
+func (c *LocalClient) Abort(ctx context.Context, requestID string) error {
+	_, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_Abort{Abort: &v1.Abort{RequestId: requestID}}})
+	return err
+}
+
+// Stats returns the sidecar's pool and connector counters (cache_ready
+// false before any engine created the cache).
+func (c *LocalClient) Stats(ctx context.Context) (*v1.StatsReply, error) {
+	rep, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_Stats{Stats: &v1.Stats{}}})
+	if err != nil {
+		return nil, err
+	}
+	return rep.GetStats(), nil
+}
+
+// Sync brings this process's mappings up to date without doing anything
+// else (after another connection allocated, or the limit trimmed pages).
+func (c *LocalClient) Sync(ctx context.Context) error {
+	_, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_Sync{Sync: true}})
+	return err
+}
+
+// Close closes the connection and unmaps every region. Slices from Region
+// and Block must not be used after. A second Close returns an error
+// wrapping net.ErrClosed.
+func (c *LocalClient) Close() error {
+	c.mapMu.Lock()
+	if c.closed {
+		c.mapMu.Unlock()
+		return fmt.Errorf("connector: local client: %w", net.ErrClosed)
+	}
+	c.closed = true
+	c.unreserveLocked()
+	c.mapMu.Unlock()
+	return c.conn.Close()
+}

@@ -1,0 +1,670 @@
+package connector
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/fdpass"
+	"github.com/kvsidecar/kvsidecar/internal/promutil"
+	"github.com/kvsidecar/kvsidecar/internal/wire"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/kvsidecar/kvsidecar/vmm"
+)
+
+// Defaults of LocalServerConfig and LocalClientConfig.
+const (
+	// DefaultMaxRequestBytes bounds one local API request frame (1 MiB:
+	// 200,000 block ids).
+	DefaultMaxRequestBytes = 1 << 20
+	// DefaultMaxReplyBytes bounds one reply frame (64 MiB: about three
+	// million page mappings).
+	DefaultMaxReplyBytes = 64 << 20
+	// DefaultCallTimeout bounds the work of one call on the server.
+	DefaultCallTimeout = 30 * time.Second
+	// DefaultWriteTimeout bounds writing one reply to a client.
+	DefaultWriteTimeout = 10 * time.Second
+)
+
+// ErrNotAttached: an engine call before CreateKVCache on this connection,
+// or a call that needs the cache before any engine created it.
+var ErrNotAttached = codes.New(v1.Code_CODE_UNAVAILABLE, "connector: local: no KV cache attached")
+
+// LocalCache is the KV cache a LocalServer serves, built by
+// LocalServerConfig.Open for the first CreateKVCache.
+type LocalCache struct {
+	// Pool holds the rank's pages. Required.
+	Pool *vmm.Pool
+	// Rank is the rank's connector over Pool. Required.
+	Rank *Rank
+	// Tracker sees every map and unmap of Pool (its PageHook, or the
+	// TP-group follower wrapper). Required.
+	Tracker *PageTracker
+	// Create is the request the cache was built for; a later attach must
+	// match its geometry, tp rank and size.
+	Create *v1.CreateKVCache
+	// EngineID is advertised in KVCacheInfo.
+	EngineID string
+	// DeviceMemory: the pages are CUDA memory (fds per page) rather than
+	// ranges of a host memfd.
+	DeviceMemory bool
+	// Close releases what Open built besides Rank (the pool, the TP group,
+	// the backend); called by LocalServer after the rank drained. Optional.
+	Close func() error
+}
+
+// LocalServerConfig configures NewLocalServer. Path and Open are required.
+type LocalServerConfig struct {
+	// Path is the socket path (see LocalSocketPath). Required. A stale
+	// socket there is replaced; a live one is ErrSocketInUse.
+	Path string
+	// Open builds the KV cache for the first CreateKVCache (validated:
+	// geometry present, tp_rank < tp_size). Its error is returned to the
+	// engine with its code. Required.
+	Open func(ctx context.Context, req *v1.CreateKVCache) (*LocalCache, error)
+	// MaxRequestBytes bounds a request frame. Default DefaultMaxRequestBytes.
+	MaxRequestBytes int
+	// MaxReplyBytes bounds a reply frame. Default DefaultMaxReplyBytes.
+	MaxReplyBytes int
+	// CallTimeout bounds one call's work. Default DefaultCallTimeout.
+	CallTimeout time.Duration
+	// WriteTimeout bounds writing one reply. Default DefaultWriteTimeout.
+	WriteTimeout time.Duration
+	// Logger: default discards.
+	Logger *slog.Logger
+	// Registerer receives kvsidecar_local_* metrics. Default none.
+	Registerer prometheus.Registerer
+}
+
+func (c *LocalServerConfig) withDefaults() (LocalServerConfig, error) {
+	var out LocalServerConfig
+	if c != nil {
+		out = *c
+	}
+	if out.MaxRequestBytes == 0 {
+		out.MaxRequestBytes = DefaultMaxRequestBytes
+	}
+	if out.MaxReplyBytes == 0 {
+		out.MaxReplyBytes = DefaultMaxReplyBytes
+	}
+	if out.CallTimeout == 0 {
+		out.CallTimeout = DefaultCallTimeout
+	}
+	if out.WriteTimeout == 0 {
+		out.WriteTimeout = DefaultWriteTimeout
+	}
+	if out.Logger == nil {
+		out.Logger = slog.New(slog.DiscardHandler)
+	}
+	bad := func(field, format string, a ...any) (LocalServerConfig, error) {
+		return LocalServerConfig{}, fmt.Errorf("%w: LocalServerConfig.%s: %s", ErrInvalidArgument, field, fmt.Sprintf(format, a...))
+	}
+	switch {
+	case out.Path == "":
+		return bad("Path", "required")
+	case out.Open == nil:
+		return bad("Open", "required")
+	case out.MaxRequestBytes < 64:
+		return bad("MaxRequestBytes", "%d must be at least 64", out.MaxRequestBytes)
+	case out.MaxReplyBytes < 64:
+		return bad("MaxReplyBytes", "%d must be at least 64", out.MaxReplyBytes)
+	case out.CallTimeout < 0 || out.WriteTimeout < 0:
+		return bad("CallTimeout", "CallTimeout and WriteTimeout must be positive")
+	}
+	return out, nil
+}
+
+// LocalServer serves the local API (DESIGN.md section 8) of one rank on a
+// unix socket: one goroutine per connection, one call at a time per
+// connection. Every reply to a connection that attached the cache carries a
+// MappingDelta with the fds of pages to map. Bad input gets an error reply,
+// or the connection is closed when the stream cannot be resynchronized; it
+// never affects other connections.
+type LocalServer struct {
+	cfg LocalServerConfig
+	ln  *net.UnixListener
+	m   *localMetrics
+
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	wg     sync.WaitGroup
+
+	openMu sync.Mutex // serializes Open
+
+	mu       sync.Mutex
+	cache    *LocalCache
+	conns    map[*fdpass.Conn]struct{}
+	draining bool
+	closed   bool
+}
+
+// NewLocalServer listens on cfg.Path (mode 0600) and starts accepting.
+func NewLocalServer(ctx context.Context, cfg *LocalServerConfig) (*LocalServer, error) {
+	c, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	m, err := newLocalMetrics(c.Registerer)
+	if err != nil {
+		return nil, err
+	}
+	ln, err := listenLocal(c.Path)
+	if err != nil {
+		return nil, err
+	}
+	s := &LocalServer{cfg: c, ln: ln, m: m, conns: map[*fdpass.Conn]struct{}{}}
+	s.ctx, s.cancel = context.WithCancelCause(context.WithoutCancel(ctx))
+	s.wg.Go(s.acceptLoop)
+	c.Logger.Info("local API listening", "path", c.Path)
+	return s, nil
+}
+
+// Path is the socket path.
+func (s *LocalServer) Path() string { return s.cfg.Path }
+
+// Cache returns the KV cache, nil before an engine created it.
+func (s *LocalServer) Cache() *LocalCache {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.cache
+}
+
+// Ready reports whether the KV cache exists (and so the rank's QUIC
+// listener is up) and the server is not draining.
+func (s *LocalServer) Ready() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.cache != nil && !s.draining && !s.closed
+}
+
+func (s *LocalServer) acceptLoop() {
+	for {
+		uc, err := s.ln.AcceptUnix()
+		if err != nil {
+			if !errors.Is(err, net.ErrClosed) {
+				s.cfg.Logger.Error("local API accept failed", "err", err)
+			}
+			return
+		}
+		c := fdpass.New(uc)
+		s.mu.Lock()
+		if s.closed {
+			s.mu.Unlock()
+			_ = c.Close()
+			return
+		}
+		s.conns[c] = struct{}{}
+		s.mu.Unlock()
+		s.m.conns.Inc()
+		s.wg.Go(func() {
+			s.serveConn(c)
+			s.mu.Lock()
+			delete(s.conns, c)
+			s.mu.Unlock()
+			_ = c.Close()
+			s.m.conns.Dec()
+		})
+	}
+}
+
+// connState is what the server knows about one connection.
+type connState struct {
+	attached bool
+	known    map[int]uint64 // pages the engine mapped -> generation
+}
+
+func (s *LocalServer) serveConn(c *fdpass.Conn) {
+	r := wire.NewReader(c, s.cfg.MaxRequestBytes)
+	st := &connState{known: map[int]uint64{}}
+	for {
+		req := &v1.LocalRequest{}
+		err := r.ReadMsg(req)
+		if err != nil {
+			if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) {
+				return
+			}
+			// The stream cannot be resynchronized after a bad frame: say
+			// why, then close.
+			s.m.calls.WithLabelValues("bad_frame", v1.Code_CODE_INVALID_ARGUMENT.String()).Inc()
+			s.cfg.Logger.Warn("local API: bad frame, closing connection", "err", err)
+			s.write(c, &v1.LocalReply{Error: &v1.Error{Code: v1.Code_CODE_INVALID_ARGUMENT,
+				Message: fmt.Sprintf("connector: local: unreadable request frame (limit %d bytes): %v", s.cfg.MaxRequestBytes, err)}}, nil)
+			return
+		}
+		var rep *v1.LocalReply
+		if n := c.DiscardFiles(); n > 0 {
+			rep = errorReply(fmt.Errorf("%w: request carried %d file descriptors; requests carry none", ErrInvalidArgument, n))
+		} else {
+			rep = s.handle(st, req)
+		}
+		rep.CallId = req.GetCallId()
+		var ex *vmm.Export
+		if st.attached {
+			rep.Mappings, ex = s.delta(st)
+		}
+		var files []*os.File
+		if ex != nil {
+			files = ex.Files
+		}
+		err = s.write(c, rep, files)
+		if ex != nil {
+			_ = ex.Close()
+		}
+		if err != nil {
+			s.cfg.Logger.Warn("local API: write failed, closing connection", "err", err)
+			return
+		}
+	}
+}
+
+func (s *LocalServer) write(c *fdpass.Conn, rep *v1.LocalReply, files []*os.File) error {
+	b, err := wire.AppendFrame(nil, rep, s.cfg.MaxReplyBytes)
+	if err != nil {
+		return err
+	}
+	_ = c.Unix().SetWriteDeadline(time.Now().Add(s.cfg.WriteTimeout))
+	return c.WriteWithFiles(b, files)
+}
+
+func errorReply(err error) *v1.LocalReply {
+	code := codes.Of(err)
+	if code == v1.Code_CODE_INTERNAL {
+		if vc := vmm.CodeOf(err); vc != v1.Code_CODE_INTERNAL {
+			code = vc
+		}
+	}
+	return &v1.LocalReply{Error: &v1.Error{Code: code, Message: err.Error()}}
+}
+
+// callName is the bounded metric label of a request.
+func callName(req *v1.LocalRequest) string {
+	switch req.GetCall().(type) {
+	case *v1.LocalRequest_Create:
+		return "create"
+	case *v1.LocalRequest_Alloc:
+		return "alloc"
+	case *v1.LocalRequest_Free:
+		return "free"
+	case *v1.LocalRequest_Available:
+		return "available"
+	case *v1.LocalRequest_SetLimit:
+		return "set_limit"
+	case *v1.LocalRequest_RequestFinished:
+		return "request_finished"
+	case *v1.LocalRequest_StartLoad:
+		return "start_load"
+	case *v1.LocalRequest_GetFinished:
+		return "get_finished"
+	case *v1.LocalRequest_Abort:
+		return "abort"
+	case *v1.LocalRequest_Stats:
+		return "stats"
+	case *v1.LocalRequest_Sync:
+		return "sync"
+	}
+	return "unknown"
+}
+
+func (s *LocalServer) handle(st *connState, req *v1.LocalRequest) *v1.LocalReply {
+	name := callName(req)
+	rep, err := s.dispatch(st, req)
+	if err != nil {
+		rep = errorReply(err)
+	}
+	s.m.calls.WithLabelValues(name, rep.GetError().GetCode().String()).Inc()
+	return rep
+}
+
+func (s *LocalServer) dispatch(st *connState, req *v1.LocalRequest) (*v1.LocalReply, error) {
+	if v := req.GetWireVersion(); v != v1.WireVersion_WIRE_VERSION_1 {
+		return nil, codes.New(v1.Code_CODE_INCOMPATIBLE_MODEL, "connector: local: wire_version %v, this sidecar speaks %v", v, v1.WireVersion_WIRE_VERSION_1)
+	}
+	s.mu.Lock()
+	draining, cache := s.draining || s.closed, s.cache
+	s.mu.Unlock()
+	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.CallTimeout)
+	defer cancel()
+
+	switch call := req.GetCall().(type) {
+	case *v1.LocalRequest_Create:
+		if draining {
+			return nil, fmt.Errorf("%w: local API refuses new caches", ErrDraining)
+		}
+		return s.create(ctx, st, call.Create)
+	case *v1.LocalRequest_Stats:
+		return &v1.LocalReply{Result: &v1.LocalReply_Stats{Stats: statsOf(cache)}}, nil
+	case nil:
+		return nil, fmt.Errorf("%w: unknown call (no call set, or a call this sidecar does not know)", ErrInvalidArgument)
+	}
+	if cache == nil {
+		return nil, fmt.Errorf("%w: call %s needs the KV cache; an engine must send create first", ErrNotAttached, callName(req))
+	}
+	switch call := req.GetCall().(type) {
+	case *v1.LocalRequest_Available:
+		return &v1.LocalReply{Result: &v1.LocalReply_Available{Available: &v1.AvailableReply{Blocks: uint64(cache.Pool.Available())}}}, nil
+	case *v1.LocalRequest_SetLimit:
+		return &v1.LocalReply{}, setLimit(cache, call.SetLimit)
+	}
+	if !st.attached {
+		return nil, fmt.Errorf("%w: call %s on a connection that did not send create", ErrNotAttached, callName(req))
+	}
+	if draining {
+		switch req.GetCall().(type) {
+		case *v1.LocalRequest_Alloc, *v1.LocalRequest_RequestFinished, *v1.LocalRequest_StartLoad:
+			return nil, fmt.Errorf("%w: %s refused while shutting down", ErrDraining, callName(req))
+		}
+	}
+	pool, rank := cache.Pool, cache.Rank
+	switch call := req.GetCall().(type) {
+	case *v1.LocalRequest_Alloc:
+		n := call.Alloc.GetCount()
+		if n == 0 || int(n) >= pool.NumBlocks() {
+			return nil, fmt.Errorf("%w: alloc count %d must be in [1, %d)", ErrInvalidArgument, n, pool.NumBlocks())
+		}
+		ids, err := pool.Alloc(ctx, int(n))
+		if err != nil {
+			return nil, err
+		}
+		out := make([]uint32, len(ids))
+		for i, id := range ids {
+			out[i] = uint32(id)
+		}
+		return &v1.LocalReply{Result: &v1.LocalReply_Alloc{Alloc: &v1.AllocBlocksReply{BlockIds: out}}}, nil
+	case *v1.LocalRequest_Free:
+		ids := make([]int, len(call.Free.GetBlockIds()))
+		for i, id := range call.Free.GetBlockIds() {
+			ids[i] = int(id)
+		}
+		return &v1.LocalReply{}, pool.Free(ctx, ids)
+	case *v1.LocalRequest_RequestFinished:
+		rf := call.RequestFinished
+		p, err := rank.RequestFinished(ctx, rf.GetRequestId(), rf.GetBlockIds(), rf.GetStatus(), rf.GetParams())
+		if err != nil {
+			return nil, err
+		}
+		return &v1.LocalReply{Result: &v1.LocalReply_RequestFinished{RequestFinished: &v1.RequestFinishedReply{Params: p, DelayFree: p != nil}}}, nil
+	case *v1.LocalRequest_StartLoad:
+		return &v1.LocalReply{}, rank.StartLoad(ctx, call.StartLoad.GetMeta())
+	case *v1.LocalRequest_GetFinished:
+		return &v1.LocalReply{Result: &v1.LocalReply_GetFinished{GetFinished: finishedProto(rank.GetFinished())}}, nil
+	case *v1.LocalRequest_Abort:
+		if call.Abort.GetRequestId() == "" {
+			return nil, fmt.Errorf("%w: abort: request_id is empty", ErrInvalidArgument)
+		}
+		return &v1.LocalReply{}, rank.Abort(ctx, call.Abort.GetRequestId())
+	case *v1.LocalRequest_Sync:
+		return &v1.LocalReply{}, nil
+	}
+	return nil, fmt.Errorf("%w: unknown call %T", ErrInvalidArgument, req.GetCall())
+}
+
+// create builds the cache on the first call and attaches the connection.
+func (s *LocalServer) create(ctx context.Context, st *connState, req *v1.CreateKVCache) (*v1.LocalReply, error) {
+	switch {
+	case req.GetGeometry() == nil:
+		return nil, fmt.Errorf("%w: create: geometry is required", ErrInvalidArgument)
+	case req.GetTpSize() < 1 || req.GetTpSize() > MaxTPSize:
+		return nil, fmt.Errorf("%w: create: tp_size %d must be in [1, %d]", ErrInvalidArgument, req.GetTpSize(), MaxTPSize)
+	case req.GetTpRank() >= req.GetTpSize():
+		return nil, fmt.Errorf("%w: create: tp_rank %d must be in [0, tp_size=%d)", ErrInvalidArgument, req.GetTpRank(), req.GetTpSize())
+	}
+	s.openMu.Lock()
+	defer s.openMu.Unlock()
+	cache := s.Cache()
+	if cache == nil {
+		c, err := s.cfg.Open(ctx, req)
+		if err != nil {
+			return nil, err
+		}
+		s.mu.Lock()
+		if s.draining || s.closed {
+			s.mu.Unlock()
+			_ = closeCache(c)
+			return nil, fmt.Errorf("%w: local API refuses new caches", ErrDraining)
+		}
+		s.cache, cache = c, c
+		s.mu.Unlock()
+		s.cfg.Logger.Info("KV cache created", "model", req.GetGeometry().GetModel(), "tp_rank", req.GetTpRank(),
+			"tp_size", req.GetTpSize(), "num_blocks", c.Pool.NumBlocks())
+	} else if err := sameCache(cache.Create, req); err != nil {
+		return nil, err
+	}
+	st.attached = true
+	return &v1.LocalReply{Result: &v1.LocalReply_Cache{Cache: cacheInfo(cache)}}, nil
+}
+
+// sameCache checks that an attach asks for the cache that exists.
+func sameCache(have, want *v1.CreateKVCache) error {
+	diff := func(field string, h, w any) error {
+		return codes.New(v1.Code_CODE_ALREADY_EXISTS, "connector: local: a KV cache with %s=%v exists; this engine asks for %v", field, h, w)
+	}
+	switch {
+	case !proto.Equal(have.GetGeometry(), want.GetGeometry()):
+		return diff("geometry", have.GetGeometry(), want.GetGeometry())
+	case have.GetTpRank() != want.GetTpRank():
+		return diff("tp_rank", have.GetTpRank(), want.GetTpRank())
+	case have.GetTpSize() != want.GetTpSize():
+		return diff("tp_size", have.GetTpSize(), want.GetTpSize())
+	case want.GetNumBlocks() != 0 && want.GetNumBlocks() != have.GetNumBlocks():
+		return diff("num_blocks", have.GetNumBlocks(), want.GetNumBlocks())
+	case want.GetOwnership() != v1.Ownership_OWNERSHIP_UNSPECIFIED && want.GetOwnership() != have.GetOwnership():
+		return diff("ownership", have.GetOwnership(), want.GetOwnership())
+	}
+	return nil
+}
+
+func cacheInfo(c *LocalCache) *v1.KVCacheInfo {
+	regs := c.Pool.Regions()
+	layout := c.Pool.Layout()
+	return &v1.KVCacheInfo{
+		Geometry: c.Create.GetGeometry(), TpRank: c.Create.GetTpRank(), TpSize: c.Create.GetTpSize(),
+		NumBlocks: uint32(c.Pool.NumBlocks()), HeadsPerRank: uint32(layout.HeadsPerRank),
+		BlockLen: regs[0].BlockLen, RegionLen: regs[0].Len, NumRegions: uint32(len(regs)),
+		PageSize: c.Pool.PageSize(), EngineId: c.EngineID, DeviceMemory: c.DeviceMemory,
+		Ownership: c.Create.GetOwnership(),
+	}
+}
+
+func statsOf(c *LocalCache) *v1.StatsReply {
+	if c == nil {
+		return &v1.StatsReply{}
+	}
+	ps := c.Pool.Stats()
+	rs := c.Rank.Stats()
+	regs := c.Pool.Regions()
+	var reserved uint64
+	for _, r := range regs {
+		reserved += r.Len
+	}
+	return &v1.StatsReply{
+		PagesMapped: uint64(ps.PagesMapped), BytesMapped: ps.BytesMapped, BlocksUsed: uint64(ps.BlocksUsed),
+		BlocksTotal: uint64(ps.BlocksTotal), MemoryLimitBytes: ps.MemoryLimit, LeasesHeld: uint64(rs.LeasesHeld),
+		LoadsInFlight: uint64(rs.LoadsInFlight), DeviceBytes: reserved, ReservePages: uint64(ps.ReservePages),
+		ReservationBytes: reserved, PageSize: ps.PageSize, NumRegions: uint64(ps.NumRegions), CacheReady: true,
+	}
+}
+
+// setLimit applies a memory limit: 0 (none) or [one page of every region,
+// the reservation]; with strict, not below the pages that hold allocated
+// blocks.
+func setLimit(c *LocalCache, req *v1.SetMemoryLimit) error {
+	ps := c.Pool.Stats()
+	pageBytes := ps.PageSize * uint64(ps.NumRegions)
+	reserved := uint64(ps.Pages) * pageBytes
+	b := req.GetBytes()
+	if b != 0 && (b < pageBytes || b > reserved) {
+		return fmt.Errorf("%w: memory limit %d bytes outside the accepted range [%d, %d] (one page of every region up to the reservation; 0 = no limit)",
+			ErrInvalidArgument, b, pageBytes, reserved)
+	}
+	if inUse := uint64(ps.PagesMapped-ps.ReservePages) * pageBytes; req.GetStrict() && b != 0 && b < inUse {
+		return fmt.Errorf("%w: memory limit %d bytes is below the %d bytes in use (strict): accepted range [%d, %d]",
+			ErrInvalidArgument, b, inUse, inUse, reserved)
+	}
+	return c.Pool.SetMemoryLimit(b)
+}
+
+func finishedProto(f Finished) *v1.GetFinishedReply {
+	out := &v1.GetFinishedReply{DoneSending: f.DoneSending, DoneRecving: f.DoneRecving}
+	for _, fl := range f.Failed {
+		fr := &v1.FailedRequest{RequestId: fl.RequestID, Error: codes.ToProto(fl.Err)}
+		for _, b := range fl.BlockIDs {
+			fr.BlockIds = append(fr.BlockIds, uint32(b))
+			out.InvalidBlockIds = append(out.InvalidBlockIds, uint32(b))
+		}
+		out.Failed = append(out.Failed, fr)
+	}
+	slices.Sort(out.InvalidBlockIds)
+	out.InvalidBlockIds = slices.Compact(out.InvalidBlockIds)
+	return out
+}
+
+// delta computes what the connection must map and unmap to match the pool,
+// and exports the pages to map. A page unmapped while exporting is dropped
+// (and reported unmapped if the engine had it); the next reply catches up.
+func (s *LocalServer) delta(st *connState) (*v1.MappingDelta, *vmm.Export) {
+	cache := s.Cache()
+	if cache == nil {
+		return nil, nil
+	}
+	snap := cache.Tracker.Snapshot()
+	var want []int
+	for pg, g := range snap {
+		if st.known[pg] != g {
+			want = append(want, pg)
+		}
+	}
+	d := &v1.MappingDelta{}
+	for pg := range st.known {
+		if _, ok := snap[pg]; !ok {
+			d.UnmappedPages = append(d.UnmappedPages, uint32(pg))
+			delete(st.known, pg)
+		}
+	}
+	slices.Sort(want)
+	var ex *vmm.Export
+	for len(want) > 0 {
+		var err error
+		ex, err = cache.Pool.Export(want)
+		if err == nil {
+			break
+		}
+		var pe *vmm.PageError
+		if !errors.As(err, &pe) || !slices.Contains(want, pe.Page) {
+			s.cfg.Logger.Error("local API: export failed", "pages", len(want), "err", err)
+			want = nil
+			break
+		}
+		want = slices.DeleteFunc(want, func(p int) bool { return p == pe.Page })
+		if _, had := st.known[pe.Page]; had {
+			d.UnmappedPages = append(d.UnmappedPages, uint32(pe.Page))
+			delete(st.known, pe.Page)
+		}
+	}
+	if ex != nil {
+		for _, m := range ex.Mappings {
+			d.Map = append(d.Map, m.Proto())
+		}
+		d.NumFds = uint32(len(ex.Files))
+		for _, pg := range want {
+			st.known[pg] = snap[pg]
+		}
+	}
+	slices.Sort(d.UnmappedPages)
+	if len(d.Map) == 0 && len(d.UnmappedPages) == 0 {
+		return nil, ex
+	}
+	return d, ex
+}
+
+// Shutdown refuses new requests (create, alloc, RequestFinished and
+// StartLoad get CODE_UNAVAILABLE; frees, GetFinished and stats keep
+// working), drains the rank (loads in flight finish or are aborted when ctx
+// ends; leases are released), then closes: listener, connections, cache.
+// The socket file is removed.
+func (s *LocalServer) Shutdown(ctx context.Context) error {
+	s.mu.Lock()
+	s.draining = true
+	cache := s.cache
+	s.mu.Unlock()
+	var err error
+	if cache != nil {
+		if derr := cache.Rank.Drain(ctx); derr != nil && !errors.Is(derr, net.ErrClosed) {
+			err = derr
+		}
+	}
+	return errors.Join(err, s.Close())
+}
+
+// Close stops accepting, closes every connection, waits for their
+// goroutines, closes the rank and the cache and removes the socket. A second
+// Close returns an error wrapping net.ErrClosed.
+func (s *LocalServer) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return fmt.Errorf("connector: local server: %w", net.ErrClosed)
+	}
+	s.closed = true
+	conns := make([]*fdpass.Conn, 0, len(s.conns))
+	for c := range s.conns {
+		conns = append(conns, c)
+	}
+	cache := s.cache
+	s.mu.Unlock()
+	s.cancel(fmt.Errorf("%w: local server closed", ErrDraining))
+	err := s.ln.Close()
+	for _, c := range conns {
+		_ = c.Unix().Close()
+	}
+	s.wg.Wait()
+	if cache != nil {
+		if rerr := cache.Rank.Close(); rerr != nil && !errors.Is(rerr, net.ErrClosed) {
+			err = errors.Join(err, rerr)
+		}
+		err = errors.Join(err, closeCache(cache))
+	}
+	s.cfg.Logger.Info("local API closed", "path", s.cfg.Path)
+	return err
+}
+
+func closeCache(c *LocalCache) error {
+	if c.Close == nil {
+		return nil
+	}
+	return c.Close()
+}
+
+type localMetrics struct {
+	calls *prometheus.CounterVec
+	conns prometheus.Gauge
+}
+
+func newLocalMetrics(reg prometheus.Registerer) (*localMetrics, error) {
+	m := &localMetrics{
+		calls: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvsidecar_local_calls_total",
+			Help: "Local API calls by call name and reply code.",
+		}, []string{"call", "code"}),
+		conns: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvsidecar_local_connections",
+			Help: "Open local API connections.",
+		}),
+	}
+	for _, err := range []error{promutil.Register(reg, &m.calls), promutil.Register(reg, &m.conns)} {
+		if err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}
