@@ -1,0 +1,716 @@
+package demo
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvsidecar/kvsidecar/connector"
+	"github.com/kvsidecar/kvsidecar/handshake"
+	"github.com/kvsidecar/kvsidecar/internal/devtls"
+	"github.com/kvsidecar/kvsidecar/internal/kvgen"
+	"github.com/kvsidecar/kvsidecar/internal/trace"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/kvsidecar/kvsidecar/vmm"
+)
+
+// Defaults of Config.
+const (
+	// DefaultModel is a real geometry small enough per token (32 KiB of KV
+	// per token over all ranks) that the default run moves a few GiB in
+	// seconds on a laptop.
+	DefaultModel = "llama-3.2-1b"
+	// DefaultPrefillTP and DefaultDecodeTP: decode rank d reads half of
+	// prefill rank d/2's heads.
+	DefaultPrefillTP = 2
+	DefaultDecodeTP  = 4
+	// DefaultRequests is the number of trace requests replayed: the first
+	// 12 of the conversation trace hold 131,000 prompt tokens, about 4 GiB
+	// of llama-3.2-1b KV.
+	DefaultRequests = 12
+	// DefaultSpeedup compresses the trace's arrival times ten-fold.
+	DefaultSpeedup = 10
+	// DefaultTracePath is the Mooncake conversation trace in the repository,
+	// relative to its root.
+	DefaultTracePath = "testdata/traces/mooncake_conversation_trace.jsonl"
+	// DefaultConcurrency bounds the requests in flight.
+	DefaultConcurrency = 2
+	// DefaultCacheEntries bounds the decode prefix cache: 64 hash blocks of
+	// 512 tokens (1 GiB of llama-3.2-1b KV over the decode ranks).
+	DefaultCacheEntries = 64
+)
+
+// Errors of Run.
+var (
+	// ErrInvalidConfig: a Config field breaks its rule; the message names it.
+	ErrInvalidConfig = errors.New("demo: invalid config")
+	// ErrVerification: some request failed or some byte arrived wrong; the
+	// Summary says how many.
+	ErrVerification = errors.New("demo: verification failed")
+)
+
+// Config configures Run. The zero value (and a nil *Config) runs the
+// default demo: DefaultModel, prefill TP 2 → decode TP 4, the first
+// DefaultRequests requests of DefaultTracePath.
+type Config struct {
+	// Model is a name of vmm.ModelNames(). Default DefaultModel. Ignored
+	// when Geometry is set.
+	Model string
+	// Geometry overrides Model with an explicit geometry (tests use tiny
+	// ones). Its block_size must divide 512. Default nil.
+	Geometry *v1.ModelGeometry
+	// PrefillTP and DecodeTP are the TP sizes of the two instances, in
+	// [1, connector.MaxTPSize]. Defaults DefaultPrefillTP, DefaultDecodeTP.
+	PrefillTP, DecodeTP int
+	// Requests is how many requests of the trace are replayed, from the
+	// first. Default DefaultRequests.
+	Requests int
+	// Speedup divides the trace's arrival times. Default DefaultSpeedup;
+	// math.Inf(1) sends every request at once.
+	Speedup float64
+	// TracePath is a Mooncake JSONL trace. Default DefaultTracePath.
+	TracePath string
+	// Concurrency bounds the requests in flight. Default DefaultConcurrency.
+	Concurrency int
+	// CacheEntries bounds the decode side's prefix cache in 512-token hash
+	// blocks. Default DefaultCacheEntries; negative disables the cache.
+	CacheEntries int
+	// HandshakeMode of the decode ranks. Default handshake.ModePiggyback.
+	HandshakeMode handshake.Mode
+	// Backend returns each rank's vmm backend. Default nil: the host
+	// (memfd) backend.
+	Backend BackendFunc
+	// Progress, when set, is called after each request finishes, from one
+	// goroutine at a time.
+	Progress func(Progress)
+	// Logger receives the ranks' logs. Default nil: discard.
+	Logger *slog.Logger
+	// Registerer receives the metrics of every rank. Default nil: none.
+	Registerer prometheus.Registerer
+}
+
+// Progress is reported after each request.
+type Progress struct {
+	Done, Total, Failed int
+	BytesMoved          uint64
+	Elapsed             time.Duration
+}
+
+// Summary is the outcome of a run. JSON names are stable (the CLI's
+// --json prints it).
+type Summary struct {
+	Model     string `json:"model"`
+	PrefillTP int    `json:"prefill_tp"`
+	DecodeTP  int    `json:"decode_tp"`
+	// Requests replayed; PromptTokens their input_length summed.
+	Requests     int   `json:"requests"`
+	PromptTokens int64 `json:"prompt_tokens"`
+	// PrefixTokensReused: prompt tokens decode already held (prefix cache)
+	// and did not import; FullHits: requests that imported nothing.
+	PrefixTokensReused int64 `json:"prefix_tokens_reused"`
+	FullHits           int   `json:"full_hits"`
+	// BytesMoved: KV bytes that landed in decode pages, all ranks;
+	// BytesVerified: bytes checked against the deterministic content;
+	// Mismatches: bytes that differed.
+	BytesMoved    uint64 `json:"bytes_moved"`
+	BytesVerified uint64 `json:"bytes_verified"`
+	Mismatches    uint64 `json:"mismatches"`
+	// FailedRequests: requests whose KV did not fully arrive.
+	FailedRequests int `json:"failed_requests"`
+	// P50Ms and P99Ms: transfer latency per request, from the first
+	// StartLoad to the last decode rank's done_recving, in milliseconds.
+	P50Ms float64 `json:"p50_ms"`
+	P99Ms float64 `json:"p99_ms"`
+	// ThroughputGBps: BytesMoved / WallSeconds in GB/s (10^9 bytes per
+	// second, the unit nixlbench prints).
+	ThroughputGBps float64 `json:"throughput_gbps"`
+	WallSeconds    float64 `json:"wall_seconds"`
+	// Handshakes: metadata exchanges the decode ranks sent; Dials: QUIC
+	// connections they dialed; HandshakeRTTs: round trips spent on both
+	// (one per 1-RTT QUIC handshake, one per exchange).
+	Handshakes    int `json:"handshakes"`
+	Dials         int `json:"dials"`
+	HandshakeRTTs int `json:"handshake_rtts"`
+	// PeakPagesPrefill and PeakPagesDecode: physical pages mapped over all
+	// ranks of a side at its peak (the null block's pages included);
+	// PagesMappedAfter: pages still mapped on both sides once every request
+	// finished and the cache was emptied, beyond the null block's pages
+	// mapped at start: 0 unless something leaked.
+	PeakPagesPrefill int    `json:"peak_pages_prefill"`
+	PeakPagesDecode  int    `json:"peak_pages_decode"`
+	PageSize         uint64 `json:"page_size"`
+	PagesMappedAfter int    `json:"pages_mapped_after"`
+	// FirstError describes the first failed request, if any.
+	FirstError string `json:"first_error,omitempty"`
+}
+
+// OK reports whether every request arrived and every byte matched.
+func (s *Summary) OK() bool { return s.FailedRequests == 0 && s.Mismatches == 0 }
+
+func (c *Config) withDefaults() (Config, error) {
+	var out Config
+	if c != nil {
+		out = *c
+	}
+	if out.Model == "" {
+		out.Model = DefaultModel
+	}
+	if out.PrefillTP == 0 {
+		out.PrefillTP = DefaultPrefillTP
+	}
+	if out.DecodeTP == 0 {
+		out.DecodeTP = DefaultDecodeTP
+	}
+	if out.Requests == 0 {
+		out.Requests = DefaultRequests
+	}
+	if out.Speedup == 0 {
+		out.Speedup = DefaultSpeedup
+	}
+	if out.TracePath == "" {
+		out.TracePath = DefaultTracePath
+	}
+	if out.Concurrency == 0 {
+		out.Concurrency = DefaultConcurrency
+	}
+	if out.CacheEntries == 0 {
+		out.CacheEntries = DefaultCacheEntries
+	}
+	if out.Logger == nil {
+		out.Logger = slog.New(slog.DiscardHandler)
+	}
+	bad := func(field, format string, a ...any) (Config, error) {
+		return Config{}, fmt.Errorf("%w: Config.%s: %s", ErrInvalidConfig, field, fmt.Sprintf(format, a...))
+	}
+	if out.Geometry == nil {
+		g, err := vmm.Model(out.Model)
+		if err != nil {
+			return bad("Model", "%v", err)
+		}
+		out.Geometry = g
+	}
+	bs := int(out.Geometry.GetBlockSize())
+	switch {
+	case bs < 1 || trace.HashBlockTokens%bs != 0:
+		return bad("Geometry", "block_size=%d must divide %d (the trace's tokens per hash id)", bs, trace.HashBlockTokens)
+	case out.PrefillTP < 1 || out.PrefillTP > connector.MaxTPSize:
+		return bad("PrefillTP", "%d must be in [1, %d]", out.PrefillTP, connector.MaxTPSize)
+	case out.DecodeTP < 1 || out.DecodeTP > connector.MaxTPSize:
+		return bad("DecodeTP", "%d must be in [1, %d]", out.DecodeTP, connector.MaxTPSize)
+	case out.Requests < 1:
+		return bad("Requests", "%d must be at least 1", out.Requests)
+	case math.IsNaN(out.Speedup) || out.Speedup <= 0:
+		return bad("Speedup", "%v must be > 0", out.Speedup)
+	case out.Concurrency < 1:
+		return bad("Concurrency", "%d must be at least 1", out.Concurrency)
+	}
+	for _, tp := range []int{out.PrefillTP, out.DecodeTP} {
+		if _, err := vmm.LayoutFor(out.Geometry, 0, tp); err != nil {
+			return bad("PrefillTP/DecodeTP", "model %s: %v", out.Geometry.GetModel(), err)
+		}
+	}
+	return out, nil
+}
+
+// Run replays the trace through a prefill and a decode instance in this
+// process and checks every byte that arrives. It returns the Summary and
+// ErrVerification when a request failed or a byte differed; other errors
+// (config, a malformed trace line as a *trace.LineError naming file and
+// line, ctx ended: context.Cause(ctx)) come with a zero or partial Summary.
+// Everything it started is closed before it returns.
+func Run(ctx context.Context, cfg *Config) (Summary, error) {
+	c, err := cfg.withDefaults()
+	if err != nil {
+		return Summary{}, err
+	}
+	reqs, err := trace.ReadFile(c.TracePath, c.Requests)
+	if err != nil {
+		return Summary{}, fmt.Errorf("demo: %w", err)
+	}
+	r, err := newRun(ctx, c, reqs)
+	if err != nil {
+		return Summary{}, err
+	}
+	s, err := r.run(ctx)
+	if cerr := r.close(); err == nil && cerr != nil {
+		err = fmt.Errorf("demo: shutting down: %w", cerr)
+	}
+	if err == nil && !s.OK() {
+		err = fmt.Errorf("%w: %d failed requests, %d mismatched bytes", ErrVerification, s.FailedRequests, s.Mismatches)
+	}
+	return s, err
+}
+
+// runner is one Run in progress.
+type runner struct {
+	cfg   Config
+	reqs  []trace.Request
+	bs    int
+	pre   *instance
+	dec   *instance
+	cache *prefixCache
+
+	preRouter, decRouter *router
+	collectors           sync.WaitGroup
+	stopCollectors       context.CancelFunc
+
+	peakPre, peakDec atomic.Int64
+
+	mu        sync.Mutex
+	sum       Summary
+	latencies []time.Duration
+	done      int
+	start     time.Time
+}
+
+func newRun(ctx context.Context, c Config, reqs []trace.Request) (_ *runner, err error) {
+	r := &runner{cfg: c, reqs: reqs, bs: int(c.Geometry.GetBlockSize()),
+		preRouter: newRouter(), decRouter: newRouter()}
+	maxBlocks := 0
+	for _, q := range reqs {
+		maxBlocks = max(maxBlocks, (q.InputLength+r.bs-1)/r.bs)
+	}
+	perHash := trace.HashBlockTokens / r.bs
+	ca, err := devtls.NewCA()
+	if err != nil {
+		return nil, fmt.Errorf("demo: dev CA: %w", err)
+	}
+	srv, err := ca.ServerConfig()
+	if err != nil {
+		return nil, fmt.Errorf("demo: dev CA: %w", err)
+	}
+	cli, err := ca.ClientConfig()
+	if err != nil {
+		return nil, fmt.Errorf("demo: dev CA: %w", err)
+	}
+	defer func() {
+		if err != nil {
+			err = errors.Join(err, r.close())
+		}
+	}()
+	base := instanceOpts{geom: c.Geometry, srvTLS: srv, cliTLS: cli, backend: c.Backend, logger: c.Logger, reg: c.Registerer}
+	po := base
+	po.engine, po.side, po.tp = "demo-prefill", "prefill", c.PrefillTP
+	// Coordinated: the demo frees prefill blocks on every pool at once after
+	// every rank reported done_sending, so the pools stay in lockstep.
+	po.ownership = v1.Ownership_OWNERSHIP_COORDINATED
+	po.numBlocks = c.Concurrency*maxBlocks + 1
+	if r.pre, err = newInstance(ctx, po); err != nil {
+		return r, err
+	}
+	do := base
+	do.engine, do.side, do.tp, do.mode = "demo-decode", "decode", c.DecodeTP, c.HandshakeMode
+	// In flight: tails and pinned prefixes of evicted entries; plus the cache.
+	do.numBlocks = 2*c.Concurrency*maxBlocks + max(c.CacheEntries, 0)*perHash + 1
+	if r.dec, err = newInstance(ctx, do); err != nil {
+		return r, err
+	}
+	if c.CacheEntries > 0 {
+		if r.cache, err = newPrefixCache(c.CacheEntries, func(ids []uint32) {
+			if ferr := r.dec.free(ids); ferr != nil {
+				c.Logger.Error("freeing evicted prefix blocks failed", "err", ferr)
+			}
+		}); err != nil {
+			return r, fmt.Errorf("demo: prefix cache: %w", err)
+		}
+	}
+	cctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	r.stopCollectors = cancel
+	for _, rk := range r.pre.ranks {
+		r.collectors.Go(func() { r.collect(cctx, rk, r.preRouter, true) })
+	}
+	for _, rk := range r.dec.ranks {
+		r.collectors.Go(func() { r.collect(cctx, rk, r.decRouter, false) })
+	}
+	return r, nil
+}
+
+// collect routes what one rank reports to the requests waiting for it.
+func (r *runner) collect(ctx context.Context, rk *connector.Rank, rt *router, prefill bool) {
+	for {
+		f, err := rk.WaitFinished(ctx)
+		if err != nil {
+			return
+		}
+		if prefill {
+			for _, id := range f.DoneSending {
+				rt.deliver(id, nil)
+			}
+			continue
+		}
+		for _, id := range f.DoneRecving {
+			rt.deliver(id, nil)
+		}
+		for _, fl := range f.Failed {
+			rt.deliver(fl.RequestID, fl.Err)
+		}
+	}
+}
+
+func (r *runner) close() error {
+	if r.stopCollectors != nil {
+		r.stopCollectors()
+		r.collectors.Wait()
+	}
+	var errs []error
+	if r.dec != nil {
+		errs = append(errs, r.dec.close())
+	}
+	if r.pre != nil {
+		errs = append(errs, r.pre.close())
+	}
+	return errors.Join(errs...)
+}
+
+func (r *runner) run(ctx context.Context) (Summary, error) {
+	g := r.cfg.Geometry
+	r.sum = Summary{Model: g.GetModel(), PrefillTP: r.cfg.PrefillTP, DecodeTP: r.cfg.DecodeTP,
+		Requests: len(r.reqs), PageSize: r.dec.pools[0].PageSize()}
+	r.start = time.Now()
+	sem := make(chan struct{}, r.cfg.Concurrency)
+	var wg sync.WaitGroup
+	var runErr error
+	t0 := r.reqs[0].Timestamp
+dispatch:
+	for i, q := range r.reqs {
+		at := r.start.Add(time.Duration(float64(q.Timestamp-t0) * float64(time.Millisecond) / r.cfg.Speedup))
+		if d := time.Until(at); d > 0 {
+			t := time.NewTimer(d)
+			select {
+			case <-t.C:
+			case <-ctx.Done():
+				t.Stop()
+				runErr = context.Cause(ctx)
+				break dispatch
+			}
+		}
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+			runErr = context.Cause(ctx)
+			break dispatch
+		}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			r.finish(r.request(ctx, i, q))
+		})
+	}
+	wg.Wait()
+	wall := time.Since(r.start)
+	if r.cache != nil {
+		r.cache.purge()
+	}
+	s := r.sum
+	s.WallSeconds = wall.Seconds()
+	if wall > 0 {
+		s.ThroughputGBps = float64(s.BytesMoved) / wall.Seconds() / 1e9
+	}
+	slices.Sort(r.latencies)
+	s.P50Ms, s.P99Ms = percentileMs(r.latencies, 0.50), percentileMs(r.latencies, 0.99)
+	for _, rk := range r.dec.ranks {
+		for _, a := range r.pre.addrs {
+			s.Handshakes += rk.Handshakes().Exchanges(a)
+			s.Dials += rk.Agent().DialCount(a)
+		}
+	}
+	s.HandshakeRTTs = s.Handshakes + s.Dials
+	s.PeakPagesPrefill, s.PeakPagesDecode = int(r.peakPre.Load()), int(r.peakDec.Load())
+	s.PagesMappedAfter = r.pre.physPages() - r.pre.baseline + r.dec.physPages() - r.dec.baseline
+	return s, runErr
+}
+
+// outcome is what one request contributes to the Summary.
+type outcome struct {
+	tokens, reused  int64
+	fullHit         bool
+	moved, verified uint64
+	mismatches      uint64
+	latency         time.Duration
+	err             error
+}
+
+func (r *runner) finish(o outcome) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.sum.PromptTokens += o.tokens
+	r.sum.PrefixTokensReused += o.reused
+	r.sum.BytesMoved += o.moved
+	r.sum.BytesVerified += o.verified
+	r.sum.Mismatches += o.mismatches
+	if o.fullHit {
+		r.sum.FullHits++
+	}
+	if o.err != nil {
+		r.sum.FailedRequests++
+		if r.sum.FirstError == "" {
+			r.sum.FirstError = o.err.Error()
+		}
+		r.cfg.Logger.Warn("request failed", "err", o.err)
+	} else {
+		r.latencies = append(r.latencies, o.latency)
+	}
+	r.done++
+	if r.cfg.Progress != nil {
+		r.cfg.Progress(Progress{Done: r.done, Total: len(r.reqs), Failed: r.sum.FailedRequests,
+			BytesMoved: r.sum.BytesMoved, Elapsed: time.Since(r.start)})
+	}
+}
+
+func storeMax(a *atomic.Int64, v int) {
+	for {
+		old := a.Load()
+		if int64(v) <= old || a.CompareAndSwap(old, int64(v)) {
+			return
+		}
+	}
+}
+
+// request runs one trace request through prefill, the proxy and decode.
+func (r *runner) request(ctx context.Context, i int, q trace.Request) (o outcome) {
+	o.tokens = int64(q.InputLength)
+	nBlocks := (q.InputLength + r.bs - 1) / r.bs
+	perHash := trace.HashBlockTokens / r.bs
+	preID, decID := fmt.Sprintf("req-%d", i), fmt.Sprintf("dec-%d", i)
+
+	// Prefill: compute (write deterministic KV), finish, hold for decode.
+	pids, err := r.pre.alloc(ctx, nBlocks)
+	if err != nil {
+		o.err = err
+		return o
+	}
+	storeMax(&r.peakPre, r.pre.physPages())
+	if err := r.fill(q, pids); err != nil {
+		o.err = errors.Join(err, r.pre.free(pids))
+		return o
+	}
+	released := r.preRouter.register(preID, r.cfg.PrefillTP)
+	var params *v1.KVTransferParams
+	for rank, rk := range r.pre.ranks {
+		p, err := rk.RequestFinished(ctx, preID, pids, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
+		if err == nil && p == nil {
+			err = fmt.Errorf("demo: prefill rank %d returned no kv_transfer_params", rank)
+		}
+		if err != nil {
+			// Ranks that took the blocks keep them until their lease ends;
+			// the pools are closed with them at the end of the run.
+			o.err = fmt.Errorf("demo: %s: prefill rank %d RequestFinished: %w", preID, rank, err)
+			return o
+		}
+		if rank == 0 {
+			params = p
+		}
+	}
+	defer func() {
+		// Prefill frees once every rank released the lease (every decode
+		// rank notified, or the lease expired).
+		if err := released.wait(ctx); err != nil {
+			o.err = errors.Join(o.err, fmt.Errorf("demo: %s: waiting for prefill to release: %w", preID, err))
+			return
+		}
+		if err := r.pre.free(pids); err != nil {
+			o.err = errors.Join(o.err, err)
+		}
+	}()
+
+	// The proxy: kv_transfer_params travel as JSON, unchanged.
+	js, err := connector.MarshalKVTransferParams(params)
+	if err != nil {
+		o.err = err
+		return o
+	}
+	dparams, err := connector.UnmarshalKVTransferParams(js)
+	if err != nil {
+		o.err = err
+		return o
+	}
+
+	// Decode: reuse the cached prefix, import the tail, check every byte.
+	fullHashes := q.InputLength / trace.HashBlockTokens
+	var hit []*cacheEntry
+	if r.cache != nil {
+		hit = r.cache.lookup(q.HashIDs, fullHashes)
+		defer r.cache.release(hit)
+	}
+	prefix := len(hit) * perHash
+	o.reused = int64(prefix * r.bs)
+	o.fullHit = prefix == nBlocks
+	dids, err := r.dec.alloc(ctx, nBlocks-prefix)
+	if err != nil {
+		o.err = err
+		return o
+	}
+	storeMax(&r.peakDec, r.dec.physPages())
+	loaded := r.decRouter.register(decID, r.cfg.DecodeTP)
+	start := time.Now()
+	for rank, rk := range r.dec.ranks {
+		if err := rk.StartLoad(ctx, &v1.ReqMeta{RequestId: decID, LocalBlockIds: dids, Params: dparams}); err != nil {
+			r.decRouter.deliver(decID, fmt.Errorf("demo: decode rank %d StartLoad: %w", rank, err))
+		}
+	}
+	err = loaded.wait(ctx)
+	o.latency = time.Since(start)
+	if err != nil {
+		o.err = fmt.Errorf("demo: %s: %w", decID, err)
+		if ferr := r.dec.free(dids); ferr != nil {
+			o.err = errors.Join(o.err, ferr)
+		}
+		return o
+	}
+	o.moved, o.verified, o.mismatches, err = r.check(q, prefix, dids)
+	if err == nil && o.mismatches > 0 {
+		err = fmt.Errorf("demo: %s: %d of %d bytes differ", decID, o.mismatches, o.verified)
+	}
+	if err != nil || r.cache == nil {
+		o.err = err
+		if ferr := r.dec.free(dids); ferr != nil {
+			o.err = errors.Join(o.err, ferr)
+		}
+		return o
+	}
+	// Cache the tail's whole hash blocks; free what the cache did not take.
+	var rest []uint32
+	for j := len(hit); j < fullHashes; j++ {
+		grp := dids[(j-len(hit))*perHash : (j-len(hit)+1)*perHash]
+		if !r.cache.insert(q.HashIDs[j], grp) {
+			rest = append(rest, grp...)
+		}
+	}
+	rest = append(rest, dids[(fullHashes-len(hit))*perHash:]...)
+	o.err = r.dec.free(rest)
+	return o
+}
+
+// fill writes the deterministic KV of q into blocks on every prefill rank:
+// block k holds tokens [k·bs, (k+1)·bs), content key of their hash block.
+func (r *runner) fill(q trace.Request, blocks []uint32) error {
+	var staging []byte
+	for rank, p := range r.pre.pools {
+		s, err := r.pre.shape(rank)
+		if err != nil {
+			return err
+		}
+		for _, reg := range p.Regions() {
+			for k, b := range blocks {
+				tok := k * r.bs
+				key := kvgen.Key(q.HashIDs[tok/trace.HashBlockTokens])
+				off := reg.BlockOffset(int(b))
+				if buf, err := p.HostBytes(reg.Index, off, reg.BlockLen); err == nil {
+					kvgen.FillBlock(buf, s, key, reg.Index, tok)
+					continue
+				}
+				if len(staging) == 0 {
+					staging = make([]byte, reg.BlockLen)
+				}
+				kvgen.FillBlock(staging, s, key, reg.Index, tok)
+				if err := p.CopyIn(reg.Index, off, staging); err != nil {
+					return fmt.Errorf("demo: prefill rank %d: %w", rank, err)
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// check verifies the tail blocks on every decode rank; blocks[k] holds
+// request block prefix+k. It returns bytes moved, checked and differing.
+func (r *runner) check(q trace.Request, prefix int, blocks []uint32) (moved, checked, bad uint64, err error) {
+	var staging []byte
+	for rank, p := range r.dec.pools {
+		s, err := r.dec.shape(rank)
+		if err != nil {
+			return moved, checked, bad, err
+		}
+		for _, reg := range p.Regions() {
+			for k, b := range blocks {
+				tok := (prefix + k) * r.bs
+				key := kvgen.Key(q.HashIDs[tok/trace.HashBlockTokens])
+				off := reg.BlockOffset(int(b))
+				buf, herr := p.HostBytes(reg.Index, off, reg.BlockLen)
+				if herr != nil {
+					if len(staging) == 0 {
+						staging = make([]byte, reg.BlockLen)
+					}
+					if err := p.CopyOut(reg.Index, off, staging); err != nil {
+						return moved, checked, bad, fmt.Errorf("demo: decode rank %d: %w", rank, err)
+					}
+					buf = staging
+				}
+				n, _ := kvgen.CheckBlock(buf, s, key, reg.Index, tok)
+				moved += reg.BlockLen
+				checked += reg.BlockLen
+				bad += uint64(n)
+			}
+		}
+	}
+	return moved, checked, bad, nil
+}
+
+func percentileMs(sorted []time.Duration, q float64) float64 {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(math.Ceil(q*float64(len(sorted)))) - 1
+	i = min(max(i, 0), len(sorted)-1)
+	return float64(sorted[i]) / float64(time.Millisecond)
+}
+
+// router hands the events of a request id, reported by several ranks, to
+// the one goroutine waiting for all of them.
+type router struct {
+	mu      sync.Mutex
+	waiters map[string]*waiter
+}
+
+type waiter struct {
+	need int
+	errs []error
+	done chan struct{}
+}
+
+func newRouter() *router { return &router{waiters: map[string]*waiter{}} }
+
+// register expects need events for id; register before anything can
+// report id.
+func (rt *router) register(id string, need int) *waiter {
+	w := &waiter{need: need, done: make(chan struct{})}
+	rt.mu.Lock()
+	rt.waiters[id] = w
+	rt.mu.Unlock()
+	return w
+}
+
+// deliver records one event (err nil: success) for id.
+func (rt *router) deliver(id string, err error) {
+	rt.mu.Lock()
+	defer rt.mu.Unlock()
+	w := rt.waiters[id]
+	if w == nil {
+		return
+	}
+	if err != nil {
+		w.errs = append(w.errs, err)
+	}
+	if w.need--; w.need == 0 {
+		delete(rt.waiters, id)
+		close(w.done)
+	}
+}
+
+// wait returns once every event arrived, with their errors joined, or
+// context.Cause(ctx).
+func (w *waiter) wait(ctx context.Context) error {
+	select {
+	case <-w.done:
+		return errors.Join(w.errs...)
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
+}

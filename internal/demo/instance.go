@@ -1,0 +1,231 @@
+package demo
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvsidecar/kvsidecar/connector"
+	"github.com/kvsidecar/kvsidecar/handshake"
+	"github.com/kvsidecar/kvsidecar/internal/kvgen"
+	"github.com/kvsidecar/kvsidecar/internal/testutil"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/kvsidecar/kvsidecar/transfer"
+	"github.com/kvsidecar/kvsidecar/vmm"
+)
+
+// BackendFunc returns the vmm backend of one rank's pool; side is
+// "prefill" or "decode". The demo closes the backend after the pool.
+type BackendFunc func(side string, rank int) (vmm.Backend, error)
+
+// instanceOpts describes one simulated engine instance.
+type instanceOpts struct {
+	engine    string
+	side      string
+	geom      *v1.ModelGeometry
+	tp        int
+	numBlocks int
+	ownership v1.Ownership
+	mode      handshake.Mode
+	delay     time.Duration // one-way delay on every datagram the instance sends
+	srvTLS    *tls.Config
+	cliTLS    *tls.Config
+	backend   BackendFunc
+	logger    *slog.Logger
+	reg       prometheus.Registerer
+}
+
+// instance is one engine instance: tp ranks, each with its own pool,
+// backend and connector.Rank on 127.0.0.1. Block ids are kept equal on
+// every rank by allocating and freeing all pools together under mu.
+type instance struct {
+	o        instanceOpts
+	pools    []*vmm.Pool
+	backends []vmm.Backend
+	ranks    []*connector.Rank
+	pcs      []net.PacketConn
+	addrs    []string
+	heads    int // KV heads as kvgen sees them (1 for MLA)
+	baseline int // physPages right after start: the null blocks' pages
+
+	mu sync.Mutex // lockstep Alloc/Free over every pool
+}
+
+// newInstance starts o.tp ranks. On error everything started is closed.
+func newInstance(ctx context.Context, o instanceOpts) (in *instance, err error) {
+	in = &instance{o: o, heads: int(o.geom.GetNumKvHeads())}
+	if o.geom.GetAttention() == v1.Attention_ATTENTION_MLA {
+		in.heads = 1
+	}
+	defer func() {
+		if err != nil {
+			err = errors.Join(err, in.close())
+		}
+	}()
+	// Listen first so every rank knows every rank's address.
+	for range o.tp {
+		udp, lerr := net.ListenPacket("udp", "127.0.0.1:0")
+		if lerr != nil {
+			return in, fmt.Errorf("demo: %s: listen: %w", o.side, lerr)
+		}
+		var pc net.PacketConn = udp
+		if o.delay > 0 {
+			// The delaying wrapper hides quic-go's batch I/O, so it is used
+			// only where an RTT is injected.
+			pc = testutil.NewPacketConn(udp, o.delay)
+		}
+		in.pcs = append(in.pcs, pc)
+		in.addrs = append(in.addrs, udp.LocalAddr().String())
+	}
+	secret := make([]byte, 32)
+	_, _ = rand.Read(secret)
+	for r := range o.tp {
+		layout, lerr := vmm.LayoutFor(o.geom, r, o.tp)
+		if lerr != nil {
+			return in, fmt.Errorf("demo: %s rank %d: %w", o.side, r, lerr)
+		}
+		var be vmm.Backend
+		if o.backend != nil {
+			if be, err = o.backend(o.side, r); err != nil {
+				return in, fmt.Errorf("demo: %s rank %d: backend: %w", o.side, r, err)
+			}
+			in.backends = append(in.backends, be)
+		}
+		// No prealloc reserve: a page is mapped only while a block in it is
+		// allocated, so the pages still mapped after the run show leaks.
+		pool, perr := vmm.NewPool(ctx, &vmm.Config{Backend: be, Layout: layout, NumBlocks: o.numBlocks,
+			PreallocPages: -1, Logger: o.logger, Registerer: o.reg})
+		if perr != nil {
+			return in, fmt.Errorf("demo: %s rank %d: %w", o.side, r, perr)
+		}
+		in.pools = append(in.pools, pool)
+		rank, rerr := connector.NewRank(ctx, &connector.Config{
+			EngineID: o.engine, TPRank: r, TPSize: o.tp, Geometry: o.geom, Pool: pool,
+			Transfer: &transfer.Config{PacketConn: in.pcs[r], ServerTLS: o.srvTLS, ClientTLS: o.cliTLS,
+				Logger: o.logger, Registerer: o.reg},
+			RankAddrs: in.addrs, CapabilitySecret: secret, Ownership: o.ownership,
+			HandshakeMode: o.mode, Logger: o.logger, Registerer: o.reg,
+		})
+		if rerr != nil {
+			return in, fmt.Errorf("demo: %s rank %d: %w", o.side, r, rerr)
+		}
+		in.pcs[r] = nil // the rank's agent owns and closes it now
+		in.ranks = append(in.ranks, rank)
+	}
+	in.baseline = in.physPages()
+	return in, nil
+}
+
+// close closes ranks, then pools, then backends; sockets of ranks that
+// never started are closed too.
+func (in *instance) close() error {
+	var errs []error
+	for _, r := range in.ranks {
+		errs = append(errs, r.Close())
+	}
+	for _, pc := range in.pcs {
+		if pc != nil {
+			errs = append(errs, pc.Close())
+		}
+	}
+	for _, p := range in.pools {
+		errs = append(errs, p.Close())
+	}
+	for _, b := range in.backends {
+		errs = append(errs, b.Close())
+	}
+	in.ranks, in.pcs, in.pools, in.backends = nil, nil, nil, nil
+	return errors.Join(errs...)
+}
+
+// alloc allocates n blocks on every pool; the ids are equal on every rank.
+func (in *instance) alloc(ctx context.Context, n int) ([]uint32, error) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	var ids []int
+	for r, p := range in.pools {
+		got, err := p.Alloc(ctx, n)
+		if err == nil && r > 0 && !equalInts(got, ids) {
+			_ = p.Free(ctx, got)
+			err = fmt.Errorf("demo: %s rank %d allocated other block ids than rank 0 (pools out of lockstep)", in.o.side, r)
+		}
+		if err != nil {
+			for _, q := range in.pools[:r] {
+				_ = q.Free(context.WithoutCancel(ctx), ids)
+			}
+			return nil, fmt.Errorf("demo: %s: alloc %d blocks on rank %d: %w", in.o.side, n, r, err)
+		}
+		ids = got
+	}
+	out := make([]uint32, len(ids))
+	for i, id := range ids {
+		out[i] = uint32(id)
+	}
+	return out, nil
+}
+
+// free frees ids on every pool.
+func (in *instance) free(ids []uint32) error {
+	if len(ids) == 0 {
+		return nil
+	}
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	b := make([]int, len(ids))
+	for i, id := range ids {
+		b[i] = int(id)
+	}
+	var errs []error
+	for r, p := range in.pools {
+		if err := p.Free(context.Background(), b); err != nil {
+			errs = append(errs, fmt.Errorf("demo: %s: free on rank %d: %w", in.o.side, r, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// shape is the kvgen shape of one block of one region on rank r.
+func (in *instance) shape(r int) (kvgen.Shape, error) {
+	hs, err := connector.RankHeads(in.heads, in.o.tp, r)
+	if err != nil {
+		return kvgen.Shape{}, err
+	}
+	db, err := vmm.DTypeBytes(in.o.geom.GetDtype())
+	if err != nil {
+		return kvgen.Shape{}, err
+	}
+	return kvgen.Shape{BlockSize: int(in.o.geom.GetBlockSize()), RowBytes: int(in.o.geom.GetHeadDim()) * db,
+		FirstHead: hs.First, Heads: hs.Count}, nil
+}
+
+// physPages is the number of physical pages mapped on every rank together
+// (each region's page of the null block, mapped for the life of a pool,
+// included).
+func (in *instance) physPages() int {
+	n := 0
+	for _, p := range in.pools {
+		s := p.Stats()
+		n += s.PagesMapped * s.NumRegions
+	}
+	return n
+}
+
+func equalInts(a, b []int) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
