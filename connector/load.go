@@ -20,8 +20,10 @@ type load struct {
 	params *v1.KVTransferParams
 	plan   Plan
 	addrs  []string // address of every source of plan, same order
-	cancel context.CancelCauseFunc
-	done   chan struct{}
+	// reached[i]: the handshake with source i succeeded (set by load).
+	reached []bool
+	cancel  context.CancelCauseFunc
+	done    chan struct{}
 }
 
 // StartLoad starts importing a request's KV into local blocks (vLLM
@@ -151,10 +153,22 @@ func (r *Rank) targets(l *load) []handshake.Target {
 }
 
 // load handshakes with every source in parallel and READs every reading
-// source's slice of the tail blocks, in parallel.
+// source's slice of the tail blocks, in parallel. It marks in l.reached the
+// sources whose handshake succeeded: only those are notified afterwards.
 func (r *Rank) load(ctx context.Context, l *load) error {
-	mds, err := r.hs.GetAll(ctx, r.targets(l))
-	if err != nil {
+	ts := r.targets(l)
+	mds := make([]*handshake.Metadata, len(ts))
+	errs := make([]error, len(ts))
+	var wg sync.WaitGroup
+	for i := range ts {
+		wg.Go(func() { mds[i], errs[i] = r.hs.Get(ctx, ts[i]) })
+	}
+	wg.Wait()
+	l.reached = make([]bool, len(ts))
+	for i, err := range errs {
+		l.reached[i] = err == nil
+	}
+	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("connector: load %q: %w", l.id, err)
 	}
 	remote := l.params.GetRemoteBlockIds()
@@ -162,8 +176,6 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 	if len(l.blocks) == 0 {
 		return nil // full prefix hit: notify only
 	}
-	var wg sync.WaitGroup
-	errs := make([]error, len(mds))
 	for i, s := range l.plan.Sources {
 		if s.NotifyOnly {
 			continue
@@ -220,14 +232,19 @@ func (r *Rank) readSource(ctx context.Context, l *load, s Source, addr string, m
 	return flush()
 }
 
-// notifyAll tells every source of l that this rank is done with the
-// request; it returns the first refusal by a source this rank read from.
+// notifyAll tells every source of l this rank reached that it is done with
+// the request; it returns the first refusal by a source this rank read
+// from. A source whose handshake failed is not contacted again: its lease
+// expires on its own.
 func (r *Rank) notifyAll(l *load) error {
 	ctx, cancel := context.WithTimeout(r.ctx, notifyTimeout)
 	defer cancel()
 	errs := make([]error, len(l.addrs))
 	var wg sync.WaitGroup
 	for i, addr := range l.addrs {
+		if i >= len(l.reached) || !l.reached[i] {
+			continue
+		}
 		wg.Go(func() {
 			errs[i] = r.agent.Notify(ctx, addr, &v1.Notification{RequestId: l.params.GetRemoteRequestId(),
 				Capability: l.params.GetCapability(), ConsumerEngineId: r.cfg.EngineID,
