@@ -316,7 +316,9 @@ func TestLocalTransfer(t *testing.T) {
 			require.Zero(t, bad, "region %d block %d: first bad byte %d", r, id, first)
 		}
 	}
-	waitFinished(ctx, t, pc, func(f *v1.GetFinishedReply) bool { return proto.Equal(f, &v1.GetFinishedReply{DoneSending: []string{"req-1"}}) })
+	waitFinished(ctx, t, pc, func(f *v1.GetFinishedReply) bool {
+		return proto.Equal(f, &v1.GetFinishedReply{DoneSending: []string{"req-1"}})
+	})
 }
 
 // waitFinished polls GetFinished until done says so; polling is how an

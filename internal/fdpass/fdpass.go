@@ -69,6 +69,7 @@ func (c *Conn) Unix() *net.UnixConn { return c.c }
 // them. Errors: the connection's, ErrRightsTruncated, ErrTooManyFiles.
 func (c *Conn) Read(p []byte) (int, error) {
 	n, oobn, flags, _, err := c.c.ReadMsgUnix(p, c.oob)
+	n, oobn = max(n, 0), max(oobn, 0) // -1 on some errors
 	if oobn > 0 {
 		if qerr := c.queueRights(c.oob[:oobn]); qerr != nil {
 			return n, qerr
