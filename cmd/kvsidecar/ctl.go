@@ -2,13 +2,169 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"io"
+	"math"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kvsidecar/kvsidecar/connector"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
+// limitValue is a memory limit as given on a command line: bytes, a percent
+// of the reservation, or none.
+type limitValue struct {
+	set     bool
+	none    bool    // "none": no limit
+	percent float64 // > 0 when given in percent
+	abs     uint64
+}
+
+// byteUnits are the accepted units: decimal (kB, MB, GB, TB) and binary
+// (KiB, MiB, GiB, TiB; K, M, G, T are binary too), case-insensitive.
+var byteUnits = map[string]float64{
+	"": 1, "b": 1,
+	"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+	"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+	"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+
+// parseLimit parses "8GiB", "512MiB", "1.5GB", "1073741824", "50%" or
+// "none". Zero and negative values, 0 % and over 100 % are refused with the
+// accepted range.
+func parseLimit(s string) (limitValue, error) {
+	s = strings.TrimSpace(s)
+	if strings.EqualFold(s, "none") {
+		return limitValue{set: true, none: true}, nil
+	}
+	if p, ok := strings.CutSuffix(s, "%"); ok {
+		v, err := strconv.ParseFloat(strings.TrimSpace(p), 64)
+		if err != nil || math.IsNaN(v) {
+			return limitValue{}, fmt.Errorf("%q is not a percent", s)
+		}
+		if v <= 0 || v > 100 {
+			return limitValue{}, fmt.Errorf("%s is outside the accepted range (0 %%, 100 %%] of the reservation", s)
+		}
+		return limitValue{set: true, percent: v}, nil
+	}
+	i := strings.IndexFunc(s, func(r rune) bool { return (r < '0' || r > '9') && r != '.' })
+	num, unit := s, ""
+	if i >= 0 {
+		num, unit = s[:i], strings.TrimSpace(s[i:])
+	}
+	mult, ok := byteUnits[strings.ToLower(unit)]
+	if !ok {
+		return limitValue{}, fmt.Errorf("%q: unknown unit %q (want B, kB, MB, GB, TB, KiB, MiB, GiB, TiB, or a percent)", s, unit)
+	}
+	v, err := strconv.ParseFloat(num, 64)
+	if err != nil {
+		return limitValue{}, fmt.Errorf("%q is not a size (e.g. 8GiB, 512MiB, 50%%)", s)
+	}
+	b := v * mult
+	if b < 1 || b >= math.MaxUint64/2 {
+		return limitValue{}, fmt.Errorf("%s is outside the accepted range: more than 0 bytes (use \"none\" to remove the limit)", s)
+	}
+	return limitValue{set: true, abs: uint64(b)}, nil
+}
+
+// bytes resolves the limit against the reservation: a percent becomes bytes;
+// bytes above the reservation are refused with the range.
+func (l limitValue) bytes(reserved uint64) (uint64, error) {
+	switch {
+	case l.none:
+		return 0, nil
+	case l.percent > 0:
+		return uint64(math.Ceil(float64(reserved) * l.percent / 100)), nil
+	case l.abs > reserved:
+		return 0, fmt.Errorf("%d bytes is outside the accepted range (0, %d] (the reservation)", l.abs, reserved)
+	}
+	return l.abs, nil
+}
+
 func runCtl(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("ctl", "Show stats and set the memory limit of a running sidecar.", stderr)
-	if err := parseFlags(fs, args); err != nil {
+	fs := newFlagSet("ctl", "Show stats and set the memory limit of a running sidecar.\n\n"+
+		"  kvsidecar ctl --socket PATH stats\n"+
+		"  kvsidecar ctl --socket PATH limit VALUE [--strict]   VALUE: 8GiB, 512MiB, 1.5GB, 50%, none", stderr)
+	socket := fs.String("socket", "", "the sidecar's local API socket (required)")
+	strict := fs.Bool("strict", false, "limit: refuse a value below what is in use instead of shrinking as blocks are freed")
+	timeout := fs.Duration("timeout", 10*time.Second, "bound on the whole command")
+	if err := fs.Parse(args); err != nil {
+		return parseFlags(fs, args) // same error, as a usage error
+	}
+	// Flags may also follow the subcommand and its value.
+	var pos []string
+	for rest := fs.Args(); len(rest) > 0; rest = fs.Args() {
+		pos = append(pos, rest[0])
+		if err := fs.Parse(rest[1:]); err != nil {
+			return usageErrorf("%v", err)
+		}
+	}
+	if len(pos) == 0 {
+		return usageErrorf("missing subcommand: stats or limit VALUE")
+	}
+	var lv limitValue
+	switch {
+	case pos[0] == "stats" && len(pos) == 1:
+	case pos[0] == "limit" && len(pos) == 2:
+		var err error
+		if lv, err = parseLimit(pos[1]); err != nil {
+			return usageErrorf("limit: %v", err)
+		}
+	case pos[0] == "stats" || pos[0] == "limit":
+		return usageErrorf("unexpected arguments %q (want: stats, or limit VALUE)", pos)
+	default:
+		return usageErrorf("unexpected argument %q (want the subcommand stats or limit VALUE)", pos[0])
+	}
+	if *socket == "" {
+		return usageErrorf("--socket: required")
+	}
+	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	defer cancel()
+	c, err := connector.DialLocal(ctx, *socket, nil)
+	if err != nil {
 		return err
 	}
-	return errNotImplemented
+	defer c.Close()
+	st, err := c.Stats(ctx)
+	if err != nil {
+		return err
+	}
+	if pos[0] == "stats" {
+		printStats(stdout, st)
+		return nil
+	}
+	if !st.GetCacheReady() {
+		return fmt.Errorf("limit: the sidecar has no KV cache yet (no engine attached)")
+	}
+	b, err := lv.bytes(st.GetReservationBytes())
+	if err != nil {
+		return usageErrorf("limit: %v", err)
+	}
+	pageBytes := st.GetPageSize() * st.GetNumRegions()
+	if b != 0 && b < pageBytes {
+		return usageErrorf("limit: %d bytes is outside the accepted range [%d, %d] (one page of every region up to the reservation)",
+			b, pageBytes, st.GetReservationBytes())
+	}
+	if err := c.SetMemoryLimit(ctx, b, *strict); err != nil {
+		return err
+	}
+	if b == 0 {
+		fmt.Fprintln(stdout, "memory limit: none")
+	} else {
+		fmt.Fprintf(stdout, "memory limit: %d bytes (%.1f%% of the %d-byte reservation)\n", b, 100*float64(b)/float64(st.GetReservationBytes()), st.GetReservationBytes())
+	}
+	return nil
+}
+
+func printStats(w io.Writer, st *v1.StatsReply) {
+	if !st.GetCacheReady() {
+		fmt.Fprintln(w, "cache_ready: false")
+		return
+	}
+	fmt.Fprintf(w, "cache_ready: true\npages_mapped: %d\nbytes_mapped: %d\nreserve_pages: %d\nblocks_used: %d\nblocks_total: %d\n"+
+		"memory_limit_bytes: %d\nreservation_bytes: %d\npage_size: %d\nnum_regions: %d\nleases_held: %d\nloads_in_flight: %d\n",
+		st.GetPagesMapped(), st.GetBytesMapped(), st.GetReservePages(), st.GetBlocksUsed(), st.GetBlocksTotal(),
+		st.GetMemoryLimitBytes(), st.GetReservationBytes(), st.GetPageSize(), st.GetNumRegions(), st.GetLeasesHeld(), st.GetLoadsInFlight())
 }

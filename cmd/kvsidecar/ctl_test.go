@@ -1,0 +1,68 @@
+package main
+
+import (
+	"bytes"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestParseLimit(t *testing.T) {
+	const reserved = 100 << 30
+	tests := []struct {
+		in      string
+		want    uint64
+		wantErr string
+	}{
+		{"8GiB", 8 << 30, ""},
+		{"512 MiB", 512 << 20, ""},
+		{"1.5GB", 1_500_000_000, ""},
+		{"1073741824", 1 << 30, ""},
+		{"2g", 2 << 30, ""},
+		{"50%", 50 << 30, ""},
+		{"100%", reserved, ""},
+		{"none", 0, ""},
+		{"0%", 0, "(0 %, 100 %]"},
+		{"100.5%", 0, "(0 %, 100 %]"},
+		{"0", 0, "more than 0 bytes"},
+		{"-1GiB", 0, "unknown unit"},
+		{"3 parsecs", 0, "unknown unit"},
+		{"101GiB", 0, "accepted range (0, 107374182400]"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.in, func(t *testing.T) {
+			lv, err := parseLimit(tc.in)
+			if err == nil {
+				var b uint64
+				b, err = lv.bytes(reserved)
+				if err == nil {
+					require.Empty(t, tc.wantErr)
+					require.Equal(t, tc.want, b)
+					return
+				}
+			}
+			require.NotEmpty(t, tc.wantErr, "unexpected error %v", err)
+			require.ErrorContains(t, err, tc.wantErr)
+		})
+	}
+}
+
+func TestCtlUsage(t *testing.T) {
+	tests := []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"no subcommand", []string{"--socket", "/x"}, "missing subcommand"},
+		{"no socket", []string{"stats"}, "--socket: required"},
+		{"limit without value", []string{"--socket", "/x", "limit"}, "unexpected arguments"},
+		{"limit out of range", []string{"--socket", "/x", "limit", "0%", "--strict"}, "(0 %, 100 %]"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var errb bytes.Buffer
+			require.Equal(t, 2, run(t.Context(), append([]string{"ctl"}, tc.args...), &bytes.Buffer{}, &errb))
+			require.Contains(t, errb.String(), tc.want)
+		})
+	}
+}
