@@ -233,7 +233,7 @@ func Run(ctx context.Context, cfg *Config) (Summary, error) {
 	}
 	reqs, err := trace.ReadFile(c.TracePath, c.Requests)
 	if err != nil {
-		return Summary{}, fmt.Errorf("demo: %w", err)
+		return Summary{}, err // "trace: file:line: ..." already
 	}
 	r, err := newRun(ctx, c, reqs)
 	if err != nil {
