@@ -1,0 +1,343 @@
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvsidecar/kvsidecar/internal/devtls"
+	"github.com/kvsidecar/kvsidecar/internal/testutil"
+)
+
+// Timeouts of the harness; each is multiplied by KVSIDECAR_TIME_SCALE
+// (testutil.Scaled) when used.
+const (
+	// StartTimeout bounds a process start up to its first log line.
+	StartTimeout = 20 * time.Second
+	// ExitTimeout bounds waiting for a signalled process to exit.
+	ExitTimeout = 30 * time.Second
+)
+
+var build struct {
+	once sync.Once
+	dir  string
+	path string
+	err  error
+}
+
+// Binary builds ./cmd/kvsidecar once per test binary and returns its path.
+// KVSIDECAR_E2E_RACE=1 builds it with the race detector. Call Cleanup from
+// TestMain to remove it.
+func Binary(t testing.TB) string {
+	t.Helper()
+	build.once.Do(func() {
+		build.dir, build.err = os.MkdirTemp("", "kvsidecar-e2e-bin")
+		if build.err != nil {
+			return
+		}
+		build.path = filepath.Join(build.dir, "kvsidecar")
+		goBin := filepath.Join(runtime.GOROOT(), "bin", "go")
+		if _, err := os.Stat(goBin); err != nil {
+			goBin = "go"
+		}
+		args := []string{"build", "-o", build.path}
+		if os.Getenv("KVSIDECAR_E2E_RACE") == "1" {
+			args = append(args, "-race")
+		}
+		cmd := exec.Command(goBin, append(args, "../cmd/kvsidecar")...)
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			build.err = fmt.Errorf("go build: %w\n%s", err, out)
+		}
+	})
+	require.NoError(t, build.err)
+	return build.path
+}
+
+// Cleanup removes the built binary; TestMain calls it after the run.
+func Cleanup() {
+	if build.dir != "" {
+		_ = os.RemoveAll(build.dir)
+	}
+}
+
+// Env is one test's world: a short temp dir (unix socket paths are
+// limited to 107 bytes), a dev CA with per-process certificates, a
+// capability secret and a socket dir.
+type Env struct {
+	Dir       string
+	SocketDir string
+	CapKey    string // file holding a shared capability secret
+	ca        *devtls.CA
+}
+
+// NewEnv makes a temp dir removed at the end of the test.
+func NewEnv(t testing.TB) *Env {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "kvse2e")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	ca, err := devtls.NewCA()
+	require.NoError(t, err)
+	e := &Env{Dir: dir, SocketDir: filepath.Join(dir, "sock"), CapKey: filepath.Join(dir, "cap.key"), ca: ca}
+	require.NoError(t, os.Mkdir(e.SocketDir, 0o700))
+	require.NoError(t, os.WriteFile(e.CapKey, []byte("e2e-capability-secret-0123456789"), 0o600))
+	return e
+}
+
+// TLS writes certificate files for one process and returns them.
+func (e *Env) TLS(t testing.TB, name string) devtls.Files {
+	t.Helper()
+	f, err := e.ca.WriteFiles(filepath.Join(e.Dir, "tls"), name)
+	require.NoError(t, err)
+	return f
+}
+
+// Proc is one running process of the binary. Its stderr is parsed as
+// JSON log lines (kept, and searchable with WaitLog); other lines are kept
+// as {"raw": line}.
+type Proc struct {
+	Name string
+	Cmd  *exec.Cmd
+
+	mu      sync.Mutex
+	logs    []map[string]any
+	changed chan struct{}
+	done    chan struct{}
+	waitErr error
+}
+
+// Start runs the binary with args; the process is killed at the end of the
+// test if still running.
+func Start(t testing.TB, name string, args ...string) *Proc {
+	t.Helper()
+	cmd := exec.Command(Binary(t), args...)
+	cmd.Env = append(os.Environ(), "QUIC_GO_DISABLE_RECEIVE_BUFFER_WARNING=true")
+	stderr, err := cmd.StderrPipe()
+	require.NoError(t, err)
+	cmd.Stdout = io.Discard
+	p := &Proc{Name: name, Cmd: cmd, changed: make(chan struct{}), done: make(chan struct{})}
+	require.NoError(t, cmd.Start())
+	go p.readLogs(stderr)
+	t.Cleanup(func() {
+		if !p.Exited() {
+			_ = cmd.Process.Kill()
+			<-p.done
+		}
+		if t.Failed() {
+			for _, l := range p.Logs() {
+				b, _ := json.Marshal(l)
+				t.Logf("%s: %s", name, b)
+			}
+		}
+	})
+	return p
+}
+
+func (p *Proc) readLogs(r io.Reader) {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		var m map[string]any
+		if json.Unmarshal(sc.Bytes(), &m) != nil {
+			m = map[string]any{"raw": sc.Text()}
+		}
+		p.mu.Lock()
+		p.logs = append(p.logs, m)
+		close(p.changed)
+		p.changed = make(chan struct{})
+		p.mu.Unlock()
+	}
+	err := p.Cmd.Wait()
+	p.mu.Lock()
+	p.waitErr = err
+	close(p.changed)
+	p.changed = make(chan struct{})
+	p.mu.Unlock()
+	close(p.done)
+}
+
+// Logs returns the log lines so far.
+func (p *Proc) Logs() []map[string]any {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]map[string]any(nil), p.logs...)
+}
+
+// WaitLog waits for a log line whose "msg" is msg and returns it; it fails
+// the test when the process exits first or after timeout (scaled).
+func (p *Proc) WaitLog(t testing.TB, msg string, timeout time.Duration) map[string]any {
+	t.Helper()
+	deadline := time.NewTimer(testutil.Scaled(timeout))
+	defer deadline.Stop()
+	seen := 0
+	for {
+		p.mu.Lock()
+		logs, ch := p.logs[seen:], p.changed
+		seen = len(p.logs)
+		p.mu.Unlock()
+		for _, l := range logs {
+			if l["msg"] == msg {
+				return l
+			}
+		}
+		if p.Exited() {
+			t.Fatalf("%s exited (%v) before logging %q", p.Name, p.waitErr, msg)
+		}
+		select {
+		case <-ch:
+		case <-p.done:
+		case <-deadline.C:
+			t.Fatalf("%s did not log %q within %v", p.Name, msg, testutil.Scaled(timeout))
+		}
+	}
+}
+
+// Exited reports whether the process has exited.
+func (p *Proc) Exited() bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// Signal sends sig (SIGTERM, SIGINT, SIGSTOP, SIGCONT, SIGKILL).
+func (p *Proc) Signal(t testing.TB, sig syscall.Signal) {
+	t.Helper()
+	require.NoError(t, p.Cmd.Process.Signal(sig))
+}
+
+// Wait waits for the process to exit within timeout (scaled) and returns
+// its exit code (-1 when killed by a signal).
+func (p *Proc) Wait(t testing.TB, timeout time.Duration) int {
+	t.Helper()
+	select {
+	case <-p.done:
+	case <-time.After(testutil.Scaled(timeout)):
+		t.Fatalf("%s did not exit within %v", p.Name, testutil.Scaled(timeout))
+	}
+	var ee *exec.ExitError
+	if errors.As(p.waitErr, &ee) {
+		return ee.ExitCode()
+	}
+	require.NoError(t, p.waitErr)
+	return 0
+}
+
+// SidecarOpts are the flags of one `kvsidecar serve`.
+type SidecarOpts struct {
+	Engine string
+	Role   string // default "both"
+	TPRank int
+	TPSize int // default 1
+	// Args are extra flags (--model, --num-blocks, --drain-timeout, ...).
+	Args []string
+}
+
+// Sidecar is a running `kvsidecar serve`.
+type Sidecar struct {
+	*Proc
+	Opts SidecarOpts
+	// Socket is the local API socket path.
+	Socket string
+	// MetricsURL is http://host:port of /metrics, /healthz, /readyz.
+	MetricsURL string
+}
+
+// StartSidecar starts `kvsidecar serve` with dev TLS, the env's socket dir
+// and capability key, QUIC and metrics on loopback ports the kernel picks,
+// and waits until the local socket and the metrics endpoint are up.
+func (e *Env) StartSidecar(t testing.TB, o SidecarOpts) *Sidecar {
+	t.Helper()
+	if o.TPSize == 0 {
+		o.TPSize = 1
+	}
+	if o.Role == "" {
+		o.Role = "both"
+	}
+	name := fmt.Sprintf("%s-tp%d", o.Engine, o.TPRank)
+	tf := e.TLS(t, name)
+	args := []string{"serve", "--engine-id", o.Engine, "--role", o.Role, "--tp-rank", strconv.Itoa(o.TPRank),
+		"--tp-size", strconv.Itoa(o.TPSize), "--tls-cert", tf.Cert, "--tls-key", tf.Key, "--tls-ca", tf.CA,
+		"--capability-key-file", e.CapKey, "--socket-dir", e.SocketDir, "--listen", "127.0.0.1:0",
+		"--metrics-addr", "127.0.0.1:0", "--log-level", "debug"}
+	p := Start(t, name, append(args, o.Args...)...)
+	m := p.WaitLog(t, "metrics listening", StartTimeout)
+	s := p.WaitLog(t, "serving", StartTimeout)
+	return &Sidecar{Proc: p, Opts: o, Socket: s["socket"].(string), MetricsURL: "http://" + m["addr"].(string)}
+}
+
+// Get fetches path from the sidecar's metrics endpoint and returns the
+// status code and body.
+func (s *Sidecar) Get(t testing.TB, path string) (int, string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testutil.Scaled(10*time.Second))
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.MetricsURL+path, nil)
+	require.NoError(t, err)
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return resp.StatusCode, string(b)
+}
+
+// Metric returns the sum of every sample of the metric family name in a
+// /metrics scrape (0 when absent).
+func (s *Sidecar) Metric(t testing.TB, name string) float64 {
+	t.Helper()
+	code, body := s.Get(t, "/metrics")
+	require.Equal(t, http.StatusOK, code)
+	var sum float64
+	for _, line := range strings.Split(body, "\n") {
+		if !strings.HasPrefix(line, name) || strings.HasPrefix(line, "#") {
+			continue
+		}
+		rest := line[len(name):]
+		if rest == "" || (rest[0] != ' ' && rest[0] != '{') {
+			continue
+		}
+		f := strings.Fields(line)
+		v, err := strconv.ParseFloat(f[len(f)-1], 64)
+		require.NoError(t, err, line)
+		sum += v
+	}
+	return sum
+}
+
+// Ctl runs `kvsidecar ctl --socket <socket> args...` and returns its exit
+// code, stdout and stderr.
+func (s *Sidecar) Ctl(t testing.TB, args ...string) (int, string, string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testutil.Scaled(20*time.Second))
+	defer cancel()
+	cmd := exec.CommandContext(ctx, Binary(t), append([]string{"ctl", "--socket", s.Socket}, args...)...)
+	var out, errb strings.Builder
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err := cmd.Run()
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		return ee.ExitCode(), out.String(), errb.String()
+	}
+	require.NoError(t, err)
+	return 0, out.String(), errb.String()
+}
