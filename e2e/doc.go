@@ -1,3 +1,18 @@
 // Package e2e holds black-box tests that build the kvsidecar binary and run
 // it as several processes on loopback. They never reach into internals.
+//
+// The harness (harness.go) is shared by every e2e test:
+//
+//	env := e2e.NewEnv(t)                       // temp dir, dev CA, capability key, socket dir
+//	s := env.StartSidecar(t, e2e.SidecarOpts{Engine: "prefill-a", Args: []string{"--model", "llama-3.1-8b"}})
+//	code, body := s.Get(t, "/readyz")          // metrics endpoint on a kernel-picked port
+//	n := s.Metric(t, "kvsidecar_transfer_bytes_total")
+//	rc, out, errOut := s.Ctl(t, "limit", "50%") // kvsidecar ctl against its socket
+//	s.Signal(t, syscall.SIGSTOP)               // SIGTERM, SIGKILL, SIGSTOP, SIGCONT
+//	rc = s.Wait(t, e2e.ExitTimeout)
+//
+// Binary builds ./cmd/kvsidecar once per test binary (KVSIDECAR_E2E_RACE=1
+// adds -race); Start runs any subcommand; every wait is scaled by
+// KVSIDECAR_TIME_SCALE. Processes log JSON to stderr; WaitLog waits for a
+// message, and the logs of a failed test are printed.
 package e2e
