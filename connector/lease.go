@@ -37,6 +37,11 @@ type lease struct {
 	expires   time.Time
 	consumers map[consumer]struct{}
 	index     int // in the heap
+	// pins counts READs being served from the blocks; a lease released
+	// while pinned (pending) frees its blocks when the last pin goes.
+	pins    int
+	pending bool
+	expired bool
 }
 
 type leaseHeap []*lease
@@ -62,12 +67,14 @@ type leaseTable struct {
 	ttl  time.Duration
 	free func(id string, blocks []int, expired bool) // called without the lock held
 
-	mu      sync.Mutex
-	byID    map[string]*lease
-	order   leaseHeap
-	expired *lru.Cache[string, struct{}] // recently expired or released ids
-	wake    chan struct{}
-	closed  bool
+	mu       sync.Mutex
+	byID     map[string]*lease
+	order    leaseHeap
+	expired  *lru.Cache[string, struct{}] // recently expired or released ids
+	wake     chan struct{}
+	closed   bool
+	pins     int           // READs being served from leased blocks
+	unpinned chan struct{} // closed and replaced when pins drops to 0
 
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -81,7 +88,7 @@ func newLeaseTable(ttl time.Duration, free func(id string, blocks []int, expired
 	recent, _ := lru.New[string, struct{}](recentIDs)
 	ctx, cancel := context.WithCancel(context.Background())
 	t := &leaseTable{ttl: ttl, free: free, byID: map[string]*lease{}, expired: recent,
-		wake: make(chan struct{}, 1), cancel: cancel, done: make(chan struct{})}
+		wake: make(chan struct{}, 1), cancel: cancel, done: make(chan struct{}), unpinned: make(chan struct{})}
 	go t.reap(ctx)
 	return t
 }
@@ -128,17 +135,6 @@ func (t *leaseTable) getLocked(id string) (*lease, error) {
 	return nil, fmt.Errorf("%w: request %q has no lease here", ErrUnknownRequest, id)
 }
 
-// check returns the lease's capability and block set for an access check.
-func (t *leaseTable) check(id string) (capab []byte, blocks map[uint32]struct{}, err error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	l, err := t.getLocked(id)
-	if err != nil {
-		return nil, nil, err
-	}
-	return l.capab, l.blockSet, nil
-}
-
 // notify records that consumer c finished with id; when count distinct
 // consumers have notified, the lease is released and its blocks freed. It
 // returns whether the lease was released.
@@ -158,9 +154,74 @@ func (t *leaseTable) notify(id string, c consumer, count int, verify func(capab 
 		return false, nil
 	}
 	t.removeLocked(l)
+	freeNow := t.endLocked(l, false)
 	t.mu.Unlock()
-	t.free(l.id, l.blocks, false)
+	if freeNow {
+		t.free(l.id, l.blocks, false)
+	}
 	return true, nil
+}
+
+// endLocked marks a removed lease released; it reports whether its blocks
+// may be freed now (no READ is being served from them).
+func (t *leaseTable) endLocked(l *lease, expired bool) bool {
+	l.expired = expired
+	if l.pins > 0 {
+		l.pending = true
+		return false
+	}
+	return true
+}
+
+// pin keeps id's blocks from being freed while a READ is served from them;
+// it fails like check for a request without a live lease.
+func (t *leaseTable) pin(id string) (*lease, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	l, err := t.getLocked(id)
+	if err != nil {
+		return nil, err
+	}
+	l.pins++
+	t.pins++
+	return l, nil
+}
+
+// unpin drops a pin; the last pin of a released lease frees its blocks.
+func (t *leaseTable) unpin(l *lease) {
+	t.mu.Lock()
+	l.pins--
+	t.pins--
+	freeNow := l.pins == 0 && l.pending
+	if freeNow {
+		l.pending = false
+	}
+	if t.pins == 0 {
+		close(t.unpinned)
+		t.unpinned = make(chan struct{})
+	}
+	t.mu.Unlock()
+	if freeNow {
+		t.free(l.id, l.blocks, l.expired)
+	}
+}
+
+// waitUnpinned blocks until no READ is served from leased blocks, or ctx
+// is done.
+func (t *leaseTable) waitUnpinned(ctx context.Context) error {
+	for {
+		t.mu.Lock()
+		n, ch := t.pins, t.unpinned
+		t.mu.Unlock()
+		if n == 0 {
+			return nil
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		}
+	}
 }
 
 // extend moves the deadline of each live id to now + ttl and returns the
@@ -210,7 +271,9 @@ func (t *leaseTable) reap(ctx context.Context) {
 		for len(t.order) > 0 && !now.Before(t.order[0].expires) {
 			l := t.order[0]
 			t.removeLocked(l)
-			due = append(due, l)
+			if t.endLocked(l, true) {
+				due = append(due, l)
+			}
 		}
 		next := time.Hour
 		if len(t.order) > 0 {
@@ -230,8 +293,9 @@ func (t *leaseTable) reap(ctx context.Context) {
 	}
 }
 
-// close stops the reaper and releases every lease (freeing its blocks); it
-// returns the ids released.
+// close stops the reaper and releases every lease (freeing its blocks, or,
+// for a lease a READ is being served from, when that READ ends); it returns
+// the ids released.
 func (t *leaseTable) close() []string {
 	t.mu.Lock()
 	if t.closed {
@@ -243,17 +307,19 @@ func (t *leaseTable) close() []string {
 	t.cancel()
 	<-t.done
 	t.mu.Lock()
-	all := make([]*lease, 0, len(t.byID))
+	var ids []string
+	var free []*lease
 	for len(t.order) > 0 {
 		l := t.order[0]
 		t.removeLocked(l)
-		all = append(all, l)
+		ids = append(ids, l.id)
+		if t.endLocked(l, false) {
+			free = append(free, l)
+		}
 	}
 	t.mu.Unlock()
-	ids := make([]string, len(all))
-	for i, l := range all {
+	for _, l := range free {
 		t.free(l.id, l.blocks, false)
-		ids[i] = l.id
 	}
 	return ids
 }

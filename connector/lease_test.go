@@ -69,7 +69,7 @@ func TestLeasesExpireInDeadlineOrder(t *testing.T) {
 		require.ErrorIs(t, err, ErrLeaseExpired)
 		_, err = lt.notify("Z", consumer{"d", 0}, 1, ok)
 		require.ErrorIs(t, err, ErrUnknownRequest)
-		_, _, err = lt.check("C")
+		_, err = lt.pin("C")
 		require.ErrorIs(t, err, ErrLeaseExpired)
 
 		// A is released by its two consumers, counted once each.
@@ -100,5 +100,44 @@ func TestLeaseCloseReleasesAll(t *testing.T) {
 		_, err = lt.add("B", []int{1}, nil)
 		require.ErrorContains(t, err, "shutting down")
 		require.Nil(t, lt.close())
+	})
+}
+
+// TestPinnedLeaseFreesAfterTheRead: a lease that expires (or is notified)
+// while a READ is being served from its blocks frees them only when the
+// READ ends, so no page is unmapped under a running READ.
+func TestPinnedLeaseFreesAfterTheRead(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		lt, freedList := newTestTable(t, 10*time.Second)
+		defer lt.close()
+		_, err := lt.add("A", []int{1}, nil)
+		require.NoError(t, err)
+		_, err = lt.add("B", []int{2}, nil)
+		require.NoError(t, err)
+		la, err := lt.pin("A")
+		require.NoError(t, err)
+		lb, err := lt.pin("B")
+		require.NoError(t, err)
+
+		time.Sleep(11 * time.Second) // A expires while its READ runs
+		synctest.Wait()
+		_, err = lt.pin("A")
+		require.ErrorIs(t, err, ErrLeaseExpired, "no new READ of an expired lease")
+		done, err := lt.notify("B", consumer{"d", 0}, 1, func([]byte) error { return nil })
+		require.ErrorIs(t, err, ErrLeaseExpired, "B expired too")
+		require.False(t, done)
+		require.Empty(t, freedList(), "nothing freed while READs run")
+
+		waited := make(chan error, 1)
+		go func() { waited <- lt.waitUnpinned(t.Context()) }()
+		lt.unpin(la)
+		got := freedList()
+		require.Len(t, got, 1)
+		require.Equal(t, freed{"A", []int{1}, true, 11 * time.Second}, got[0])
+		synctest.Wait()
+		require.Empty(t, waited, "B still pinned")
+		lt.unpin(lb)
+		require.NoError(t, <-waited)
+		require.Len(t, freedList(), 2)
 	})
 }

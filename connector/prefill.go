@@ -111,14 +111,31 @@ func (r *Rank) released(id string, blocks []int, expired bool) {
 // authorize is the serving side's check of every READ before memory is
 // touched: the request holds a live lease here and the capability it
 // carries was issued for it and covers every block the descriptors touch.
+// The lease is pinned until release: if it expires or is notified while
+// the READ runs, its blocks are freed (and their pages unmapped) only after
+// the READ stopped reading them.
 func (r *Rank) authorize(_ context.Context, a *transfer.Access) error {
 	if a.Op != transfer.OpRead {
 		return codes.New(v1.Code_CODE_CAPABILITY_DENIED, "connector: %s into exported blocks of request %q is not allowed", a.Op, a.RequestID)
 	}
-	if _, _, err := r.leases.check(a.RequestID); err != nil {
+	l, err := r.leases.pin(a.RequestID)
+	if err != nil {
 		return err
 	}
-	return r.capKey.Verify(a.Capability, a.RequestID, a.BlockIDs)
+	if err := r.capKey.Verify(a.Capability, a.RequestID, a.BlockIDs); err != nil {
+		r.leases.unpin(l)
+		return err
+	}
+	r.pinned.Store(a, l)
+	return nil
+}
+
+// release is the serving side's hook after an authorized READ stopped
+// touching memory: the lease's blocks may be freed from now on.
+func (r *Rank) release(a *transfer.Access) {
+	if l, ok := r.pinned.LoadAndDelete(a); ok {
+		r.leases.unpin(l.(*lease))
+	}
 }
 
 // onNotification counts a consumer's notification; the last expected one

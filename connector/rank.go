@@ -184,7 +184,9 @@ type Rank struct {
 	agent       *transfer.Agent
 	hsServer    atomic.Pointer[handshake.Server]
 	hs          *handshake.Client
+	hsGone      atomic.Pointer[handshake.Client] // hs, for the agent's OnPeerGone
 	leases      *leaseTable
+	pinned      sync.Map // *transfer.Access -> *lease, READs being served
 	m           *metrics
 	local       *handshake.Metadata
 
@@ -255,12 +257,13 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 			PageSize: ri.PageSize, DevID: uint32(ri.DevID), Mem: poolMemory{c.Pool, ri.Index}})
 	}
 	tc.Authorize = r.authorize
+	tc.Release = r.release
 	tc.CapabilityKey = nil
 	tc.OnNotification = r.onNotification
 	tc.OnHeartbeat = r.onHeartbeat
 	tc.OnHandshake = r.onHandshake
 	tc.OnPeerGone = func(addr string, err error) {
-		if hs := r.hs; hs != nil {
+		if hs := r.hsGone.Load(); hs != nil {
 			hs.Forget(addr)
 		}
 	}
@@ -270,8 +273,19 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 	if tc.Logger == nil {
 		tc.Logger = c.Logger
 	}
+	// Everything a served request reaches exists before the agent listens.
+	r.leases = newLeaseTable(c.LeaseTTL, r.leaseReleased)
+	r.ctx, r.cancel = context.WithCancelCause(context.WithoutCancel(ctx))
+	fail := func(err error) (*Rank, error) {
+		r.cancel(err)
+		r.leases.close()
+		if r.agent != nil {
+			_ = r.agent.Close()
+		}
+		return nil, err
+	}
 	if r.agent, err = transfer.New(&tc); err != nil {
-		return nil, fmt.Errorf("connector: %w", err)
+		return fail(fmt.Errorf("connector: %w", err))
 	}
 	if r.cfg.AdvertiseAddr == "" {
 		r.cfg.AdvertiseAddr = r.agent.Addr().String()
@@ -286,17 +300,14 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 	}
 	srv, err := handshake.NewServer(r.local)
 	if err != nil {
-		_ = r.agent.Close()
-		return nil, err
+		return fail(err)
 	}
 	r.hsServer.Store(srv)
 	if r.hs, err = handshake.NewClient(&handshake.Config{Caller: r.agent, Local: r.local, Mode: c.HandshakeMode,
 		Logger: c.Logger, Registerer: c.Registerer}); err != nil {
-		_ = r.agent.Close()
-		return nil, err
+		return fail(err)
 	}
-	r.leases = newLeaseTable(c.LeaseTTL, r.leaseReleased)
-	r.ctx, r.cancel = context.WithCancelCause(context.WithoutCancel(ctx))
+	r.hsGone.Store(r.hs)
 	r.wg.Go(r.heartbeatLoop)
 	c.Logger.Info("rank started", "engine_id", c.EngineID, "tp_rank", c.TPRank, "tp_size", c.TPSize,
 		"addr", r.cfg.AdvertiseAddr, "incarnation", r.incarnation, "regions", len(r.regions))
@@ -329,7 +340,11 @@ func (m poolMemory) CopyOut(off uint64, dst []byte) error    { return m.p.CopyOu
 func (m poolMemory) CopyIn(off uint64, src []byte) error     { return m.p.CopyIn(m.region, off, src) }
 
 func (r *Rank) onHandshake(ctx context.Context, req *v1.HandshakeRequest) *v1.HandshakeResponse {
-	return r.hsServer.Load().Handle(ctx, req)
+	srv := r.hsServer.Load()
+	if srv == nil {
+		return &v1.HandshakeResponse{Error: codes.ToProto(codes.New(v1.Code_CODE_UNAVAILABLE, "connector: rank %d is starting", r.cfg.TPRank))}
+	}
+	return srv.Handle(ctx, req)
 }
 
 // checkBlocks validates engine block ids against the pool: in
@@ -414,8 +429,9 @@ func (r *Rank) Stats() Stats {
 	return Stats{LeasesHeld: l, BlocksHeld: b, LoadsInFlight: len(r.loads)}
 }
 
-// Drain refuses new requests, waits until every load in flight finished or
-// ctx is done (then aborts them), releases every lease and closes the rank.
+// Drain refuses new requests, waits until every load in flight finished and
+// every READ being served from leased blocks ended, or ctx is done (then
+// aborts them), releases every lease and closes the rank.
 func (r *Rank) Drain(ctx context.Context) error {
 	r.mu.Lock()
 	r.draining = true
@@ -431,6 +447,9 @@ func (r *Rank) Drain(ctx context.Context) error {
 			l.cancel(fmt.Errorf("%w: rank shutting down: %w", ErrDraining, context.Cause(ctx)))
 			<-l.done
 		}
+	}
+	if err := r.leases.waitUnpinned(ctx); err != nil {
+		r.cfg.Logger.Warn("drain deadline passed with READs still being served; closing them", "err", err)
 	}
 	return r.Close()
 }

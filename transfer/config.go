@@ -78,6 +78,11 @@ type Config struct {
 	// capability is verified with CapabilityKey; with neither set every
 	// transfer is refused with ErrCapabilityDenied.
 	Authorize func(ctx context.Context, a *Access) error
+	// Release, when set, is called exactly once for every access Authorize
+	// allowed, after the transfer stopped touching the memory (completed,
+	// failed, reset or aborted), so an owner may pin the memory in
+	// Authorize and free it only afterwards. Default nil.
+	Release func(a *Access)
 	// CapabilityKey verifies capabilities when Authorize is nil. Default nil.
 	CapabilityKey *CapabilityKey
 	// OnNotification handles a Notification; its error class goes back to the

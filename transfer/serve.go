@@ -277,6 +277,9 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 		refuse(err)
 		return
 	}
+	if a.cfg.Release != nil {
+		defer a.cfg.Release(acc)
+	}
 	if err := sc.budget.acquire(ctx.Done(), func() error { return context.Cause(ctx) }, total); err != nil {
 		refuse(fmt.Errorf("%w: transfer: %w", ErrUnavailable, err))
 		return

@@ -431,3 +431,41 @@ func TestCloseTwice(t *testing.T) {
 	_, err = a.Transfer(context.Background(), &Xfer{Op: OpRead})
 	require.Error(t, err)
 }
+
+// TestReleaseAfterServedTransfer: Release is called once for every access
+// Authorize allowed, after the serving stopped touching memory, and never
+// for a refused one (the connector pins a lease's blocks in between).
+func TestReleaseAfterServedTransfer(t *testing.T) {
+	const size = 1 << 20
+	srvMem, cliMem := mmapRegion(t, size), mmapRegion(t, size)
+	srvReg, cliReg := SliceRegion(srvMem, 0, 0), SliceRegion(cliMem, 0, 0)
+	released := make(chan *Access, 4)
+	var authorized atomic.Int32
+	srv := startAgent(t, Config{Regions: []Region{srvReg},
+		Authorize: func(_ context.Context, a *Access) error {
+			if a.RequestID == "denied" {
+				return errorf(v1.Code_CODE_CAPABILITY_DENIED, "no")
+			}
+			authorized.Add(1)
+			return nil
+		},
+		Release: func(a *Access) { released <- a }})
+	cli := startAgent(t, Config{Regions: []Region{cliReg}})
+	x := &Xfer{Op: OpRead, Peer: srv.Addr().String(), RequestID: "ok",
+		Local: []Desc{{Addr: cliReg.Base, Len: size}}, Remote: []Desc{{Addr: srvReg.Base, Len: size}}}
+	_, err := cli.Transfer(ctxT(t, 10*time.Second), x)
+	require.NoError(t, err)
+	select {
+	case a := <-released:
+		require.Equal(t, "ok", a.RequestID)
+		require.Equal(t, uint64(srvReg.Base), a.Descs[0].Addr)
+	case <-ctxT(t, 10*time.Second).Done():
+		t.Fatal("Release was not called after the READ")
+	}
+	x.RequestID = "denied"
+	_, err = cli.Transfer(ctxT(t, 10*time.Second), x)
+	require.ErrorIs(t, err, ErrCapabilityDenied)
+	require.Equal(t, int32(1), authorized.Load())
+	require.NoError(t, srv.Close())
+	require.Empty(t, released, "no Release for a refused access")
+}
