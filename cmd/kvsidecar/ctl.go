@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"math"
@@ -91,7 +93,10 @@ func runCtl(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	strict := fs.Bool("strict", false, "limit: refuse a value below what is in use instead of shrinking as blocks are freed")
 	timeout := fs.Duration("timeout", 10*time.Second, "bound on the whole command")
 	if err := fs.Parse(args); err != nil {
-		return parseFlags(fs, args) // same error, as a usage error
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return usageErrorf("%v", err)
 	}
 	// Flags may also follow the subcommand and its value.
 	var pos []string

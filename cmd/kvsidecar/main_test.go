@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -33,4 +34,11 @@ func TestRunUsage(t *testing.T) {
 			require.Contains(t, errb.String(), tc.wantErr)
 		})
 	}
+}
+
+// TestCtlHelpOnce is a regression test: ctl printed its usage twice.
+func TestCtlHelpOnce(t *testing.T) {
+	var out, errb bytes.Buffer
+	require.Equal(t, 0, run(context.Background(), []string{"ctl", "--help"}, &out, &errb))
+	require.Equal(t, 1, strings.Count(errb.String(), "Usage: kvsidecar ctl"), errb.String())
 }
