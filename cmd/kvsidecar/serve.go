@@ -42,7 +42,7 @@ type serveFlags struct {
 	memoryLimit, listen, advertise, rankAddrs                   string
 	tlsCert, tlsKey, tlsCA, capKeyFile, socketDir, metricsAddr  string
 	qlogDir, logLevel, handshakeMode                            string
-	leaseTTL, drainTimeout, loadTimeout                         time.Duration
+	leaseTTL, drainTimeout, loadTimeout, progressTimeout        time.Duration
 }
 
 func (f *serveFlags) register(fs *flag.FlagSet) {
@@ -75,6 +75,7 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.DurationVar(&f.leaseTTL, "lease-ttl", connector.DefaultLeaseTTL, "how long prefill holds blocks for decode without a heartbeat")
 	fs.DurationVar(&f.loadTimeout, "load-timeout", connector.DefaultLoadTimeout, "bound on one decode load")
+	fs.DurationVar(&f.progressTimeout, "progress-timeout", transfer.DefaultProgressTimeout, "how long one transfer (served or read) may go without a byte moving before it fails with CODE_TIMEOUT")
 	fs.StringVar(&f.handshakeMode, "handshake-mode", "piggyback", "piggyback or legacy")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM/SIGINT, how long in-flight transfers may take before they are aborted")
 }
@@ -250,6 +251,9 @@ func (f *serveFlags) validate() (*serveConfig, error) {
 	}
 	if f.loadTimeout <= 0 {
 		return bad("load-timeout", "%v: must be positive", f.loadTimeout)
+	}
+	if f.progressTimeout <= 0 {
+		return bad("progress-timeout", "%v: must be positive", f.progressTimeout)
 	}
 	if f.drainTimeout <= 0 {
 		return bad("drain-timeout", "%v: must be positive", f.drainTimeout)
@@ -482,7 +486,7 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 	rank, err := connector.NewRank(ctx, &connector.Config{
 		EngineID: f.engineID, TPRank: f.tpRank, TPSize: f.tpSize, Geometry: req.GetGeometry(), Pool: pool,
 		Transfer: &transfer.Config{ListenAddr: f.listen, ServerTLS: srvTLS, ClientTLS: cliTLS,
-			QlogDir: f.qlogDir},
+			ProgressTimeout: f.progressTimeout, QlogDir: f.qlogDir},
 		AdvertiseAddr: f.advertise, RankAddrs: cfg.rankAddrs, CapabilitySecret: cfg.secret, Ownership: cfg.ownership,
 		LeaseTTL: f.leaseTTL, LoadTimeout: f.loadTimeout, HandshakeMode: cfg.mode, DeviceID: uint32(max(f.device, 0)),
 		Logger: log, Registerer: reg,

@@ -45,6 +45,7 @@ func TestServeFlagErrors(t *testing.T) {
 		{"socket dir", append(base, "--socket-dir", "rel"), "--socket-dir"},
 		{"log level", append(base, "--log-level", "loud"), "--log-level"},
 		{"lease", append(base, "--lease-ttl", "-1s"), "--lease-ttl"},
+		{"progress", append(base, "--progress-timeout", "0s"), "--progress-timeout: 0s: must be positive"},
 		{"handshake mode", append(base, "--handshake-mode", "telepathy"), "--handshake-mode"},
 		{"missing tls files", base, "--tls-ca/--tls-cert/--tls-key"},
 	}
