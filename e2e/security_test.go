@@ -1,0 +1,287 @@
+package e2e
+
+import (
+	"context"
+	"crypto/tls"
+	"math"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/devtls"
+	"github.com/kvsidecar/kvsidecar/internal/kvgen"
+	"github.com/kvsidecar/kvsidecar/internal/testutil"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/kvsidecar/kvsidecar/transfer"
+)
+
+// prefillRequest allocates n blocks on the prefill engine, fills them with
+// key's KV and finishes request id for remote decode; it returns the blocks
+// and the kv_transfer_params the proxy would carry.
+func prefillRequest(t testing.TB, pe *engine, id string, key uint64, n int) ([]uint32, *v1.KVTransferParams) {
+	t.Helper()
+	src, err := pe.Alloc(t.Context(), n)
+	require.NoError(t, err)
+	pe.fill(t, key, src)
+	p, err := pe.RequestFinished(t.Context(), id, src, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
+	require.NoError(t, err)
+	return src, p
+}
+
+// load runs StartLoad for params on the decode engine into dst and waits
+// for the request to finish; it returns the failure, nil when done.
+func (e *engine) load(t testing.TB, id string, dst []uint32, p *v1.KVTransferParams) *v1.FailedRequest {
+	t.Helper()
+	require.NoError(t, e.StartLoad(t.Context(), &v1.ReqMeta{RequestId: id, LocalBlockIds: dst, Params: p}))
+	var failed *v1.FailedRequest
+	done := false
+	e.waitFinished(t, 30*time.Second, func(f *v1.GetFinishedReply) bool {
+		for _, r := range f.GetDoneRecving() {
+			done = done || r == id
+		}
+		for _, r := range f.GetFailed() {
+			if r.GetRequestId() == id {
+				failed = r
+			}
+		}
+		return done || failed != nil
+	})
+	return failed
+}
+
+// stats reads the engine's sidecar stats.
+func (e *engine) stats(t testing.TB) *v1.StatsReply {
+	t.Helper()
+	st, err := e.Stats(t.Context())
+	require.NoError(t, err)
+	return st
+}
+
+// waitSent polls the prefill engine until every id is in done_sending.
+func (e *engine) waitSent(t testing.TB, timeout time.Duration, ids ...string) {
+	t.Helper()
+	want := make(map[string]bool, len(ids))
+	for _, id := range ids {
+		want[id] = true
+	}
+	e.waitFinished(t, timeout, func(f *v1.GetFinishedReply) bool {
+		for _, id := range f.GetDoneSending() {
+			delete(want, id)
+		}
+		return len(want) == 0
+	})
+}
+
+// TestHostilePeer is issue 9 item 13: a peer holding a valid certificate
+// learns the prefill's regions through a real handshake and then sends
+// descriptors outside the regions, overflowing, zero-length, for another
+// request's blocks, with forged and tampered capabilities, and WRITEs into
+// exported blocks. Each is refused with its code before any memory is
+// touched (the served byte count moves only for the legitimate control
+// READs), and the sidecar keeps serving: the same connection and a real
+// decode sidecar read both requests byte-exact afterwards.
+func TestHostilePeer(t *testing.T) {
+	env := NewEnv(t)
+	pre := env.StartSidecar(t, SidecarOpts{Engine: "prefill-h", Role: "prefill", Args: geomFlags})
+	dec := env.StartSidecar(t, SidecarOpts{Engine: "decode-h", Role: "decode", Args: geomFlags})
+	pe, de := attach(t, pre, 1024), attach(t, dec, 1024)
+	preIdle, decIdle := pe.stats(t).GetPagesMapped(), de.stats(t).GetPagesMapped()
+
+	const keyA, keyB = 11, 12
+	srcA, pa := prefillRequest(t, pe, "req-a", keyA, 4)
+	srcB, pb := prefillRequest(t, pe, "req-b", keyB, 4)
+	addr := rankAddr(pa)
+
+	tlsConf := peerTLS(t, env, "hostile")
+	md := peerHandshake(t, dialAgent(t, tlsConf, nil), addr, "prefill-h")
+	require.Len(t, md.Regions, int(pe.info.GetNumRegions()))
+	bl := md.Regions[0].BlockLen
+	require.Equal(t, pe.info.GetBlockLen(), bl)
+	lo, hi := uint64(math.MaxUint64), uint64(0)
+	for _, r := range md.Regions {
+		lo, hi = min(lo, r.Base), max(hi, r.Base+r.Len)
+	}
+	require.Greater(t, lo, bl, "room below the first region")
+
+	raw := dialRaw(t, addr, tlsConf)
+	a0, b0 := blockDesc(md, 0, srcA[0]), blockDesc(md, 0, srcB[0])
+	control := func(t *testing.T) {
+		t.Helper()
+		rep := raw.send(t, readReq("req-a", pa.GetCapability(), a0), bl)
+		require.Equal(t, v1.Code_CODE_OK, rep.Code, rep.Msg)
+		require.Equal(t, bl, rep.Final.GetBytes())
+		bad, first := kvgen.CheckBlock(rep.Data, shape, keyA, 0, 0)
+		require.Zero(t, bad, "control READ: %d bytes differ, first at %d", bad, first)
+	}
+	t.Run("control before", control)
+
+	// Prepared lists on the raw connection: list 2 holds A's block, list 3
+	// B's block; both are inside the regions, so preparing them succeeds.
+	prep := func(id uint64, d transfer.Desc) *v1.PeerRequest {
+		return &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1, Body: &v1.PeerRequest_Prep{
+			Prep: &v1.PrepDescList{DlistId: id, Descs: descList(d)}}}
+	}
+	for id, d := range map[uint64]transfer.Desc{2: a0, 3: b0} {
+		rep := raw.send(t, prep(id, d), 0)
+		require.Equal(t, v1.Code_CODE_OK, rep.Code, rep.Msg)
+	}
+	indexed := func(list uint64, capab []byte, idx ...uint32) *v1.PeerRequest {
+		return &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1, Body: &v1.PeerRequest_Xfer{Xfer: &v1.XferRequest{
+			Op: v1.XferOp_XFER_OP_READ, RequestId: "req-a", Capability: capab, TotalLen: bl * uint64(len(idx)),
+			Descs: &v1.XferRequest_Indexed{Indexed: &v1.IndexedDescs{DlistId: list, Indices: idx}}}}}
+	}
+	with := func(req *v1.PeerRequest, f func(x *v1.XferRequest)) *v1.PeerRequest {
+		f(req.GetXfer())
+		return req
+	}
+	capA := pa.GetCapability()
+	tampered := append([]byte(nil), capA...)
+	tampered[len(tampered)-1] ^= 1
+	forged := transfer.NewCapabilityKey().Issue("req-b", srcB...)
+	r0 := md.Regions[0]
+
+	tests := []struct {
+		name string
+		req  *v1.PeerRequest
+		code v1.Code
+		msg  string
+	}{
+		{"past the last region", readReq("req-a", capA, transfer.Desc{Addr: hi, Len: bl}), v1.Code_CODE_OUT_OF_RANGE, "not inside one registered region"},
+		{"below the first region", readReq("req-a", capA, transfer.Desc{Addr: lo - bl, Len: bl}), v1.Code_CODE_OUT_OF_RANGE, "not inside one registered region"},
+		{"across a region's end", readReq("req-a", capA, transfer.Desc{Addr: r0.Base + r0.Len - bl/2, Len: bl}), v1.Code_CODE_OUT_OF_RANGE, "not inside one registered region"},
+		{"other device", readReq("req-a", capA, transfer.Desc{Addr: a0.Addr, Len: bl, DevID: a0.DevID + 1}), v1.Code_CODE_OUT_OF_RANGE, "on device"},
+		{"addr+len overflows", readReq("req-a", capA, transfer.Desc{Addr: math.MaxUint64 - 10, Len: 100}), v1.Code_CODE_OUT_OF_RANGE, "overflows"},
+		{"len overflows from a valid block", readReq("req-a", capA, transfer.Desc{Addr: a0.Addr, Len: math.MaxUint64 - a0.Addr + 1}), v1.Code_CODE_OUT_OF_RANGE, "overflows"},
+		{"valid block then out of range", readReq("req-a", capA, a0, transfer.Desc{Addr: hi, Len: bl}), v1.Code_CODE_OUT_OF_RANGE, "descriptor 1"},
+		{"zero length", readReq("req-a", capA, transfer.Desc{Addr: a0.Addr, Len: 0}), v1.Code_CODE_INVALID_ARGUMENT, "length must be > 0"},
+		{"no descriptors", readReq("req-a", capA), v1.Code_CODE_INVALID_ARGUMENT, "names 0 descriptors"},
+		{"total_len lies", with(readReq("req-a", capA, a0), func(x *v1.XferRequest) { x.TotalLen = 1 }), v1.Code_CODE_INVALID_ARGUMENT, "total_len 1"},
+		{"op unspecified", with(readReq("req-a", capA, a0), func(x *v1.XferRequest) { x.Op = 0 }), v1.Code_CODE_INVALID_ARGUMENT, "neither READ nor WRITE"},
+		{"WRITE into exported blocks", with(readReq("req-a", capA, a0), func(x *v1.XferRequest) { x.Op = v1.XferOp_XFER_OP_WRITE }), v1.Code_CODE_CAPABILITY_DENIED, "not allowed"},
+		{"blocks of B under A's capability", readReq("req-a", capA, b0), v1.Code_CODE_CAPABILITY_DENIED, "not covered"},
+		{"A's block plus one of B", readReq("req-a", capA, a0, b0), v1.Code_CODE_CAPABILITY_DENIED, "not covered"},
+		{"A's capability presented for B", readReq("req-b", capA, b0), v1.Code_CODE_CAPABILITY_DENIED, "not valid for request"},
+		{"forged with another key", readReq("req-b", forged, b0), v1.Code_CODE_CAPABILITY_DENIED, "not valid for request"},
+		{"tampered tag", readReq("req-a", tampered, a0), v1.Code_CODE_CAPABILITY_DENIED, "not valid for request"},
+		{"malformed capability", readReq("req-a", []byte("let me in"), a0), v1.Code_CODE_INVALID_ARGUMENT, "malformed"},
+		{"no capability", readReq("req-a", nil, a0), v1.Code_CODE_INVALID_ARGUMENT, "malformed"},
+		{"unknown request", readReq("req-ghost", forged, a0), v1.Code_CODE_NOT_FOUND, "req-ghost"},
+		{"indexed: B's block under A's capability", indexed(3, capA, 0), v1.Code_CODE_CAPABILITY_DENIED, "not covered"},
+		{"indexed: beyond the list", indexed(2, capA, 0, 5), v1.Code_CODE_OUT_OF_RANGE, "beyond descriptor list"},
+		{"indexed: unprepared list", indexed(9, capA, 0), v1.Code_CODE_NOT_FOUND, "not prepared"},
+		{"prepare outside regions", prep(4, transfer.Desc{Addr: hi, Len: bl}), v1.Code_CODE_OUT_OF_RANGE, "not inside one registered region"},
+		{"prepare overflowing", prep(5, transfer.Desc{Addr: a0.Addr, Len: math.MaxUint64}), v1.Code_CODE_OUT_OF_RANGE, "overflows"},
+		{"prepare zero length", prep(6, transfer.Desc{Addr: a0.Addr}), v1.Code_CODE_INVALID_ARGUMENT, "length must be > 0"},
+		{"wire version 0", &v1.PeerRequest{Body: readReq("req-a", capA, a0).GetBody()}, v1.Code_CODE_INCOMPATIBLE_MODEL, "wire version"},
+	}
+	failuresBefore := metricWith(t, pre, "kvsidecar_transfer_failures_total")
+	refusedXfers := 0
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			rep := raw.send(t, tc.req, 0)
+			require.Equal(t, tc.code, rep.Code, rep.Msg)
+			require.Contains(t, rep.Msg, tc.msg)
+			require.Nil(t, rep.Data)
+		})
+		if tc.req.GetXfer() != nil {
+			refusedXfers++
+		}
+	}
+	t.Run("control after", control)
+
+	// Only the two control READs were served; every hostile transfer was
+	// refused and counted.
+	require.Equal(t, float64(2*bl), metricWith(t, pre, "kvsidecar_transfer_bytes_total", `role="server"`))
+	require.Equal(t, float64(2), metricWith(t, pre, "kvsidecar_transfer_xfers_total", `role="server"`, `result="ok"`))
+	require.Equal(t, float64(refusedXfers-1), metricWith(t, pre, "kvsidecar_transfer_xfers_total", `role="server"`, `result="error"`),
+		"every refused transfer but the wrong wire version is counted by result")
+	require.Equal(t, float64(refusedXfers), metricWith(t, pre, "kvsidecar_transfer_failures_total")-failuresBefore)
+	require.False(t, pre.Exited())
+
+	// A real decode sidecar still gets both requests byte-exact.
+	for _, r := range []struct {
+		id  string
+		key uint64
+		p   *v1.KVTransferParams
+	}{{"req-a", keyA, pa}, {"req-b", keyB, pb}} {
+		dst, err := de.Alloc(t.Context(), len(srcA))
+		require.NoError(t, err)
+		failed := de.load(t, r.id, dst, r.p)
+		require.Nil(t, failed, "load %s: %v", r.id, failed.GetError())
+		de.check(t, r.key, dst)
+		require.NoError(t, de.Free(t.Context(), dst))
+	}
+	pe.waitSent(t, 30*time.Second, "req-a", "req-b")
+
+	// Nothing lost: no lease, no block, no page beyond the idle level.
+	st := pe.stats(t)
+	require.Zero(t, st.GetLeasesHeld())
+	require.Zero(t, st.GetBlocksUsed())
+	require.Equal(t, preIdle, st.GetPagesMapped())
+	st = de.stats(t)
+	require.Zero(t, st.GetLoadsInFlight())
+	require.Zero(t, st.GetBlocksUsed())
+	require.Equal(t, decIdle, st.GetPagesMapped())
+}
+
+// TestUntrustedClient is issue 9 item 14: a client whose certificate the
+// configured CA did not sign, or with no certificate at all, cannot
+// complete the QUIC handshake; nothing is served to it even with a valid
+// capability in hand. A client certified by the CA, on the same sidecar,
+// is answered (the control).
+func TestUntrustedClient(t *testing.T) {
+	env := NewEnv(t)
+	pre := env.StartSidecar(t, SidecarOpts{Engine: "prefill-u", Role: "prefill", Args: geomFlags})
+	pe := attach(t, pre, 256)
+	src, p := prefillRequest(t, pe, "req-u", 3, 2)
+	addr := rankAddr(p)
+	good := peerTLS(t, env, "trusted")
+
+	other, err := devtls.NewCA()
+	require.NoError(t, err)
+	otherCli, err := other.ClientConfig()
+	require.NoError(t, err)
+	foreign := good.Clone() // trusts the sidecar's CA, presents another CA's cert
+	foreign.Certificates = otherCli.Certificates
+	anonymous := good.Clone()
+	anonymous.Certificates = nil
+
+	// A plausible READ of the request's first block as a stolen-params
+	// attacker would build it (local buffer of one block).
+	local := make([]byte, pe.info.GetBlockLen())
+	tests := []struct {
+		name string
+		tls  *tls.Config
+	}{
+		{"certificate from another CA", foreign},
+		{"no certificate", anonymous},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			a := dialAgent(t, tc.tls, local)
+			ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(20*time.Second))
+			defer cancel()
+			resp, err := a.Handshake(ctx, addr, &v1.HandshakeRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1, ExpectedEngineId: "prefill-u", ExpectedTpSize: 1})
+			require.Error(t, err)
+			require.Nil(t, resp)
+			require.NoError(t, ctx.Err(), "refused, not timed out")
+			require.ErrorContains(t, err, "certificate", "the TLS alert says why")
+			require.Equal(t, v1.Code_CODE_UNAVAILABLE, codes.Of(err), "%v", err)
+			_, err = a.Transfer(ctx, &transfer.Xfer{Op: transfer.OpRead, Peer: addr, RequestID: "req-u", Capability: p.GetCapability(),
+				Local: []transfer.Desc{{Addr: uint64(uintptr(unsafe.Pointer(&local[0]))), Len: uint64(len(local))}}, Remote: []transfer.Desc{{Addr: 1 << 40, Len: uint64(len(local))}}})
+			require.Error(t, err)
+			require.NoError(t, ctx.Err(), "refused, not timed out")
+			require.Equal(t, make([]byte, len(local)), local, "no byte arrived")
+		})
+	}
+	require.Zero(t, metricWith(t, pre, "kvsidecar_transfer_xfers_total"), "nothing was served or even refused at the transfer layer")
+	require.Zero(t, metricWith(t, pre, "kvsidecar_transfer_bytes_total"))
+
+	// The control: a certified client is answered by the same sidecar.
+	md := peerHandshake(t, dialAgent(t, good, nil), addr, "prefill-u")
+	require.Equal(t, "prefill-u", md.EngineID)
+	require.Len(t, src, 2)
+}
