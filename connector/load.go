@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"time"
 
@@ -161,7 +162,15 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 	errs := make([]error, len(ts))
 	var wg sync.WaitGroup
 	for i := range ts {
-		wg.Go(func() { mds[i], errs[i] = r.hs.Get(ctx, ts[i]) })
+		wg.Go(func() {
+			mds[i], errs[i] = r.hs.Get(ctx, ts[i])
+			if errs[i] != nil {
+				// Name the params the expectation came from: a wrong
+				// remote_engine_id or tp_size shows up here.
+				errs[i] = fmt.Errorf("prefill rank %d at %s (kv_transfer_params remote_engine_id=%q tp_size=%d): %w",
+					ts[i].Expect.TPRank, ts[i].Addr, l.params.GetRemoteEngineId(), l.params.GetTpSize(), errs[i])
+			}
+		})
 	}
 	wg.Wait()
 	l.reached = make([]bool, len(ts))
@@ -176,6 +185,9 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 	if len(l.blocks) == 0 {
 		return nil // full prefix hit: notify only
 	}
+	if err := checkRemoteBlocks(l.params.GetRemoteBlockIds(), mds); err != nil {
+		return fmt.Errorf("connector: load %q: %w", l.id, err)
+	}
 	for i, s := range l.plan.Sources {
 		if s.NotifyOnly {
 			continue
@@ -185,6 +197,22 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 	wg.Wait()
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("connector: load %q: %w", l.id, err)
+	}
+	return nil
+}
+
+// checkRemoteBlocks checks remote_block_ids against the block count every
+// source advertised, before anything is read: an id outside [1, num_blocks)
+// is a *ParamsError naming it (the prefill would refuse the descriptor as
+// outside its regions, or it would land in padding: never a read).
+func checkRemoteBlocks(ids []uint32, mds []*handshake.Metadata) error {
+	for _, md := range mds {
+		for i, id := range ids {
+			if id == 0 || int64(id) >= int64(md.NumBlocks) {
+				return &ParamsError{Field: fmt.Sprintf("remote_block_ids[%d]", i), Value: strconv.FormatUint(uint64(id), 10),
+					Rule: fmt.Sprintf("outside [1, %d) of prefill rank %d (num_blocks; block 0 is the null block)", md.NumBlocks, md.TPRank)}
+			}
+		}
 	}
 	return nil
 }

@@ -39,6 +39,10 @@ func (e *ParamsError) Error() string {
 // Unwrap returns ErrInvalidParams.
 func (e *ParamsError) Unwrap() error { return ErrInvalidParams }
 
+// Code is CODE_INVALID_ARGUMENT: bad params are the caller's error, also
+// when they cross the local API.
+func (e *ParamsError) Code() v1.Code { return v1.Code_CODE_INVALID_ARGUMENT }
+
 var paramsJSON = protojson.MarshalOptions{UseProtoNames: true}
 
 // MarshalKVTransferParams encodes p as the kv_transfer_params JSON object,
