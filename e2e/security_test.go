@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"math"
+	"strconv"
 	"testing"
 	"time"
 	"unsafe"
@@ -284,4 +285,96 @@ func TestUntrustedClient(t *testing.T) {
 	md := peerHandshake(t, dialAgent(t, good, nil), addr, "prefill-u")
 	require.Equal(t, "prefill-u", md.EngineID)
 	require.Len(t, src, 2)
+}
+
+// TestBadParams is issue 9 item 15: kv_transfer_params with a missing or
+// mismatched tp_size, block ids out of range or an unknown engine id make
+// the decode request fail with an error naming the field, and nothing is
+// read: the prefill's served byte count does not move and the decode
+// blocks keep what they held. Each case gets its own prefill request (a
+// failed load still notifies the sources it reached, which frees theirs);
+// leases nobody notifies expire after --lease-ttl.
+func TestBadParams(t *testing.T) {
+	env := NewEnv(t)
+	const ttl = 3 * time.Second
+	pre := env.StartSidecar(t, SidecarOpts{Engine: "prefill-p", Role: "prefill",
+		Args: append([]string{"--lease-ttl", testutil.Scaled(ttl).String()}, geomFlags...)})
+	dec := env.StartSidecar(t, SidecarOpts{Engine: "decode-p", Role: "decode", Args: geomFlags})
+	pe, de := attach(t, pre, 1024), attach(t, dec, 1024)
+	preIdle, decIdle := pe.stats(t).GetPagesMapped(), de.stats(t).GetPagesMapped()
+	const n, sentinel = 4, 99
+	dst, err := de.Alloc(t.Context(), n)
+	require.NoError(t, err)
+	de.fill(t, sentinel, dst)
+
+	tests := []struct {
+		name string
+		edit func(p *v1.KVTransferParams)
+		// sync: StartLoad itself refuses; otherwise the load fails.
+		sync  bool
+		code  v1.Code
+		field string
+	}{
+		{"tp_size missing", func(p *v1.KVTransferParams) { p.TpSize = nil }, true, v1.Code_CODE_INVALID_ARGUMENT, "tp_size"},
+		{"tp_size zero", func(p *v1.KVTransferParams) { p.TpSize = new(uint32) }, true, v1.Code_CODE_INVALID_ARGUMENT, "tp_size=0"},
+		{"tp_size mismatched", func(p *v1.KVTransferParams) {
+			tp := uint32(2)
+			p.TpSize = &tp
+			p.RemoteRankAddrs = []string{rankAddr(p), rankAddr(p)}
+		}, false, v1.Code_CODE_TP_MISMATCH, "tp_size=2"},
+		{"remote_rank_addrs short", func(p *v1.KVTransferParams) {
+			tp := uint32(2)
+			p.TpSize = &tp
+			p.RemoteRankAddrs = []string{rankAddr(p)}
+		}, true, v1.Code_CODE_INVALID_ARGUMENT, "remote_rank_addrs"},
+		{"remote block id beyond num_blocks", func(p *v1.KVTransferParams) { p.RemoteBlockIds[n-1] = 5000 }, false, v1.Code_CODE_INVALID_ARGUMENT, "remote_block_ids[3]=5000"},
+		{"remote block id beyond the regions", func(p *v1.KVTransferParams) { p.RemoteBlockIds[0] = math.MaxUint32 }, false, v1.Code_CODE_INVALID_ARGUMENT, "remote_block_ids[0]=4294967295"},
+		{"remote block id of no request", func(p *v1.KVTransferParams) { p.RemoteBlockIds[1] = 1000 }, false, v1.Code_CODE_CAPABILITY_DENIED, "not covered"},
+		{"remote_engine_id unknown", func(p *v1.KVTransferParams) { p.RemoteEngineId = "prefill-nope" }, false, v1.Code_CODE_NOT_FOUND, `remote_engine_id="prefill-nope"`},
+		{"remote_engine_id missing", func(p *v1.KVTransferParams) { p.RemoteEngineId = "" }, true, v1.Code_CODE_INVALID_ARGUMENT, "remote_engine_id"},
+		{"remote_request_id unknown", func(p *v1.KVTransferParams) { p.RemoteRequestId = "ghost" }, false, v1.Code_CODE_NOT_FOUND, "ghost"},
+	}
+	var ids []string
+	for i, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			id := "bad-" + strconv.Itoa(i)
+			ids = append(ids, id)
+			_, p := prefillRequest(t, pe, id, uint64(100+i), n)
+			tc.edit(p)
+			served := metricWith(t, pre, "kvsidecar_transfer_bytes_total", `role="server"`)
+			meta := &v1.ReqMeta{RequestId: id, LocalBlockIds: dst, Params: p}
+			if tc.sync {
+				err := de.StartLoad(t.Context(), meta)
+				require.Equal(t, tc.code, codes.Of(err), "%v", err)
+				require.ErrorContains(t, err, tc.field)
+			} else {
+				failed := de.load(t, id, dst, p)
+				require.NotNil(t, failed, "the load must fail")
+				require.Equal(t, tc.code, failed.GetError().GetCode(), failed.GetError().GetMessage())
+				require.Contains(t, failed.GetError().GetMessage(), tc.field)
+				require.ElementsMatch(t, dst, failed.GetBlockIds(), "every local block is reported for recompute")
+			}
+			require.Equal(t, served, metricWith(t, pre, "kvsidecar_transfer_bytes_total", `role="server"`), "nothing was read")
+			de.check(t, sentinel, dst)
+		})
+	}
+	require.Zero(t, metricWith(t, dec, "kvsidecar_transfer_bytes_total"), "decode read nothing at all")
+
+	// The same sidecars serve good params afterwards.
+	_, p := prefillRequest(t, pe, "good", 7, n)
+	require.Nil(t, de.load(t, "good", dst, p))
+	de.check(t, 7, dst)
+	require.NoError(t, de.Free(t.Context(), dst))
+
+	// Nothing lost: every prefill request is released (notified or its
+	// lease expired), and no block, page or load is left.
+	pe.waitSent(t, ttl+30*time.Second, append(ids, "good")...)
+	st := pe.stats(t)
+	require.Zero(t, st.GetLeasesHeld())
+	require.Zero(t, st.GetBlocksUsed())
+	require.Equal(t, preIdle, st.GetPagesMapped())
+	st = de.stats(t)
+	require.Zero(t, st.GetLoadsInFlight())
+	require.Zero(t, st.GetBlocksUsed())
+	require.Equal(t, decIdle, st.GetPagesMapped())
 }
