@@ -111,11 +111,18 @@ func (r *Rank) Abort(ctx context.Context, requestID string) error {
 func (r *Rank) runLoad(ctx context.Context, l *load) {
 	start := time.Now()
 	err := r.load(ctx, l)
-	// Notify every source, read or not, whatever happened: prefill frees
-	// its blocks now instead of at lease expiry. A refused notification
-	// (lease expired, unknown request) means the bytes read may be stale.
-	if nerr := r.notifyAll(l); nerr != nil && err == nil {
-		err = nerr
+	// Notify every source reached, read or not, whatever happened: prefill
+	// frees its blocks now instead of at lease expiry. After a successful
+	// read the notifications come first: a refusal (lease expired, unknown
+	// request) means the bytes read may be stale, so the request fails.
+	// After a failure they only spare prefill the wait for its lease, and
+	// a source that stopped answering (killed, stopped, cut off) would hold
+	// the report back for up to notifyTimeout: the failure is reported
+	// first and they are sent afterwards.
+	if err == nil {
+		err = r.notifyAll(l)
+	} else {
+		defer r.notifyAll(l) // refusals are logged; the load already failed
 	}
 	r.mu.Lock()
 	delete(r.loads, l.id)
