@@ -123,7 +123,7 @@ func New(cfg *Config) (*Agent, error) {
 	}
 	a := &Agent{
 		cfg:       c,
-		tr:        &quic.Transport{Conn: pc},
+		tr:        &quic.Transport{Conn: pc, StatelessResetKey: c.StatelessResetKey},
 		qconf:     QUICConfig(c),
 		m:         m,
 		log:       c.Logger,

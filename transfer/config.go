@@ -98,6 +98,15 @@ type Config struct {
 	// a dialed connection is lost, so caches of that peer can be dropped.
 	// Default nil.
 	OnPeerGone func(addr string, err error)
+	// StatelessResetKey, when set, lets the agent answer a packet of a
+	// connection it does not know, such as one its previous process on the
+	// same address had, with a QUIC stateless reset (RFC 9000 section
+	// 10.3): the peer drops that connection at once instead of sending into
+	// it until MaxIdleTimeout. To help after a restart the key must be the
+	// same in the new process (derive it from a secret that persists);
+	// whoever knows it can reset this agent's connections. Default nil: no
+	// stateless resets.
+	StatelessResetKey *quic.StatelessResetKey
 	// ProgressTimeout is how long a transfer may go without a byte moving
 	// before it fails with ErrTimeout. Default DefaultProgressTimeout (10 s).
 	ProgressTimeout time.Duration

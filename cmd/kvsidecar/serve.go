@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"crypto/hkdf"
+	"crypto/sha256"
 	"crypto/tls"
 	"errors"
 	"flag"
@@ -19,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/quic-go/quic-go"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvsidecar/kvsidecar/connector"
@@ -117,6 +120,27 @@ type serveConfig struct {
 	rankAddrs []string
 	secret    []byte
 	limit     limitValue
+	// resetKey is derived from --tls-key (statelessResetKey).
+	resetKey *quic.StatelessResetKey
+}
+
+// statelessResetKey derives the QUIC stateless reset key from the TLS
+// private key file: a sidecar restarted with the same key resets the
+// connections its predecessor left open at its peers, so they redial at
+// once instead of waiting for the idle timeout (transfer.Config). HKDF keeps
+// the private key from being recoverable from the reset key.
+func statelessResetKey(keyFile string) (*quic.StatelessResetKey, error) {
+	pem, err := os.ReadFile(keyFile)
+	if err != nil {
+		return nil, err
+	}
+	b, err := hkdf.Key(sha256.New, pem, nil, "kvsidecar/1 QUIC stateless reset key", 32)
+	if err != nil {
+		return nil, err
+	}
+	var k quic.StatelessResetKey
+	copy(k[:], b)
+	return &k, nil
 }
 
 // validate checks every flag and combination; errors name the flag and
@@ -320,6 +344,9 @@ func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 	if err != nil {
 		return usageErrorf("--tls-ca/--tls-cert/--tls-key: %v", err)
 	}
+	if cfg.resetKey, err = statelessResetKey(f.tlsKey); err != nil {
+		return usageErrorf("--tls-key: %v", err)
+	}
 	if err := os.MkdirAll(f.socketDir, 0o700); err != nil {
 		return fmt.Errorf("--socket-dir: %w", err)
 	}
@@ -486,7 +513,7 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 	rank, err := connector.NewRank(ctx, &connector.Config{
 		EngineID: f.engineID, TPRank: f.tpRank, TPSize: f.tpSize, Geometry: req.GetGeometry(), Pool: pool,
 		Transfer: &transfer.Config{ListenAddr: f.listen, ServerTLS: srvTLS, ClientTLS: cliTLS,
-			ProgressTimeout: f.progressTimeout, QlogDir: f.qlogDir},
+			ProgressTimeout: f.progressTimeout, StatelessResetKey: cfg.resetKey, QlogDir: f.qlogDir},
 		AdvertiseAddr: f.advertise, RankAddrs: cfg.rankAddrs, CapabilitySecret: cfg.secret, Ownership: cfg.ownership,
 		LeaseTTL: f.leaseTTL, LoadTimeout: f.loadTimeout, HandshakeMode: cfg.mode, DeviceID: uint32(max(f.device, 0)),
 		Logger: log, Registerer: reg,
