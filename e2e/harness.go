@@ -3,10 +3,12 @@ package e2e
 import (
 	"bufio"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -85,6 +87,9 @@ type Env struct {
 	SocketDir string
 	CapKey    string // file holding a shared capability secret
 	ca        *devtls.CA
+
+	mu  sync.Mutex
+	tls map[string]devtls.Files // by process name
 }
 
 // NewEnv makes a temp dir removed at the end of the test.
@@ -101,11 +106,22 @@ func NewEnv(t testing.TB) *Env {
 	return e
 }
 
-// TLS writes certificate files for one process and returns them.
+// TLS writes certificate files for one process and returns them; a
+// process of the same name started again (a restart) gets the same files,
+// as an operator's restart would.
 func (e *Env) TLS(t testing.TB, name string) devtls.Files {
 	t.Helper()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if f, ok := e.tls[name]; ok {
+		return f
+	}
 	f, err := e.ca.WriteFiles(filepath.Join(e.Dir, "tls"), name)
 	require.NoError(t, err)
+	if e.tls == nil {
+		e.tls = map[string]devtls.Files{}
+	}
+	e.tls[name] = f
 	return f
 }
 
@@ -127,7 +143,19 @@ type Proc struct {
 // test if still running.
 func Start(t testing.TB, name string, args ...string) *Proc {
 	t.Helper()
-	cmd := exec.Command(Binary(t), args...)
+	return startCmd(t, name, exec.Command(Binary(t), args...))
+}
+
+// StartInNetns runs the binary with args inside the network namespace ns
+// (`ip netns exec ns`, which execs the binary itself, so signals reach it
+// directly); it is killed at the end of the test if still running.
+func StartInNetns(t testing.TB, ns, name string, args ...string) *Proc {
+	t.Helper()
+	return startCmd(t, name, exec.Command("ip", append([]string{"netns", "exec", ns, Binary(t)}, args...)...))
+}
+
+func startCmd(t testing.TB, name string, cmd *exec.Cmd) *Proc {
+	t.Helper()
 	cmd.Env = append(os.Environ(), "QUIC_GO_DISABLE_RECEIVE_BUFFER_WARNING=true")
 	stderr, err := cmd.StderrPipe()
 	require.NoError(t, err)
@@ -225,6 +253,15 @@ func (p *Proc) Signal(t testing.TB, sig syscall.Signal) {
 	require.NoError(t, p.Cmd.Process.Signal(sig))
 }
 
+// Kill sends SIGKILL (the process gets no chance to clean up: its sockets
+// and socket files stay behind, as after a crash) and waits until it is
+// gone.
+func (p *Proc) Kill(t testing.TB) {
+	t.Helper()
+	p.Signal(t, syscall.SIGKILL)
+	require.Equal(t, -1, p.Wait(t, ExitTimeout), "%s was killed by the signal", p.Name)
+}
+
 // Wait waits for the process to exit within timeout (scaled) and returns
 // its exit code (-1 when killed by a signal).
 func (p *Proc) Wait(t testing.TB, timeout time.Duration) int {
@@ -250,6 +287,12 @@ type SidecarOpts struct {
 	TPSize int // default 1
 	// Args are extra flags (--model, --num-blocks, --drain-timeout, ...).
 	Args []string
+	// Listen is the QUIC listen address; default "127.0.0.1:0".
+	Listen string
+	// MetricsAddr is the metrics HTTP address; default "127.0.0.1:0".
+	MetricsAddr string
+	// Netns, when set, runs the sidecar inside that network namespace.
+	Netns string
 }
 
 // Sidecar is a running `kvsidecar serve`.
@@ -273,13 +316,25 @@ func (e *Env) StartSidecar(t testing.TB, o SidecarOpts) *Sidecar {
 	if o.Role == "" {
 		o.Role = "both"
 	}
+	if o.Listen == "" {
+		o.Listen = "127.0.0.1:0"
+	}
+	if o.MetricsAddr == "" {
+		o.MetricsAddr = "127.0.0.1:0"
+	}
 	name := fmt.Sprintf("%s-tp%d", o.Engine, o.TPRank)
 	tf := e.TLS(t, name)
 	args := []string{"serve", "--engine-id", o.Engine, "--role", o.Role, "--tp-rank", strconv.Itoa(o.TPRank),
 		"--tp-size", strconv.Itoa(o.TPSize), "--tls-cert", tf.Cert, "--tls-key", tf.Key, "--tls-ca", tf.CA,
-		"--capability-key-file", e.CapKey, "--socket-dir", e.SocketDir, "--listen", "127.0.0.1:0",
-		"--metrics-addr", "127.0.0.1:0", "--log-level", "debug"}
-	p := Start(t, name, append(args, o.Args...)...)
+		"--capability-key-file", e.CapKey, "--socket-dir", e.SocketDir, "--listen", o.Listen,
+		"--metrics-addr", o.MetricsAddr, "--log-level", "debug"}
+	args = append(args, o.Args...)
+	var p *Proc
+	if o.Netns != "" {
+		p = StartInNetns(t, o.Netns, name, args...)
+	} else {
+		p = Start(t, name, args...)
+	}
 	m := p.WaitLog(t, "metrics listening", StartTimeout)
 	s := p.WaitLog(t, "serving", StartTimeout)
 	return &Sidecar{Proc: p, Opts: o, Socket: s["socket"].(string), MetricsURL: "http://" + m["addr"].(string)}
@@ -340,4 +395,92 @@ func (s *Sidecar) Ctl(t testing.TB, args ...string) (int, string, string) {
 	}
 	require.NoError(t, err)
 	return 0, out.String(), errb.String()
+}
+
+// QUICAddr waits until the sidecar's rank listens (it starts when the
+// engine creates the KV cache) and returns its QUIC address.
+func (s *Sidecar) QUICAddr(t testing.TB) string {
+	t.Helper()
+	return s.WaitLog(t, "rank listening", StartTimeout)["addr"].(string)
+}
+
+// Restart starts the sidecar again with the same options on the QUIC
+// address it listened on (the previous process must have exited), as an
+// operator restarting a crashed sidecar does; the new process has a new
+// incarnation.
+func (e *Env) Restart(t testing.TB, s *Sidecar) *Sidecar {
+	t.Helper()
+	require.True(t, s.Exited(), "%s must have exited before a restart", s.Name)
+	o := s.Opts
+	o.Listen = s.QUICAddr(t)
+	return e.StartSidecar(t, o)
+}
+
+// StartGroup starts the o.TPSize ranks of one engine instance (o.TPRank is
+// ignored), each on a UDP port picked here and given to every rank with
+// --rank-addrs, so kv_transfer_params carry remote_rank_addrs. Ranks start
+// in order; in coordinated ownership rank 0 must come first.
+func (e *Env) StartGroup(t testing.TB, o SidecarOpts) []*Sidecar {
+	t.Helper()
+	addrs := FreeUDPAddrs(t, "127.0.0.1", o.TPSize)
+	ranks := make([]*Sidecar, o.TPSize)
+	for r := range ranks {
+		ro := o
+		ro.TPRank, ro.Listen = r, addrs[r]
+		ro.Args = append(append([]string(nil), o.Args...), "--rank-addrs", strings.Join(addrs, ","))
+		ranks[r] = e.StartSidecar(t, ro)
+	}
+	return ranks
+}
+
+// FreeUDPAddrs returns n host:port addresses whose UDP ports were free a
+// moment ago (bound and closed here, so another process could take one in
+// between; the kernel hands out recently closed ports last).
+func FreeUDPAddrs(t testing.TB, host string, n int) []string {
+	t.Helper()
+	var out []string
+	var conns []net.PacketConn
+	for range n {
+		c, err := net.ListenPacket("udp", net.JoinHostPort(host, "0"))
+		require.NoError(t, err)
+		conns = append(conns, c)
+		out = append(out, c.LocalAddr().String())
+	}
+	for _, c := range conns {
+		require.NoError(t, c.Close())
+	}
+	return out
+}
+
+// ClientTLS returns a client TLS config with a certificate of the env's
+// CA, for a test-process QUIC agent talking to the sidecars as a peer.
+func (e *Env) ClientTLS(t testing.TB) *tls.Config {
+	t.Helper()
+	c, err := e.ca.ClientConfig()
+	require.NoError(t, err)
+	return c
+}
+
+// Stats runs `kvsidecar ctl stats` and returns its "key: value" lines as
+// numbers (cache_ready as 1 or 0).
+func (s *Sidecar) Stats(t testing.TB) map[string]uint64 {
+	t.Helper()
+	code, out, errOut := s.Ctl(t, "stats")
+	require.Zero(t, code, "ctl stats: %s", errOut)
+	m := map[string]uint64{}
+	for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+		k, v, ok := strings.Cut(line, ": ")
+		require.True(t, ok, "ctl stats line %q", line)
+		switch v {
+		case "true":
+			m[k] = 1
+		case "false":
+			m[k] = 0
+		default:
+			n, err := strconv.ParseUint(v, 10, 64)
+			require.NoError(t, err, "ctl stats line %q", line)
+			m[k] = n
+		}
+	}
+	return m
 }
