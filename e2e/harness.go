@@ -106,17 +106,17 @@ func NewEnv(t testing.TB) *Env {
 	return e
 }
 
-// TLS writes certificate files for one process and returns them; a
-// process of the same name started again (a restart) gets the same files,
-// as an operator's restart would.
-func (e *Env) TLS(t testing.TB, name string) devtls.Files {
+// TLS writes certificate files for one process, valid for loopback and
+// the extra hosts, and returns them; a process of the same name started
+// again (a restart) gets the same files, as an operator's restart would.
+func (e *Env) TLS(t testing.TB, name string, hosts ...string) devtls.Files {
 	t.Helper()
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if f, ok := e.tls[name]; ok {
 		return f
 	}
-	f, err := e.ca.WriteFiles(filepath.Join(e.Dir, "tls"), name)
+	f, err := e.ca.WriteFiles(filepath.Join(e.Dir, "tls"), name, hosts...)
 	require.NoError(t, err)
 	if e.tls == nil {
 		e.tls = map[string]devtls.Files{}
@@ -323,7 +323,9 @@ func (e *Env) StartSidecar(t testing.TB, o SidecarOpts) *Sidecar {
 		o.MetricsAddr = "127.0.0.1:0"
 	}
 	name := fmt.Sprintf("%s-tp%d", o.Engine, o.TPRank)
-	tf := e.TLS(t, name)
+	host, _, err := net.SplitHostPort(o.Listen)
+	require.NoError(t, err, "SidecarOpts.Listen")
+	tf := e.TLS(t, name, host) // peers verify the address they dial
 	args := []string{"serve", "--engine-id", o.Engine, "--role", o.Role, "--tp-rank", strconv.Itoa(o.TPRank),
 		"--tp-size", strconv.Itoa(o.TPSize), "--tls-cert", tf.Cert, "--tls-key", tf.Key, "--tls-ca", tf.CA,
 		"--capability-key-file", e.CapKey, "--socket-dir", e.SocketDir, "--listen", o.Listen,

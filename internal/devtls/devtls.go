@@ -71,9 +71,10 @@ func NewCA() (*CA, error) {
 // Pool returns a pool holding only this CA, for RootCAs and ClientCAs.
 func (ca *CA) Pool() *x509.CertPool { return ca.pool }
 
-// Leaf issues a certificate named cn for 127.0.0.1, ::1 and localhost, usable
-// both as a TLS server and as a TLS client certificate.
-func (ca *CA) Leaf(cn string) (tls.Certificate, error) {
+// Leaf issues a certificate named cn for 127.0.0.1, ::1 and localhost, plus
+// every extra host (an IP address or a DNS name), usable both as a TLS
+// server and as a TLS client certificate.
+func (ca *CA) Leaf(cn string, hosts ...string) (tls.Certificate, error) {
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
 		return tls.Certificate{}, fmt.Errorf("devtls: generate key for %q: %w", cn, err)
@@ -88,6 +89,13 @@ func (ca *CA) Leaf(cn string) (tls.Certificate, error) {
 		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
 		DNSNames:     []string{"localhost"},
 		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback},
+	}
+	for _, h := range hosts {
+		if ip := net.ParseIP(h); ip != nil {
+			tmpl.IPAddresses = append(tmpl.IPAddresses, ip)
+		} else {
+			tmpl.DNSNames = append(tmpl.DNSNames, h)
+		}
 	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
 	if err != nil {
@@ -135,16 +143,16 @@ type Files struct {
 }
 
 // WriteFiles writes ca.pem, then <name>.pem and <name>-key.pem holding a
-// fresh leaf, into dir (created with mode 0700 if missing). Keys are written
-// with mode 0600.
-func (ca *CA) WriteFiles(dir, name string) (Files, error) {
+// fresh leaf (for loopback and the extra hosts, as Leaf), into dir (created
+// with mode 0700 if missing). Keys are written with mode 0600.
+func (ca *CA) WriteFiles(dir, name string, hosts ...string) (Files, error) {
 	if name == "" || filepath.Base(name) != name {
 		return Files{}, fmt.Errorf("devtls: file name %q must be a plain non-empty name", name)
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return Files{}, fmt.Errorf("devtls: %w", err)
 	}
-	leaf, err := ca.Leaf(name)
+	leaf, err := ca.Leaf(name, hosts...)
 	if err != nil {
 		return Files{}, err
 	}

@@ -2,6 +2,7 @@ package devtls
 
 import (
 	"crypto/tls"
+	"crypto/x509"
 	"io"
 	"net"
 	"testing"
@@ -91,4 +92,34 @@ func TestWriteAndLoadFiles(t *testing.T) {
 
 	_, err = ca.WriteFiles(t.TempDir(), "../escape")
 	require.ErrorContains(t, err, "plain non-empty name")
+}
+
+func TestLeafExtraHosts(t *testing.T) {
+	ca, err := NewCA()
+	require.NoError(t, err)
+	leaf, err := ca.Leaf("node", "10.213.0.2", "node-a.example")
+	require.NoError(t, err)
+	opts := x509.VerifyOptions{Roots: ca.Pool(), KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}
+	tests := []struct {
+		host string
+		ok   bool
+	}{
+		{"127.0.0.1", true},
+		{"localhost", true},
+		{"10.213.0.2", true},
+		{"node-a.example", true},
+		{"10.213.0.3", false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.host, func(t *testing.T) {
+			o := opts
+			o.DNSName = tc.host
+			_, err := leaf.Leaf.Verify(o)
+			if tc.ok {
+				require.NoError(t, err)
+			} else {
+				require.ErrorContains(t, err, "not 10.213.0.3")
+			}
+		})
+	}
 }
