@@ -549,8 +549,8 @@ func TestFaultCoordinatedMapRollback(t *testing.T) {
 	code, out, errOut := ranks[2].Ctl(t, "limit", strconv.FormatUint(bytes, 10))
 	require.Zero(t, code, "stdout %q stderr %q", out, errOut)
 	_, err = sides[0].e.Alloc(t.Context(), 2*perPage)
-	require.Error(t, err, "rank 2 cannot map the pages")
-	t.Logf("alloc on rank 0: %v (%v)", err, codes.Of(err))
+	require.Equal(t, v1.Code_CODE_BUSY, codes.Of(err), "rank 2 cannot map the pages: over its limit, as the engine's own limit would be: %v", err)
+	require.ErrorContains(t, err, "rank 2")
 	for r, s := range sides {
 		require.Equal(t, before[r], s.Stats(t)["pages_mapped"], "rank %d rolled back", r)
 	}

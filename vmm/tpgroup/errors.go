@@ -120,6 +120,17 @@ func (e *OpError) Error() string {
 	return b.String()
 }
 
+// Code is the wire code of the operation's failure: that of the lowest
+// failed rank (CodeOf), so a follower over its memory limit reaches the
+// engine as CODE_BUSY, as the coordinator's own limit would, not as
+// CODE_INTERNAL.
+func (e *OpError) Code() v1.Code {
+	if len(e.Failed) == 0 {
+		return v1.Code_CODE_INTERNAL
+	}
+	return CodeOf(e.Failed[0])
+}
+
 // Unwrap returns the failed ranks' errors, then the failed rollbacks'.
 func (e *OpError) Unwrap() []error {
 	out := make([]error, 0, len(e.Failed)+len(e.RollbackFailed))
