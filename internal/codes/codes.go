@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
@@ -51,7 +52,15 @@ func New(c v1.Code, format string, a ...any) *Error {
 	return &Error{C: c, Msg: fmt.Sprintf(format, a...)}
 }
 
-func (e *Error) Error() string { return e.Msg }
+// Error returns the message. A sentinel (no message) reads as its code in
+// words ("unavailable", "capability denied"), so a "%w: detail" wrapping of
+// it reads "unavailable: detail" instead of ": detail".
+func (e *Error) Error() string {
+	if e.Msg == "" {
+		return strings.ReplaceAll(strings.ToLower(strings.TrimPrefix(e.C.String(), "CODE_")), "_", " ")
+	}
+	return e.Msg
+}
 
 // Code returns the wire code.
 func (e *Error) Code() v1.Code { return e.C }
