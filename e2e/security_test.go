@@ -237,6 +237,7 @@ func TestUntrustedClient(t *testing.T) {
 	env := NewEnv(t)
 	pre := env.StartSidecar(t, SidecarOpts{Engine: "prefill-u", Role: "prefill", Args: geomFlags})
 	pe := attach(t, pre, 256)
+	idle := pe.stats(t).GetPagesMapped()
 	src, p := prefillRequest(t, pe, "req-u", 3, 2)
 	addr := rankAddr(p)
 	good := peerTLS(t, env, "trusted")
@@ -281,10 +282,25 @@ func TestUntrustedClient(t *testing.T) {
 	require.Zero(t, metricWith(t, pre, "kvsidecar_transfer_xfers_total"), "nothing was served or even refused at the transfer layer")
 	require.Zero(t, metricWith(t, pre, "kvsidecar_transfer_bytes_total"))
 
-	// The control: a certified client is answered by the same sidecar.
-	md := peerHandshake(t, dialAgent(t, good, nil), addr, "prefill-u")
+	// The control: a certified client is served by the same sidecar, reads
+	// the block byte-exact and releases the request with its notification.
+	ca := dialAgent(t, good, local)
+	md := peerHandshake(t, ca, addr, "prefill-u")
 	require.Equal(t, "prefill-u", md.EngineID)
-	require.Len(t, src, 2)
+	ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(20*time.Second))
+	defer cancel()
+	_, err = ca.Transfer(ctx, &transfer.Xfer{Op: transfer.OpRead, Peer: addr, RequestID: "req-u", Capability: p.GetCapability(),
+		Local: []transfer.Desc{{Addr: uint64(uintptr(unsafe.Pointer(&local[0]))), Len: uint64(len(local))}}, Remote: []transfer.Desc{blockDesc(md, 0, src[0])}})
+	require.NoError(t, err)
+	bad, first := kvgen.CheckBlock(local, shape, 3, 0, 0)
+	require.Zero(t, bad, "%d bytes differ, first at %d", bad, first)
+	require.NoError(t, ca.Notify(ctx, addr, &v1.Notification{RequestId: "req-u", Capability: p.GetCapability(),
+		ConsumerEngineId: "trusted", ConsumerCount: 1}))
+	pe.waitSent(t, 30*time.Second, "req-u")
+	st := pe.stats(t)
+	require.Zero(t, st.GetLeasesHeld())
+	require.Zero(t, st.GetBlocksUsed())
+	require.Equal(t, idle, st.GetPagesMapped())
 }
 
 // TestBadParams is issue 9 item 15: kv_transfer_params with a missing or
