@@ -168,6 +168,13 @@ func startCmd(t testing.TB, name string, cmd *exec.Cmd) *Proc {
 			_ = cmd.Process.Kill()
 			<-p.done
 		}
+		// A binary built with KVSIDECAR_E2E_RACE=1 reports races on stderr.
+		for _, l := range p.Logs() {
+			if raw, _ := l["raw"].(string); strings.Contains(raw, "WARNING: DATA RACE") {
+				t.Errorf("%s: the race detector reported a data race (its report is in the logs below)", name)
+				break
+			}
+		}
 		if t.Failed() {
 			for _, l := range p.Logs() {
 				b, _ := json.Marshal(l)
