@@ -300,3 +300,29 @@ func TestHandshakeRTTs(t *testing.T) {
 		require.LessOrEqual(t, first, 2.5, "four handshakes in parallel, not serial (8 RTT)")
 	})
 }
+
+// TestFreeRefusedWhileLoading: an engine that frees (or loads again into)
+// blocks a load is writing into is refused with CODE_BUSY naming the
+// request, instead of unmapping a page under the READ (which faulted the
+// demo when it freed blocks on SIGTERM before aborting).
+func TestFreeRefusedWhileLoading(t *testing.T) {
+	pre := newInstance(t, instOpts{engine: "prefill", tp: 1, geom: gqa8, numBlocks: 256, delay: 5 * time.Millisecond})
+	dec := newInstance(t, instOpts{engine: "decode", tp: 1, geom: gqa8, numBlocks: 256})
+	blocks := pre.alloc(t, 200)
+	params := pre.finish(t, "r", blocks)
+	local := dec.alloc(t, 200)
+	rank := dec.ranks[0]
+	dec.startLoad(t, "r", local, params)
+
+	ids := []int{int(local[0]), int(local[1])}
+	err := rank.FreeBlocks(t.Context(), ids)
+	require.Equal(t, v1.Code_CODE_BUSY, codes.Of(err), "%v", err)
+	require.ErrorContains(t, err, `is being loaded by request "r"; abort it first`)
+	err = rank.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "r2", LocalBlockIds: local[5:6], Params: params})
+	require.Equal(t, v1.Code_CODE_BUSY, codes.Of(err), "%v", err)
+
+	require.NoError(t, rank.Abort(t.Context(), "r"))
+	require.NoError(t, rank.FreeBlocks(t.Context(), ids), "free after the abort")
+	err = rank.FreeBlocks(t.Context(), ids)
+	require.Error(t, err, "a double free is still the pool's error")
+}

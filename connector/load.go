@@ -81,6 +81,14 @@ func (r *Rank) StartLoad(ctx context.Context, meta *v1.ReqMeta) error {
 		l.cancel(nil)
 		return fmt.Errorf("%w: request %q is already loading", ErrBusy, id)
 	}
+	if err := r.busyLocked("local_block_ids", local); err != nil {
+		r.mu.Unlock()
+		l.cancel(nil)
+		return err
+	}
+	for _, b := range local {
+		r.busy[b] = id
+	}
 	r.loads[id] = l
 	r.mu.Unlock()
 	r.m.loadsInFlight.Inc()
@@ -126,6 +134,9 @@ func (r *Rank) runLoad(ctx context.Context, l *load) {
 	}
 	r.mu.Lock()
 	delete(r.loads, l.id)
+	for _, b := range l.blocks {
+		delete(r.busy, b)
+	}
 	if err == nil {
 		r.recving = append(r.recving, l.id)
 	} else {
@@ -338,4 +349,45 @@ func (r *Rank) heartbeatLoop() {
 		}
 		wg.Wait()
 	}
+}
+
+// freeing marks a block in Rank.busy that FreeBlocks is freeing.
+const freeing = "\x00freeing"
+
+// busyLocked fails when a block of ids is the destination of a load in
+// flight or being freed; r.mu is held.
+func (r *Rank) busyLocked(field string, ids []int) error {
+	for i, b := range ids {
+		switch req, ok := r.busy[b]; {
+		case !ok:
+		case req == freeing:
+			return fmt.Errorf("%w: %s[%d]=%d is being freed", ErrBusy, field, i, b)
+		default:
+			return fmt.Errorf("%w: %s[%d]=%d is being loaded by request %q; abort it first", ErrBusy, field, i, b, req)
+		}
+	}
+	return nil
+}
+
+// FreeBlocks frees local blocks in the pool (the local API's free call).
+// A block a load in flight is writing into is refused with ErrBusy naming
+// the request (Abort it first): freeing it could unmap a page under the
+// READ. Other errors are the pool's (double free, out of range).
+func (r *Rank) FreeBlocks(ctx context.Context, ids []int) error {
+	r.mu.Lock()
+	if err := r.busyLocked("block_ids", ids); err != nil {
+		r.mu.Unlock()
+		return err
+	}
+	for _, b := range ids {
+		r.busy[b] = freeing
+	}
+	r.mu.Unlock()
+	err := r.pool.Free(ctx, ids)
+	r.mu.Lock()
+	for _, b := range ids {
+		delete(r.busy, b)
+	}
+	r.mu.Unlock()
+	return err
 }

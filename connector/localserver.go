@@ -386,7 +386,7 @@ func (s *LocalServer) dispatch(st *connState, req *v1.LocalRequest) (*v1.LocalRe
 		for i, id := range call.Free.GetBlockIds() {
 			ids[i] = int(id)
 		}
-		return &v1.LocalReply{}, pool.Free(ctx, ids)
+		return &v1.LocalReply{}, rank.FreeBlocks(ctx, ids)
 	case *v1.LocalRequest_RequestFinished:
 		rf := call.RequestFinished
 		p, err := rank.RequestFinished(ctx, rf.GetRequestId(), rf.GetBlockIds(), rf.GetStatus(), rf.GetParams())

@@ -196,6 +196,7 @@ type Rank struct {
 
 	mu       sync.Mutex
 	loads    map[string]*load
+	busy     map[int]string // local block -> request loading into it, or freeing
 	sending  []string
 	recving  []string
 	failed   []FailedLoad
@@ -242,7 +243,7 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 		return nil, err
 	}
 	r := &Rank{cfg: c, pool: c.Pool, regions: c.Pool.Regions(), shape: shape, modelHash: handshake.ModelHash(c.Geometry),
-		capKey: transfer.NewCapabilityKeyFromSecret(c.CapabilitySecret), loads: map[string]*load{}, changed: make(chan struct{})}
+		capKey: transfer.NewCapabilityKeyFromSecret(c.CapabilitySecret), loads: map[string]*load{}, busy: map[int]string{}, changed: make(chan struct{})}
 	var inc [8]byte
 	_, _ = rand.Read(inc[:])
 	r.incarnation = binary.LittleEndian.Uint64(inc[:]) | 1

@@ -474,6 +474,9 @@ func storeMax(a *atomic.Int64, v int) {
 }
 
 // request runs one trace request through prefill, the proxy and decode.
+// abortTimeout bounds aborting a load when a request is given up.
+const abortTimeout = 30 * time.Second
+
 func (r *runner) request(ctx context.Context, i int, q trace.Request) (o outcome) {
 	o.tokens = int64(q.InputLength)
 	nBlocks := (q.InputLength + r.bs - 1) / r.bs
@@ -559,6 +562,21 @@ func (r *runner) request(ctx context.Context, i int, q trace.Request) (o outcome
 	o.latency = time.Since(start)
 	if err != nil {
 		o.err = fmt.Errorf("demo: %s: %w", decID, err)
+		// The blocks are ours again only once no READ writes into them:
+		// abort the load on every rank (Abort returns after the READ
+		// stopped), then free. Freeing first unmapped pages under a
+		// running READ when the demo was interrupted.
+		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), abortTimeout)
+		for rank, rk := range r.dec.ranks {
+			if aerr := rk.Abort(actx, decID); aerr != nil {
+				cancel()
+				// Leave the blocks allocated: the pools are closed after the
+				// ranks, whose Close waits for every load.
+				o.err = errors.Join(o.err, fmt.Errorf("demo: %s: abort on decode rank %d: %w", decID, rank, aerr))
+				return o
+			}
+		}
+		cancel()
 		if ferr := r.dec.free(dids); ferr != nil {
 			o.err = errors.Join(o.err, ferr)
 		}
