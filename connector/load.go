@@ -178,9 +178,11 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 	ts := r.targets(l)
 	mds := make([]*handshake.Metadata, len(ts))
 	errs := make([]error, len(ts))
+	dials := make([]int, len(ts))
 	var wg sync.WaitGroup
 	for i := range ts {
 		wg.Go(func() {
+			dials[i] = r.agent.DialCount(ts[i].Addr)
 			mds[i], errs[i] = r.hs.Get(ctx, ts[i])
 			if errs[i] != nil {
 				// Name the params the expectation came from: a wrong
@@ -210,7 +212,7 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 		if s.NotifyOnly {
 			continue
 		}
-		wg.Go(func() { errs[i] = r.readSource(ctx, l, s, l.addrs[i], mds[i], remote) })
+		wg.Go(func() { errs[i] = r.readSourceOnce(ctx, l, s, ts[i], mds[i], remote, dials[i]) })
 	}
 	wg.Wait()
 	if err := errors.Join(errs...); err != nil {
@@ -233,6 +235,33 @@ func checkRemoteBlocks(ids []uint32, mds []*handshake.Metadata) error {
 		}
 	}
 	return nil
+}
+
+// readSourceOnce is readSource, retried once with fresh metadata when the
+// first READ moved no byte and the connection it used was not the one the
+// metadata came from (it died, or was replaced): a prefill restarted on the
+// same address is reached through its predecessor's connection, or with
+// its predecessor's cached region addresses, until that connection's close
+// arrives. A READ moves bytes only into this load's own blocks, so reading
+// again is safe. dials is the agent's dial count to the source before its
+// metadata was fetched.
+func (r *Rank) readSourceOnce(ctx context.Context, l *load, s Source, t handshake.Target, md *handshake.Metadata, remote []uint32, dials int) error {
+	err := r.readSource(ctx, l, s, t.Addr, md, remote)
+	var xe *transfer.XferError
+	if err == nil || ctx.Err() != nil || !errors.As(err, &xe) || xe.Bytes != 0 ||
+		(r.agent.Alive(t.Addr) && r.agent.DialCount(t.Addr) == dials) {
+		return err
+	}
+	r.cfg.Logger.Info("READ found a dead connection; handshaking again", "request_id", l.id, "peer", t.Addr, "err", err)
+	r.hs.Forget(t.Addr)
+	md2, herr := r.hs.Get(ctx, t)
+	if herr != nil {
+		return errors.Join(err, herr)
+	}
+	if err := checkRemoteBlocks(l.params.GetRemoteBlockIds(), []*handshake.Metadata{md2}); err != nil {
+		return err
+	}
+	return r.readSource(ctx, l, s, t.Addr, md2, remote)
 }
 
 // readSource READs source s's slice of every tail block, region by region,

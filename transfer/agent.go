@@ -289,6 +289,12 @@ func (a *Agent) peerFor(ctx context.Context, addr string) (*peer, error) {
 		if p.err != nil {
 			return nil, p.err
 		}
+		// The connection died and its watcher may not have said so yet:
+		// tell OnPeerGone before a new connection to addr is used, so what
+		// was learned on the old one (agent metadata) is dropped first.
+		if a.cfg.OnPeerGone != nil && !a.isClosed() {
+			a.cfg.OnPeerGone(addr, context.Cause(p.conn.Context()))
+		}
 	}
 }
 
@@ -400,6 +406,24 @@ func (a *Agent) DialCount(addr string) int {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return a.dials[addr]
+}
+
+// Alive reports whether the agent holds a connection to addr that is up
+// (a dial in progress counts as up). A later call to addr on a dead one
+// dials again.
+func (a *Agent) Alive(addr string) bool {
+	a.mu.Lock()
+	p := a.peers[addr]
+	a.mu.Unlock()
+	if p == nil {
+		return false
+	}
+	select {
+	case <-p.ready:
+		return p.err == nil && p.conn.Context().Err() == nil
+	default:
+		return true
+	}
 }
 
 // Disconnect closes the connection to addr, if any, without closing the

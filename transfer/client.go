@@ -225,16 +225,13 @@ func (a *Agent) exchange(ctx context.Context, conn *quic.Conn, req *v1.PeerReque
 	return &resp, nil
 }
 
-// waitConn waits until conn's handshake is complete (1-RTT keys).
+// waitConn waits until conn's handshake is complete (1-RTT keys) and makes
+// it usable after a rejected 0-RTT (NextConnection is idempotent): a stream
+// opened between the handshake and the watcher's own NextConnection call
+// failed with "0-RTT rejected" when a peer restarted with new ticket keys.
 func waitConn(ctx context.Context, conn *quic.Conn) error {
-	select {
-	case <-conn.HandshakeComplete():
-		return nil
-	case <-conn.Context().Done():
-		return context.Cause(conn.Context())
-	case <-ctx.Done():
-		return context.Cause(ctx)
-	}
+	_, err := conn.NextConnection(ctx)
+	return err
 }
 
 // streamErr classifies an error of a stream or connection operation.
