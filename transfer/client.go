@@ -495,15 +495,14 @@ func (a *Agent) runRead(str *quic.Stream, req *v1.XferRequest, local []span, che
 // waits for the receiver's ack.
 func (a *Agent) runWrite(str *quic.Stream, req *v1.XferRequest, local []span, checksum bool, wd *watchdog, xe *XferError, posted func()) error {
 	r := wire.NewReader(str, 0)
-	// A refusal arrives as a reset of our send side; the reply says why.
+	// A refusal arrives as a reset of our send side (seen by a Write, or by
+	// the Close that follows a Write that got through first); the reply
+	// says why. Reading it is bounded by the watchdog and the connection.
 	refusal := func(err error) error {
-		var se *quic.StreamError
-		if errors.As(err, &se) && se.Remote {
-			var resp v1.PeerResponse
-			if rerr := r.ReadMsg(&resp); rerr == nil {
-				if perr := codes.FromProto(xe.Peer, resp.GetXfer().GetError()); perr != nil {
-					return perr
-				}
+		var resp v1.PeerResponse
+		if rerr := r.ReadMsg(&resp); rerr == nil {
+			if perr := codes.FromProto(xe.Peer, resp.GetXfer().GetError()); perr != nil {
+				return perr
 			}
 		}
 		return err
@@ -542,7 +541,7 @@ func (a *Agent) runWrite(str *quic.Stream, req *v1.XferRequest, local []span, ch
 		}
 	}
 	if err := str.Close(); err != nil {
-		return err
+		return refusal(err)
 	}
 	var ack v1.PeerResponse
 	if err := r.ReadMsg(&ack); err != nil {
