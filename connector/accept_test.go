@@ -258,24 +258,21 @@ func TestHandshakeRTTs(t *testing.T) {
 	}
 	// rtts returns the round trips of the first contact and of the cached
 	// lookup of decode rank dr.
-	// Each latency is the minimum of three fresh pairs: CPU contention only
-	// ever adds time, so the minimum is the structural latency.
-	best := func(t *testing.T, p, d int, mode handshake.Mode, dr int, delay time.Duration) (first, cached time.Duration, targets []int) {
-		for i := range 3 {
-			f, c, tg := measure(t, p, d, mode, dr, delay)
-			if i == 0 || f < first {
-				first = f
+	// Each latency is the minimum over five fresh pairs, with and without
+	// the delay measured alternately so both see the same load: CPU
+	// contention only ever adds time, so the minimum is the structural
+	// latency.
+	rtts := func(t *testing.T, p, d int, mode handshake.Mode, dr int) (first, cached float64, targets []int) {
+		var f1, c1, f0, c0 time.Duration
+		for i := range 5 {
+			f, c, tg := measure(t, p, d, mode, dr, rtt/2)
+			g, e, _ := measure(t, p, d, mode, dr, 0)
+			if i == 0 {
+				f1, c1, f0, c0 = f, c, g, e
 			}
-			if i == 0 || c < cached {
-				cached = c
-			}
+			f1, c1, f0, c0 = min(f1, f), min(c1, c), min(f0, g), min(c0, e)
 			targets = tg
 		}
-		return first, cached, targets
-	}
-	rtts := func(t *testing.T, p, d int, mode handshake.Mode, dr int) (first, cached float64, targets []int) {
-		f1, c1, targets := best(t, p, d, mode, dr, rtt/2)
-		f0, c0, _ := best(t, p, d, mode, dr, 0)
 		first = float64(f1-f0) / float64(rtt)
 		cached = float64(c1-c0) / float64(rtt)
 		t.Logf("decode rank %d of %s %s, targets %v: first contact %.2f RTT (%v with delay, %v without), cached %.2f RTT",
