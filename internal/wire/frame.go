@@ -68,12 +68,17 @@ func NewReader(r io.Reader, maxFrame int) *Reader {
 // bytes that actually arrive, never with the declared size, so a peer that
 // claims a large frame and sends nothing costs nothing.
 func (r *Reader) ReadMsg(m proto.Message) error {
-	size, err := binary.ReadUvarint(r.br)
+	br := byteReader{br: r.br}
+	size, err := binary.ReadUvarint(&br)
 	switch {
 	case errors.Is(err, io.EOF):
 		return io.EOF
 	case errors.Is(err, io.ErrUnexpectedEOF):
 		return ErrTruncated
+	case err != nil && br.err != nil:
+		// The stream failed (timeout, reset, closed connection): not a
+		// malformed length.
+		return fmt.Errorf("wire: read frame: %w", err)
 	case err != nil:
 		return fmt.Errorf("wire: bad frame length: %w", err)
 	case size > uint64(r.max):
@@ -93,6 +98,21 @@ func (r *Reader) ReadMsg(m proto.Message) error {
 		r.buf = bytes.Buffer{}
 	}
 	return nil
+}
+
+// byteReader remembers whether the stream itself failed while a length was
+// read, to tell I/O errors from a malformed varint.
+type byteReader struct {
+	br  *bufio.Reader
+	err error
+}
+
+func (b *byteReader) ReadByte() (byte, error) {
+	c, err := b.br.ReadByte()
+	if err != nil {
+		b.err = err
+	}
+	return c, err
 }
 
 // retainBuf is the largest frame buffer a Reader keeps between frames.

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"testing"
+	"testing/iotest"
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/encoding/protodelim"
@@ -149,6 +150,21 @@ func TestReadErrors(t *testing.T) {
 			}
 		})
 	}
+
+	t.Run("varint overflow", func(t *testing.T) {
+		in := bytes.Repeat([]byte{0xff}, 11)
+		err := wire.NewReader(bytes.NewReader(in), 0).ReadMsg(&v1.Error{})
+		require.ErrorContains(t, err, "wire: bad frame length")
+	})
+
+	// A stream that fails while the length is read is an I/O error, not a
+	// malformed frame (ctl printed "bad frame length: ... i/o timeout").
+	t.Run("stream error", func(t *testing.T) {
+		boom := errors.New("read unix: i/o timeout")
+		err := wire.NewReader(iotest.ErrReader(boom), 0).ReadMsg(&v1.Error{})
+		require.ErrorIs(t, err, boom)
+		require.EqualError(t, err, "wire: read frame: read unix: i/o timeout")
+	})
 
 	t.Run("garbage body", func(t *testing.T) {
 		in := append(protowire.AppendVarint(nil, 3), 0xff, 0xff, 0xff)
