@@ -1,6 +1,7 @@
 // Package trace reads request traces in the Mooncake JSONL format (one
 // request per line: timestamp ms, input_length, output_length, hash_ids) as
 // a stream, reporting the file name and line number of a malformed line.
+// The Mooncake conversation trace itself is embedded by internal/trace/mooncake.
 package trace
 
 import (
@@ -115,17 +116,26 @@ func (r *Reader) parse(b []byte) (Request, error) {
 	return req, nil
 }
 
-// ReadFile reads the first n requests of the trace at path (all when n <= 0).
+// ReadFile reads the first n requests of the trace at path (all when
+// n <= 0). Errors: a missing or unreadable file ("trace: open ...",
+// wrapping the *fs.PathError), or a *LineError naming path and line.
 func ReadFile(path string, n int) ([]Request, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, fmt.Errorf("trace: %w", err)
 	}
 	defer f.Close()
-	r := NewReader(f, path)
+	return Read(f, path, n)
+}
+
+// Read reads the first n requests of the trace in r (all when n <= 0);
+// name is used in errors. It returns fewer than n requests, and no error,
+// when the trace is shorter; a malformed line is a *LineError.
+func Read(r io.Reader, name string, n int) ([]Request, error) {
+	tr := NewReader(r, name)
 	var out []Request
 	for n <= 0 || len(out) < n {
-		req, err := r.Next()
+		req, err := tr.Next()
 		if errors.Is(err, io.EOF) {
 			break
 		}

@@ -9,27 +9,45 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
 
 	"github.com/kvsidecar/kvsidecar/internal/trace"
 )
 
-const mooncake = "../../testdata/traces/mooncake_conversation_trace.jsonl"
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-func TestReadWholeMooncakeTrace(t *testing.T) {
-	reqs, err := trace.ReadFile(mooncake, 0)
-	require.NoError(t, err)
-	require.Len(t, reqs, 12031)
-	require.Equal(t, trace.Request{Timestamp: 0, InputLength: 6758, OutputLength: 500,
-		HashIDs: []int64{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13}}, reqs[0])
-	var tokens int
-	for _, r := range reqs {
-		tokens += r.InputLength
+func TestRead(t *testing.T) {
+	const two = `{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]}
+
+{"timestamp": 9, "input_length": 512, "output_length": 0, "hash_ids": [7]}
+`
+	tests := []struct {
+		name string
+		in   string
+		n    int
+		want int
+	}{
+		{"all", two, 0, 2},
+		{"first", two, 1, 1},
+		{"fewer than asked", two, 5, 2},
+		{"empty", "", 8, 0},
+		{"blank lines only", "\n \n", 0, 0},
 	}
-	require.Equal(t, 12035, tokens/len(reqs), "average input tokens (the trace README says 12,035)")
-
-	first, err := trace.ReadFile(mooncake, 5)
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			reqs, err := trace.Read(strings.NewReader(tc.in), "t.jsonl", tc.n)
+			require.NoError(t, err)
+			require.Len(t, reqs, tc.want)
+			if tc.want > 0 {
+				require.Equal(t, 600, reqs[0].InputLength)
+			}
+		})
+	}
+	p := filepath.Join(t.TempDir(), "two.jsonl")
+	require.NoError(t, os.WriteFile(p, []byte(two), 0o600))
+	reqs, err := trace.ReadFile(p, 0)
 	require.NoError(t, err)
-	require.Equal(t, reqs[:5], first)
+	require.Equal(t, []int64{7}, reqs[1].HashIDs)
 }
 
 func TestMalformedLineNamesFileAndLine(t *testing.T) {
