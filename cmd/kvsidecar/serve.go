@@ -5,6 +5,8 @@ import (
 	"crypto/hkdf"
 	"crypto/sha256"
 	"crypto/tls"
+	"crypto/x509"
+	"encoding/pem"
 	"errors"
 	"flag"
 	"fmt"
@@ -13,9 +15,12 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -46,7 +51,15 @@ type serveFlags struct {
 	tlsCert, tlsKey, tlsCA, capKeyFile, socketDir, metricsAddr  string
 	qlogDir, logLevel, handshakeMode                            string
 	leaseTTL, drainTimeout, loadTimeout, progressTimeout        time.Duration
+
+	// given holds the names of the flags set explicitly, on the command
+	// line or through KVSIDECAR_<FLAG> (flag.FlagSet.Visit after applyEnv).
+	given map[string]bool
 }
+
+// geometryFlags are the flags of an explicit geometry; --model fixes all of
+// them, so none may be given with it.
+var geometryFlags = []string{"layers", "kv-heads", "head-dim", "dtype", "attention"}
 
 func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.engineID, "engine-id", "", "engine instance id, shared by its ranks (required)")
@@ -67,7 +80,7 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.memoryLimit, "memory-limit", "", "limit on mapped bytes: bytes with a unit (8GiB, 512MiB) or a percent of the reservation (50%); empty: none")
 	fs.StringVar(&f.listen, "listen", "127.0.0.1:0", "QUIC listen address host:port")
 	fs.StringVar(&f.advertise, "advertise", "", "address peers reach this rank at (default: the listen address)")
-	fs.StringVar(&f.rankAddrs, "rank-addrs", "", "comma-separated advertised address of every rank, index tp_rank (default: rank r at port - tp-rank + r)")
+	fs.StringVar(&f.rankAddrs, "rank-addrs", "", "comma-separated advertised address of every rank, index tp_rank; entry --tp-rank must be this rank's advertised address (default: rank r at port - tp-rank + r, which needs a fixed --listen port when --tp-size > 1)")
 	fs.StringVar(&f.tlsCert, "tls-cert", "", "PEM certificate of this sidecar (required)")
 	fs.StringVar(&f.tlsKey, "tls-key", "", "PEM private key of --tls-cert (required)")
 	fs.StringVar(&f.tlsCA, "tls-ca", "", "PEM CA that signs every peer (required)")
@@ -80,7 +93,7 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&f.loadTimeout, "load-timeout", connector.DefaultLoadTimeout, "bound on one decode load")
 	fs.DurationVar(&f.progressTimeout, "progress-timeout", transfer.DefaultProgressTimeout, "how long one transfer (served or read) may go without a byte moving before it fails with CODE_TIMEOUT")
 	fs.StringVar(&f.handshakeMode, "handshake-mode", "piggyback", "piggyback or legacy")
-	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM/SIGINT, how long in-flight transfers may take before they are aborted")
+	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM/SIGINT/SIGHUP, how long in-flight transfers may take before they are aborted")
 }
 
 func defaultSocketDir() string {
@@ -100,7 +113,7 @@ func applyEnv(fs *flag.FlagSet, getenv func(string) string) error {
 		if set[f.Name] || err != nil {
 			return
 		}
-		env := "KVSIDECAR_" + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
+		env := envName(f.Name)
 		if v := getenv(env); v != "" {
 			if serr := fs.Set(f.Name, v); serr != nil {
 				err = usageErrorf("%s=%q (for --%s): %v", env, v, f.Name, serr)
@@ -108,6 +121,48 @@ func applyEnv(fs *flag.FlagSet, getenv func(string) string) error {
 		}
 	})
 	return err
+}
+
+// envName is the environment variable of flag name: KVSIDECAR_<NAME>, upper
+// case, '-' as '_'.
+func envName(name string) string {
+	return "KVSIDECAR_" + strings.ToUpper(strings.ReplaceAll(name, "-", "_"))
+}
+
+// otherEnv are KVSIDECAR_* variables read by the tests and tools rather than
+// by serve's flags; unknownEnv does not report them.
+var otherEnv = map[string]bool{
+	"KVSIDECAR_TIME_SCALE": true, "KVSIDECAR_E2E_RACE": true, "KVSIDECAR_REQUIRE_GPU": true, "KVSIDECAR_TPGROUP_CHILD": true,
+}
+
+// unknownEnv returns, sorted, a description of every KVSIDECAR_* variable in
+// environ ("NAME=VALUE" entries, as os.Environ) that matches no flag of fs,
+// with the flag variable it most likely meant when the two differ only in
+// underscores (KVSIDECAR_TPSIZE: did you mean KVSIDECAR_TP_SIZE?).
+func unknownEnv(fs *flag.FlagSet, environ []string) []string {
+	known := map[string]string{} // env name without '_' -> env name
+	fs.VisitAll(func(f *flag.Flag) {
+		e := envName(f.Name)
+		known[e] = e
+		known[strings.ReplaceAll(e, "_", "")] = e
+	})
+	var out []string
+	for _, kv := range environ {
+		name, _, _ := strings.Cut(kv, "=")
+		if !strings.HasPrefix(name, "KVSIDECAR_") || otherEnv[name] {
+			continue
+		}
+		if e, ok := known[name]; ok && e == name {
+			continue
+		}
+		if e, ok := known[strings.ReplaceAll(strings.ToUpper(name), "_", "")]; ok {
+			out = append(out, fmt.Sprintf("%s (did you mean %s?)", name, e))
+		} else {
+			out = append(out, name)
+		}
+	}
+	slices.Sort(out)
+	return out
 }
 
 // serveConfig is the validated result of the flags.
@@ -122,6 +177,10 @@ type serveConfig struct {
 	limit     limitValue
 	// resetKey is derived from --tls-key (statelessResetKey).
 	resetKey *quic.StatelessResetKey
+	// udp is the QUIC socket bound at start; advertise is the address peers
+	// reach it at (advertisedAddr). Set by serve.
+	udp       sharedUDP
+	advertise string
 }
 
 // statelessResetKey derives the QUIC stateless reset key from the TLS
@@ -184,19 +243,24 @@ func (f *serveFlags) validate() (*serveConfig, error) {
 	default:
 		return bad("backend", "%q: want host or cuda", f.backend)
 	}
-	explicit := f.layers != 0 || f.kvHeads != 0 || f.headDim != 0
+	var explicit []string
+	for _, name := range geometryFlags {
+		if f.given[name] {
+			explicit = append(explicit, "--"+name)
+		}
+	}
 	switch {
-	case f.model != "" && explicit:
-		return bad("model", "give a model name or --layers/--kv-heads/--head-dim, not both")
+	case f.model != "" && len(explicit) > 0:
+		return bad("model", "%q fixes the geometry; drop %s (or drop --model and give --layers, --kv-heads, --head-dim)",
+			f.model, strings.Join(explicit, ", "))
 	case f.model != "":
 		g, err := vmm.Model(f.model)
 		if err != nil {
-			return bad("model", "%v (known: %s)", err, strings.Join(vmm.ModelNames(), ", "))
+			return bad("model", "unknown %q; known: %s", f.model, strings.Join(vmm.ModelNames(), ", "))
 		}
-		g = proto.Clone(g).(*v1.ModelGeometry)
 		g.BlockSize = uint32(f.blockSize)
 		c.geometry = g
-	case explicit:
+	case len(explicit) > 0 || f.layers != 0 || f.kvHeads != 0 || f.headDim != 0:
 		g, err := explicitGeometry(f)
 		if err != nil {
 			return nil, err
@@ -228,6 +292,9 @@ func (f *serveFlags) validate() (*serveConfig, error) {
 		if err := checkAddr(f.advertise); err != nil {
 			return bad("advertise", "%v", err)
 		}
+		if addrPort(f.advertise) == 0 {
+			return bad("advertise", "%q: port 0 cannot be dialed; give the port peers reach --listen at", f.advertise)
+		}
 	}
 	if f.rankAddrs != "" {
 		c.rankAddrs = strings.Split(f.rankAddrs, ",")
@@ -258,6 +325,17 @@ func (f *serveFlags) validate() (*serveConfig, error) {
 			return bad("capability-key-file", "%d bytes, want at least 16", len(b))
 		}
 		c.secret = b
+	}
+	if f.tpSize > 1 && len(c.rankAddrs) == 0 && f.role != "decode" {
+		name, a := "listen", f.listen
+		if f.advertise != "" {
+			name, a = "advertise", f.advertise
+		}
+		if addrPort(a) == 0 {
+			return bad("rank-addrs", "required when --tp-size=%d > 1 and --%s=%s has port 0: without it rank r is found at "+
+				"port - tp-rank + r, which a port the kernel picks cannot give; list every rank's address or listen on a fixed port "+
+				"(a --role decode sidecar, which peers never look up, may use port 0)", f.tpSize, name, a)
+		}
 	}
 	if !filepath.IsAbs(f.socketDir) {
 		return bad("socket-dir", "%q: must be an absolute path", f.socketDir)
@@ -307,6 +385,13 @@ func explicitGeometry(f *serveFlags) (*v1.ModelGeometry, error) {
 		Dtype: dt, BlockSize: uint32(f.blockSize), Layout: v1.Layout_LAYOUT_HND, Attention: att}, nil
 }
 
+// addrPort is the port of a host:port that checkAddr accepted.
+func addrPort(a string) int {
+	_, p, _ := net.SplitHostPort(a)
+	n, _ := strconv.Atoi(p)
+	return n
+}
+
 func checkAddr(a string) error {
 	_, p, err := net.SplitHostPort(a)
 	if err != nil {
@@ -329,26 +414,83 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err := applyEnv(fs, os.Getenv); err != nil {
 		return err
 	}
+	f.given = map[string]bool{}
+	fs.Visit(func(fl *flag.Flag) { f.given[fl.Name] = true })
+	stray := unknownEnv(fs, os.Environ())
 	cfg, err := f.validate()
 	if err != nil {
+		if len(stray) > 0 {
+			return fmt.Errorf("%w (ignored, matching no flag: %s)", err, strings.Join(stray, ", "))
+		}
 		return err
 	}
-	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: cfg.level}))
+	// With SIGPIPE notified, a log write to a closed stderr pipe fails with
+	// EPIPE instead of killing the process (os/signal, "SIGPIPE"), so serve
+	// still drains and removes its sockets when its log reader is gone.
+	sigpipe := make(chan os.Signal, 1)
+	signal.Notify(sigpipe, syscall.SIGPIPE)
+	defer signal.Stop(sigpipe)
+	log := slog.New(newLogHandler(stderr, cfg.level))
+	for _, v := range stray {
+		log.Warn("ignoring environment variable that matches no flag", "var", v)
+	}
 	return serve(ctx, cfg, log)
 }
 
-// serve runs until ctx ends (SIGTERM/SIGINT), then drains and returns nil.
+// newLogHandler is serve's JSON log handler at level; durations are written
+// as Go duration strings ("30s") rather than integer nanoseconds.
+func newLogHandler(w io.Writer, level slog.Level) slog.Handler {
+	return slog.NewJSONHandler(w, &slog.HandlerOptions{Level: level, ReplaceAttr: func(_ []string, a slog.Attr) slog.Attr {
+		if a.Value.Kind() == slog.KindDuration {
+			a.Value = slog.StringValue(a.Value.Duration().String())
+		}
+		return a
+	}})
+}
+
+// serve checks the environment (TLS files, CUDA, the qlog directory, the
+// QUIC socket, the local socket), logs "serving", runs until ctx ends
+// (SIGTERM/SIGINT/SIGHUP), then drains and returns nil. Problems of the
+// flags are usage errors (exit 2); problems of the host are plain errors
+// (exit 1); both name the flag.
 func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 	f := &cfg.f
 	srvTLS, cliTLS, err := devtls.LoadConfigs(f.tlsCA, f.tlsCert, f.tlsKey)
 	if err != nil {
 		return usageErrorf("--tls-ca/--tls-cert/--tls-key: %v", err)
 	}
+	if err := checkCA(f.tlsCA); err != nil {
+		return usageErrorf("--tls-ca %s: %v", f.tlsCA, err)
+	}
 	if cfg.resetKey, err = statelessResetKey(f.tlsKey); err != nil {
 		return usageErrorf("--tls-key: %v", err)
 	}
+	if f.backend == "cuda" {
+		// Probe now rather than when the engine creates its KV cache.
+		be, err := cuda.New(&cuda.Config{Device: f.device})
+		if err != nil {
+			return fmt.Errorf("--backend cuda --device %d: %w", f.device, err)
+		}
+		if err := be.Close(); err != nil {
+			return fmt.Errorf("--backend cuda --device %d: %w", f.device, err)
+		}
+	}
+	if f.qlogDir != "" {
+		if err := checkWritableDir(f.qlogDir); err != nil {
+			return fmt.Errorf("--qlog-dir %s: %w", f.qlogDir, err)
+		}
+	}
+	udp, err := listenQUIC(f.listen)
+	if err != nil {
+		return err
+	}
+	defer udp.UDPConn.Close()
+	cfg.udp = udp
+	if cfg.advertise, err = advertisedAddr(f, cfg.rankAddrs, udp.LocalAddr()); err != nil {
+		return err
+	}
 	if err := os.MkdirAll(f.socketDir, 0o700); err != nil {
-		return fmt.Errorf("--socket-dir: %w", err)
+		return fmt.Errorf("--socket-dir %s: %w", f.socketDir, err)
 	}
 	path, err := connector.LocalSocketPath(f.socketDir, f.engineID, f.tpRank)
 	if err != nil {
@@ -362,7 +504,7 @@ func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 	}
 	srv, err := connector.NewLocalServer(ctx, &connector.LocalServerConfig{Path: path, Open: open, Logger: log, Registerer: reg})
 	if err != nil {
-		return err
+		return fmt.Errorf("--socket-dir %s: %w", f.socketDir, err)
 	}
 	var httpSrv *http.Server
 	httpDone := make(chan struct{})
@@ -394,7 +536,7 @@ func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 		close(httpDone)
 	}
 	log.Info("serving", "engine_id", f.engineID, "tp_rank", f.tpRank, "tp_size", f.tpSize, "role", f.role,
-		"backend", f.backend, "socket", path)
+		"backend", f.backend, "socket", path, "quic_addr", udp.LocalAddr().String(), "advertise", cfg.advertise)
 
 	<-ctx.Done()
 	log.Info("shutting down: refusing new requests, draining", "drain_timeout", f.drainTimeout)
@@ -409,6 +551,121 @@ func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 	<-httpDone
 	log.Info("stopped")
 	return nil
+}
+
+// checkCA checks that file holds at least one CA certificate: peers are
+// verified against it, and a leaf there (basic constraints CA:FALSE) makes
+// every handshake fail only once an engine attaches.
+func checkCA(file string) error {
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return err
+	}
+	var leaf *x509.Certificate
+	for rest := b; ; {
+		var blk *pem.Block
+		if blk, rest = pem.Decode(rest); blk == nil {
+			break
+		}
+		if blk.Type != "CERTIFICATE" {
+			continue
+		}
+		c, err := x509.ParseCertificate(blk.Bytes)
+		if err != nil {
+			return err
+		}
+		if c.IsCA {
+			return nil
+		}
+		if leaf == nil {
+			leaf = c
+		}
+	}
+	if leaf == nil {
+		return errors.New("holds no PEM certificate")
+	}
+	return fmt.Errorf("holds no CA certificate: %q is a leaf (IsCA false); give the CA that signs every peer", leaf.Subject.String())
+}
+
+// checkWritableDir creates dir if missing and checks that a file can be
+// created in it.
+func checkWritableDir(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	probe, err := os.CreateTemp(dir, ".kvsidecar-probe-*")
+	if err != nil {
+		return err
+	}
+	return errors.Join(probe.Close(), os.Remove(probe.Name()))
+}
+
+// sharedUDP is the QUIC socket serve binds at start and lends to the rank's
+// transfer agent (transfer.Config.PacketConn). The agent closes what it is
+// given when it stops, also when a rank fails to start; Close here does
+// nothing, so an engine's retried create gets the same socket, and serve
+// closes the embedded UDPConn when it exits. Embedding *net.UDPConn keeps
+// the methods quic-go uses for buffer sizes, GSO and ECN.
+type sharedUDP struct{ *net.UDPConn }
+
+// Close is a no-op: serve closes the UDPConn.
+func (sharedUDP) Close() error { return nil }
+
+// listenQUIC binds the UDP socket of --listen.
+func listenQUIC(addr string) (sharedUDP, error) {
+	pc, err := net.ListenPacket("udp", addr)
+	if err != nil {
+		var oe *net.OpError
+		if errors.As(err, &oe) {
+			err = oe.Err // "bind: address already in use", without repeating the address
+		}
+		return sharedUDP{}, fmt.Errorf("--listen %s: %w", addr, err)
+	}
+	return sharedUDP{pc.(*net.UDPConn)}, nil
+}
+
+// advertisedAddr is the address peers reach this rank at: --advertise, or
+// the entry of --rank-addrs for this rank, or the bound --listen address.
+// A --rank-addrs entry must agree with --advertise or the listen address:
+// the same port, and the same host unless the socket listens on every
+// address (0.0.0.0, ::), when the entry names the host. A disagreement is a
+// usage error naming both.
+func advertisedAddr(f *serveFlags, rankAddrs []string, bound net.Addr) (string, error) {
+	if len(rankAddrs) == 0 {
+		if f.advertise != "" {
+			return f.advertise, nil
+		}
+		return bound.String(), nil
+	}
+	entry := rankAddrs[f.tpRank]
+	eh, _, _ := net.SplitHostPort(entry)
+	disagree := func(what, a string) error {
+		return usageErrorf("--rank-addrs entry %d (--tp-rank) is %s but %s is %s: peers would dial one while this rank announces the other",
+			f.tpRank, entry, what, a)
+	}
+	if f.advertise != "" {
+		ah, _, _ := net.SplitHostPort(f.advertise)
+		if addrPort(entry) != addrPort(f.advertise) || !sameHost(eh, ah) {
+			return "", disagree("--advertise", f.advertise)
+		}
+		return f.advertise, nil
+	}
+	bh, _, _ := net.SplitHostPort(bound.String())
+	lh, _, _ := net.SplitHostPort(f.listen)
+	ip := net.ParseIP(bh)
+	if addrPort(entry) != addrPort(bound.String()) || !(ip.IsUnspecified() || sameHost(eh, bh) || sameHost(eh, lh)) {
+		return "", disagree("the bound --listen address", bound.String())
+	}
+	return entry, nil
+}
+
+// sameHost reports whether two hosts of host:port addresses are the same:
+// equal IPs, or names equal but for case.
+func sameHost(a, b string) bool {
+	if ia, ib := net.ParseIP(a), net.ParseIP(b); ia != nil && ib != nil {
+		return ia.Equal(ib)
+	}
+	return strings.EqualFold(a, b)
 }
 
 // openCache builds the pool, TP group and rank for the engine's first
@@ -512,9 +769,9 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 	}
 	rank, err := connector.NewRank(ctx, &connector.Config{
 		EngineID: f.engineID, TPRank: f.tpRank, TPSize: f.tpSize, Geometry: req.GetGeometry(), Pool: pool,
-		Transfer: &transfer.Config{ListenAddr: f.listen, ServerTLS: srvTLS, ClientTLS: cliTLS,
+		Transfer: &transfer.Config{PacketConn: cfg.udp, ServerTLS: srvTLS, ClientTLS: cliTLS,
 			ProgressTimeout: f.progressTimeout, StatelessResetKey: cfg.resetKey, QlogDir: f.qlogDir},
-		AdvertiseAddr: f.advertise, RankAddrs: cfg.rankAddrs, CapabilitySecret: cfg.secret, Ownership: cfg.ownership,
+		AdvertiseAddr: cfg.advertise, RankAddrs: cfg.rankAddrs, CapabilitySecret: cfg.secret, Ownership: cfg.ownership,
 		LeaseTTL: f.leaseTTL, LoadTimeout: f.loadTimeout, HandshakeMode: cfg.mode, DeviceID: uint32(max(f.device, 0)),
 		Logger: log, Registerer: reg,
 	})

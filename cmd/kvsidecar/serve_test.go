@@ -29,7 +29,7 @@ func TestServeFlagErrors(t *testing.T) {
 		{"backend", append(base, "--backend", "tpu"), "--backend"},
 		{"device on host", append(base, "--device", "1"), "--device: 1: only the cuda backend"},
 		{"unknown model", append(base, "--model", "gpt-9"), "--model"},
-		{"model and explicit", append(base, "--model", "llama-3.1-8b", "--layers", "2"), "not both"},
+		{"model and explicit", append(base, "--model", "llama-3.1-8b", "--layers", "2"), `--model: "llama-3.1-8b" fixes the geometry; drop --layers`},
 		{"explicit incomplete", append(base, "--layers", "2"), "all three are required"},
 		{"dtype", append(base, "--layers", "2", "--kv-heads", "8", "--head-dim", "64", "--dtype", "int4"), "--dtype"},
 		{"tp does not divide heads", []string{"--engine-id", "e", "--tp-size", "3", "--tp-rank", "0", "--capability-key-file", key,
