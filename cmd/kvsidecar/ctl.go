@@ -125,6 +125,9 @@ func runCtl(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if *socket == "" {
 		return usageErrorf("--socket: required")
 	}
+	if *timeout <= 0 {
+		return usageErrorf("--timeout: %v: must be positive", *timeout)
+	}
 	ctx, cancel := context.WithTimeout(ctx, *timeout)
 	defer cancel()
 	c, err := connector.DialLocal(ctx, *socket, nil)

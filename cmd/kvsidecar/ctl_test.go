@@ -57,6 +57,8 @@ func TestCtlUsage(t *testing.T) {
 		{"no socket", []string{"stats"}, "--socket: required"},
 		{"limit without value", []string{"--socket", "/x", "limit"}, "unexpected arguments"},
 		{"limit out of range", []string{"--socket", "/x", "limit", "0%", "--strict"}, "(0 %, 100 %]"},
+		{"timeout zero", []string{"--socket", "/x", "--timeout", "0s", "stats"}, "--timeout: 0s: must be positive"},
+		{"timeout negative", []string{"--socket", "/x", "stats", "--timeout", "-1s"}, "--timeout: -1s: must be positive"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -6,6 +6,7 @@
 //	kvsidecar bench handshake  handshake latency, piggyback vs legacy
 //	kvsidecar bench transfer   transfer throughput against raw QUIC and TLS/TCP baselines
 //	kvsidecar ctl              stats and memory limit of a running sidecar
+//	kvsidecar version          module version, VCS revision and Go version (also --version)
 package main
 
 import (
@@ -35,11 +36,18 @@ func commands() []command {
 		{"demo", "prefill→decode on the host backend, replaying a real trace", runDemo},
 		{"bench", "benchmarks: bench handshake | bench transfer", runBench},
 		{"ctl", "stats and memory limit of a running sidecar", runCtl},
+		{"version", "print the version (also kvsidecar --version)", runVersion},
 	}
 }
 
+// shutdownSignals end the command's context: serve drains, removes its
+// sockets and exits 0. SIGHUP is one of them so that a sidecar whose
+// terminal or session goes away shuts down cleanly instead of dying with
+// status 129 and leaving its socket behind.
+var shutdownSignals = []os.Signal{os.Interrupt, syscall.SIGTERM, syscall.SIGHUP}
+
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	ctx, stop := signal.NotifyContext(context.Background(), shutdownSignals...)
 	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
 	os.Exit(code)
@@ -54,6 +62,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return 2
 		}
 		return 0
+	}
+	if args[0] == "--version" || args[0] == "-version" {
+		args = append([]string{"version"}, args[1:]...)
 	}
 	for _, c := range commands() {
 		if c.name != args[0] {

@@ -1,0 +1,327 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"net"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvsidecar/kvsidecar/connector"
+	"github.com/kvsidecar/kvsidecar/internal/devtls"
+	"github.com/kvsidecar/kvsidecar/internal/testutil"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/kvsidecar/kvsidecar/transfer"
+	"github.com/kvsidecar/kvsidecar/vmm/cuda"
+)
+
+// serveEnv is what a serve command line needs on this host: dev TLS files
+// for loopback, a capability key and a socket directory.
+type serveEnv struct {
+	tls       devtls.Files
+	capKey    string
+	socketDir string
+}
+
+func newServeEnv(t testing.TB) serveEnv {
+	t.Helper()
+	ca, err := devtls.NewCA()
+	require.NoError(t, err)
+	dir := t.TempDir()
+	files, err := ca.WriteFiles(filepath.Join(dir, "tls"), "sidecar")
+	require.NoError(t, err)
+	key := filepath.Join(dir, "cap.key")
+	require.NoError(t, os.WriteFile(key, []byte("0123456789abcdef0123"), 0o600))
+	return serveEnv{tls: files, capKey: key, socketDir: filepath.Join(dir, "sock")}
+}
+
+// args is a working serve command line for engine "e", TP 1, followed by
+// extra (a flag given twice takes the later value).
+func (e serveEnv) args(extra ...string) []string {
+	return append([]string{"serve", "--engine-id", "e", "--tp-size", "1", "--tls-cert", e.tls.Cert, "--tls-key", e.tls.Key,
+		"--tls-ca", e.tls.CA, "--capability-key-file", e.capKey, "--socket-dir", e.socketDir}, extra...)
+}
+
+// serveProc is `kvsidecar serve` run in-process by run().
+type serveProc struct {
+	logs chan map[string]any // every stderr line; a line that is not JSON as {"msg": line}
+	code chan int            // run's exit status
+}
+
+// startServe runs args in-process under ctx; the test ends it by ending ctx
+// (t.Cleanup waits for the exit).
+func startServe(t testing.TB, ctx context.Context, args []string) *serveProc {
+	t.Helper()
+	pr, pw := io.Pipe()
+	p := &serveProc{logs: make(chan map[string]any, 1024), code: make(chan int, 1)}
+	go func() {
+		code := run(ctx, args, io.Discard, pw)
+		_ = pw.Close()
+		p.code <- code
+	}()
+	go func() {
+		defer close(p.logs)
+		sc := bufio.NewScanner(pr)
+		for sc.Scan() {
+			m := map[string]any{}
+			if json.Unmarshal(sc.Bytes(), &m) != nil {
+				m = map[string]any{"msg": sc.Text()}
+			}
+			p.logs <- m
+		}
+	}()
+	return p
+}
+
+// waitLog returns the first log line with message msg; it fails the test
+// when serve exits first or after a (scaled) 20 s.
+func (p *serveProc) waitLog(t testing.TB, msg string) map[string]any {
+	t.Helper()
+	timeout := time.NewTimer(testutil.Scaled(20 * time.Second))
+	defer timeout.Stop()
+	for {
+		select {
+		case m, ok := <-p.logs:
+			require.True(t, ok, "serve exited before logging %q", msg)
+			if m["msg"] == msg {
+				return m
+			}
+		case <-timeout.C:
+			require.FailNow(t, "no log line "+msg)
+		}
+	}
+}
+
+// wait returns serve's exit status.
+func (p *serveProc) wait(t testing.TB) int {
+	t.Helper()
+	select {
+	case c := <-p.code:
+		return c
+	case <-time.After(testutil.Scaled(40 * time.Second)):
+		require.FailNow(t, "serve did not exit")
+		return -1
+	}
+}
+
+// TestServeFailsAtStart: settings that cannot work fail before "serving",
+// with exit 1 for the host and 2 for the flags, naming the flag.
+func TestServeFailsAtStart(t *testing.T) {
+	env := newServeEnv(t)
+	held, err := net.ListenPacket("udp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = held.Close() })
+	file := filepath.Join(t.TempDir(), "file")
+	require.NoError(t, os.WriteFile(file, nil, 0o600))
+	tests := []struct {
+		name  string
+		extra []string
+		code  int
+		want  []string
+	}{
+		{"listen port in use", []string{"--listen", held.LocalAddr().String()}, 1,
+			[]string{"--listen " + held.LocalAddr().String() + ": bind: address already in use"}},
+		{"listen address not on this host", []string{"--listen", "192.0.2.1:0"}, 1,
+			[]string{"--listen 192.0.2.1:0: bind: cannot assign requested address"}},
+		{"qlog dir under a file", []string{"--qlog-dir", filepath.Join(file, "qlog")}, 1,
+			[]string{"--qlog-dir " + filepath.Join(file, "qlog") + ":", "not a directory"}},
+		{"socket dir under a file", []string{"--socket-dir", filepath.Join(file, "sock")}, 1,
+			[]string{"--socket-dir " + filepath.Join(file, "sock") + ":", "not a directory"}},
+		{"tp 2 on port 0", []string{"--tp-size", "2"}, 2,
+			[]string{"--rank-addrs: required when --tp-size=2 > 1 and --listen=127.0.0.1:0 has port 0"}},
+		{"advertise port 0", []string{"--advertise", "10.0.0.1:0"}, 2, []string{`--advertise: "10.0.0.1:0": port 0 cannot be dialed`}},
+		{"rank addrs entry is another host", []string{"--tp-size", "2", "--listen", "127.0.0.1:0", "--rank-addrs", "10.0.0.1:5600,10.0.0.2:5600",
+			"--advertise", "10.0.0.3:5600"}, 2,
+			[]string{"--rank-addrs entry 0 (--tp-rank) is 10.0.0.1:5600 but --advertise is 10.0.0.3:5600"}},
+		{"rank addrs entry is another port than bound", []string{"--tp-size", "2", "--tp-rank", "1", "--listen", "127.0.0.1:0",
+			"--rank-addrs", "127.0.0.1:5600,127.0.0.1:5601"}, 2,
+			[]string{"--rank-addrs entry 1 (--tp-rank) is 127.0.0.1:5601 but the bound --listen address is 127.0.0.1:"}},
+		{"tls ca is a leaf", []string{"--tls-ca", env.tls.Cert}, 2, []string{"--tls-ca " + env.tls.Cert + ": holds no CA certificate", "IsCA false"}},
+		{"model and dtype", []string{"--model", "llama-3.1-8b", "--dtype", "float32"}, 2,
+			[]string{`--model: "llama-3.1-8b" fixes the geometry; drop --dtype`}},
+		{"model and attention and head dim", []string{"--model", "llama-3.1-8b", "--attention", "gqa", "--head-dim", "128"}, 2,
+			[]string{"drop --head-dim, --attention"}},
+		{"dtype alone", []string{"--dtype", "float32"}, 2, []string{"--layers, --kv-heads, --head-dim: all three are required"}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var errb bytes.Buffer
+			code := run(t.Context(), env.args(tc.extra...), io.Discard, &errb)
+			require.Equal(t, tc.code, code, errb.String())
+			for _, w := range tc.want {
+				require.Contains(t, errb.String(), w)
+			}
+			require.NotContains(t, errb.String(), `"msg":"serving"`)
+		})
+	}
+}
+
+// TestServeCUDAProbedAtStart: --backend cuda on a host without a usable GPU
+// fails before "serving" with the backend's error.
+func TestServeCUDAProbedAtStart(t *testing.T) {
+	if be, err := cuda.New(&cuda.Config{}); err == nil {
+		_ = be.Close()
+		t.Skip("this host has a GPU: the probe passes")
+	}
+	env := newServeEnv(t)
+	var errb bytes.Buffer
+	code := run(t.Context(), env.args("--backend", "cuda"), io.Discard, &errb)
+	require.Equal(t, 1, code, errb.String())
+	require.Contains(t, errb.String(), "kvsidecar serve: --backend cuda --device 0: cuda:")
+	_, err := os.Stat(env.socketDir)
+	require.ErrorIs(t, err, os.ErrNotExist, "nothing created before the probe")
+}
+
+func TestServeUnknownModelListedOnce(t *testing.T) {
+	env := newServeEnv(t)
+	var errb bytes.Buffer
+	require.Equal(t, 2, run(t.Context(), env.args("--model", "nope"), io.Discard, &errb))
+	require.Contains(t, errb.String(), `--model: unknown "nope"; known: `)
+	require.Equal(t, 1, strings.Count(errb.String(), "llama-3.1-8b"), errb.String())
+}
+
+// TestServeStartsAndStopsOnSIGHUP: the QUIC socket is bound before
+// "serving" (which names it and the advertised address), a misspelled
+// KVSIDECAR_ variable is warned about, the engine's rank serves on that
+// socket, and SIGHUP drains like SIGTERM: exit 0, socket removed.
+func TestServeStartsAndStopsOnSIGHUP(t *testing.T) {
+	env := newServeEnv(t)
+	t.Setenv("KVSIDECAR_TPSIZE", "2")
+	ctx, stop := signal.NotifyContext(t.Context(), shutdownSignals...)
+	defer stop()
+	p := startServe(t, ctx, env.args("--num-blocks", "4"))
+
+	warn := p.waitLog(t, "ignoring environment variable that matches no flag")
+	require.Equal(t, "WARN", warn["level"])
+	require.Equal(t, "KVSIDECAR_TPSIZE (did you mean KVSIDECAR_TP_SIZE?)", warn["var"])
+
+	line := p.waitLog(t, "serving")
+	quicAddr, _ := line["quic_addr"].(string)
+	host, port, err := net.SplitHostPort(quicAddr)
+	require.NoError(t, err, "quic_addr %v", line["quic_addr"])
+	require.Equal(t, "127.0.0.1", host)
+	require.NotEqual(t, "0", port)
+	require.Equal(t, quicAddr, line["advertise"])
+	_, err = net.ListenPacket("udp", quicAddr)
+	require.ErrorIs(t, err, syscall.EADDRINUSE, "serve holds the QUIC socket before an engine attaches")
+	sock := line["socket"].(string)
+
+	c, err := connector.DialLocal(t.Context(), sock, nil)
+	require.NoError(t, err)
+	defer c.Close()
+	geom := &v1.ModelGeometry{Model: "custom", NumLayers: 1, NumKvHeads: 2, HeadDim: 64, Dtype: v1.DType_DTYPE_BFLOAT16,
+		BlockSize: 16, Layout: v1.Layout_LAYOUT_HND, Attention: v1.Attention_ATTENTION_GQA}
+	_, err = c.Attach(t.Context(), &v1.CreateKVCache{Geometry: geom, TpRank: 0, TpSize: 2, NumBlocks: 4})
+	require.ErrorContains(t, err, "tp_size=2, but this sidecar was started with 1")
+	_, err = c.Attach(t.Context(), &v1.CreateKVCache{Geometry: geom, TpRank: 0, TpSize: 1, NumBlocks: 4})
+	require.NoError(t, err, "a create after a refused one")
+	require.Equal(t, quicAddr, p.waitLog(t, "rank listening")["addr"], "the rank serves on the socket bound at start")
+
+	require.NoError(t, syscall.Kill(os.Getpid(), syscall.SIGHUP))
+	require.Equal(t, "30s", p.waitLog(t, "shutting down: refusing new requests, draining")["drain_timeout"])
+	require.Equal(t, 0, p.wait(t))
+	_, err = os.Stat(sock)
+	require.ErrorIs(t, err, os.ErrNotExist, "the local socket is removed")
+	pc, err := net.ListenPacket("udp", quicAddr)
+	require.NoError(t, err, "the QUIC socket is released")
+	require.NoError(t, pc.Close())
+}
+
+// TestSharedUDPOutlivesAgents: the socket lent to a transfer agent stays
+// open when the agent closes, so a second agent (an engine's retried
+// create) serves on the same address.
+func TestSharedUDPOutlivesAgents(t *testing.T) {
+	udp, err := listenQUIC("127.0.0.1:0")
+	require.NoError(t, err)
+	defer udp.UDPConn.Close()
+	ca, err := devtls.NewCA()
+	require.NoError(t, err)
+	srvTLS, err := ca.ServerConfig()
+	require.NoError(t, err)
+	cliTLS, err := ca.ClientConfig()
+	require.NoError(t, err)
+	for i := range 2 {
+		a, err := transfer.New(&transfer.Config{PacketConn: udp, ServerTLS: srvTLS, ClientTLS: cliTLS})
+		require.NoError(t, err, "agent %d", i)
+		require.Equal(t, udp.LocalAddr().String(), a.Addr().String())
+		require.NoError(t, a.Close())
+	}
+	require.NoError(t, udp.SetReadDeadline(time.Time{}), "still open")
+}
+
+func TestAdvertisedAddr(t *testing.T) {
+	bound := func(s string) net.Addr {
+		a, err := net.ResolveUDPAddr("udp", s)
+		require.NoError(t, err)
+		return a
+	}
+	tests := []struct {
+		name              string
+		listen, advertise string
+		rankAddrs         []string
+		rank              int
+		bound             string
+		want, wantErr     string
+	}{
+		{"bound", "127.0.0.1:0", "", nil, 0, "127.0.0.1:41000", "127.0.0.1:41000", ""},
+		{"advertise", "0.0.0.0:5600", "node1:5600", nil, 0, "0.0.0.0:5600", "node1:5600", ""},
+		{"entry agrees with advertise", "0.0.0.0:5600", "node1:5600", []string{"node0:5600", "NODE1:5600"}, 1, "0.0.0.0:5600", "node1:5600", ""},
+		{"entry names the host of a wildcard listen", "0.0.0.0:5601", "", []string{"10.0.0.1:5600", "10.0.0.1:5601"}, 1, "0.0.0.0:5601", "10.0.0.1:5601", ""},
+		{"entry names the listen host", "localhost:5600", "", []string{"localhost:5600"}, 0, "127.0.0.1:5600", "localhost:5600", ""},
+		{"entry is the bound ip", "[::1]:5600", "", []string{"[0:0::1]:5600"}, 0, "[::1]:5600", "[0:0::1]:5600", ""},
+		{"entry port differs from wildcard listen", "0.0.0.0:5600", "", []string{"10.0.0.1:5601"}, 0, "0.0.0.0:5600", "",
+			"--rank-addrs entry 0 (--tp-rank) is 10.0.0.1:5601 but the bound --listen address is 0.0.0.0:5600"},
+		{"entry host differs from advertise", "0.0.0.0:5600", "10.0.0.2:5600", []string{"10.0.0.1:5600"}, 0, "0.0.0.0:5600", "",
+			"--rank-addrs entry 0 (--tp-rank) is 10.0.0.1:5600 but --advertise is 10.0.0.2:5600"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			f := &serveFlags{listen: tc.listen, advertise: tc.advertise, tpRank: tc.rank}
+			got, err := advertisedAddr(f, tc.rankAddrs, bound(tc.bound))
+			if tc.wantErr != "" {
+				require.ErrorIs(t, err, errUsage)
+				require.ErrorContains(t, err, tc.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.want, got)
+		})
+	}
+}
+
+func TestUnknownEnv(t *testing.T) {
+	var f serveFlags
+	fs := newFlagSet("serve", "", io.Discard)
+	f.register(fs)
+	got := unknownEnv(fs, []string{
+		"KVSIDECAR_TP_SIZE=2", "KVSIDECAR_TPSIZE=2", "KVSIDECAR_ENGINEID=x", "KVSIDECAR_FROB=1",
+		"KVSIDECAR_TIME_SCALE=3", "PATH=/bin", "KVSIDECAR_kv_heads=8",
+	})
+	require.Equal(t, []string{
+		"KVSIDECAR_ENGINEID (did you mean KVSIDECAR_ENGINE_ID?)",
+		"KVSIDECAR_FROB",
+		"KVSIDECAR_TPSIZE (did you mean KVSIDECAR_TP_SIZE?)",
+		"KVSIDECAR_kv_heads (did you mean KVSIDECAR_KV_HEADS?)",
+	}, got)
+}
+
+// TestServeUsageErrorNamesStrayEnv: a usage error caused by a misspelled
+// variable says which variables were ignored.
+func TestServeUsageErrorNamesStrayEnv(t *testing.T) {
+	t.Setenv("KVSIDECAR_ENGINE_ID", "e")
+	t.Setenv("KVSIDECAR_TPSIZE", "1")
+	var errb bytes.Buffer
+	require.Equal(t, 2, run(t.Context(), []string{"serve"}, io.Discard, &errb))
+	require.Contains(t, errb.String(), "--tp-size: 0: required")
+	require.Contains(t, errb.String(), "(ignored, matching no flag: KVSIDECAR_TPSIZE (did you mean KVSIDECAR_TP_SIZE?))")
+}
