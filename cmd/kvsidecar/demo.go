@@ -24,7 +24,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	decodeTP := fs.Int("decode-tp", demo.DefaultDecodeTP, "TP size of the decode instance")
 	requests := fs.Int("requests", demo.DefaultRequests, "replay the first N requests of the trace")
 	speedup := fs.Float64("speedup", demo.DefaultSpeedup, "divide the trace's arrival times by this factor")
-	tracePath := fs.String("trace", demo.DefaultTracePath, "Mooncake JSONL trace")
+	tracePath := fs.String("trace", "", "Mooncake JSONL trace file (default: the Mooncake conversation trace embedded in the binary)")
 	backend := fs.String("backend", "host", "page backend: host (memfd) or cuda (one GPU, device 0)")
 	concurrency := fs.Int("concurrency", demo.DefaultConcurrency, "requests in flight at most")
 	cacheEntries := fs.Int("cache-entries", demo.DefaultCacheEntries, "decode prefix cache size in 512-token hash blocks (negative: off)")

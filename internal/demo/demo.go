@@ -18,6 +18,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
 	"github.com/kvsidecar/kvsidecar/internal/kvgen"
 	"github.com/kvsidecar/kvsidecar/internal/trace"
+	"github.com/kvsidecar/kvsidecar/internal/trace/mooncake"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
@@ -34,13 +35,11 @@ const (
 	DefaultDecodeTP  = 4
 	// DefaultRequests is the number of trace requests replayed: the first 8
 	// of the conversation trace hold 85,229 prompt tokens, 2.6 GiB of
-	// llama-3.2-1b KV (about 20 s on a busy 2-core machine).
+	// llama-3.2-1b KV (about 20 s on a busy 2-core machine). A shorter
+	// trace is replayed whole.
 	DefaultRequests = 8
 	// DefaultSpeedup compresses the trace's arrival times ten-fold.
 	DefaultSpeedup = 10
-	// DefaultTracePath is the Mooncake conversation trace in the repository,
-	// relative to its root.
-	DefaultTracePath = "testdata/traces/mooncake_conversation_trace.jsonl"
 	// DefaultConcurrency bounds the requests in flight.
 	DefaultConcurrency = 2
 	// DefaultCacheEntries bounds the decode prefix cache: 64 hash blocks of
@@ -57,9 +56,56 @@ var (
 	ErrVerification = errors.New("demo: verification failed")
 )
 
+// TraceLengthError is returned by Run when the trace holds fewer requests
+// than Config.Requests asks for, or none at all (Have 0, whatever Requests
+// is). It wraps ErrInvalidConfig.
+type TraceLengthError struct {
+	// Trace names the trace: its path or mooncake.ConversationName.
+	Trace string
+	// Have is the number of requests in the trace; Want is Config.Requests
+	// (0: the default, DefaultRequests or the whole trace).
+	Have, Want int
+}
+
+func (e *TraceLengthError) Error() string {
+	if e.Have == 0 {
+		return fmt.Sprintf("demo: trace %s has no requests", e.Trace)
+	}
+	return fmt.Sprintf("demo: trace %s has %d requests, fewer than Config.Requests=%d", e.Trace, e.Have, e.Want)
+}
+
+// Unwrap returns ErrInvalidConfig.
+func (e *TraceLengthError) Unwrap() error { return ErrInvalidConfig }
+
+// Trace is a request trace held in memory.
+type Trace struct {
+	// Name names the trace in errors and in the Summary: the file's path,
+	// or mooncake.ConversationName for the embedded trace.
+	Name string
+	// Requests in arrival order.
+	Requests []trace.Request
+}
+
+// LoadTrace reads every request of the Mooncake JSONL trace at path; an
+// empty path reads the embedded Mooncake conversation trace (12,031
+// requests). Errors: the file cannot be opened ("trace: open ...",
+// wrapping the *fs.PathError), or a malformed line (*trace.LineError). An
+// empty trace is not an error here; Run refuses it.
+func LoadTrace(path string) (*Trace, error) {
+	if path == "" {
+		reqs, err := trace.Read(mooncake.Conversation(), mooncake.ConversationName, 0)
+		return &Trace{Name: mooncake.ConversationName, Requests: reqs}, err
+	}
+	reqs, err := trace.ReadFile(path, 0)
+	if err != nil {
+		return nil, err
+	}
+	return &Trace{Name: path, Requests: reqs}, nil
+}
+
 // Config configures Run. The zero value (and a nil *Config) runs the
 // default demo: DefaultModel, prefill TP 2 → decode TP 4, the first
-// DefaultRequests requests of DefaultTracePath.
+// DefaultRequests requests of the embedded Mooncake conversation trace.
 type Config struct {
 	// Model is a name of vmm.ModelNames(). Default DefaultModel. Ignored
 	// when Geometry is set.
@@ -71,13 +117,19 @@ type Config struct {
 	// [1, connector.MaxTPSize]. Defaults DefaultPrefillTP, DefaultDecodeTP.
 	PrefillTP, DecodeTP int
 	// Requests is how many requests of the trace are replayed, from the
-	// first. Default DefaultRequests.
+	// first; more than the trace holds is a *TraceLengthError. Default:
+	// DefaultRequests, or the whole trace when it is shorter.
 	Requests int
 	// Speedup divides the trace's arrival times. Default DefaultSpeedup;
 	// math.Inf(1) sends every request at once.
 	Speedup float64
-	// TracePath is a Mooncake JSONL trace. Default DefaultTracePath.
+	// TracePath is a Mooncake JSONL trace file. Default "": the Mooncake
+	// conversation trace embedded in the binary (internal/trace/mooncake).
+	// Ignored when Trace is set.
 	TracePath string
+	// Trace, when set, is replayed instead of reading TracePath (the CLI
+	// loads it first to check --requests against its length). Default nil.
+	Trace *Trace
 	// Concurrency bounds the requests in flight. Default DefaultConcurrency.
 	Concurrency int
 	// CacheEntries bounds the decode side's prefix cache in 512-token hash
@@ -110,6 +162,9 @@ type Summary struct {
 	Model     string `json:"model"`
 	PrefillTP int    `json:"prefill_tp"`
 	DecodeTP  int    `json:"decode_tp"`
+	// Trace names the trace replayed: its path, or
+	// mooncake.ConversationName for the embedded one.
+	Trace string `json:"trace"`
 	// Requests replayed; PromptTokens their input_length summed.
 	Requests     int   `json:"requests"`
 	PromptTokens int64 `json:"prompt_tokens"`
@@ -126,13 +181,23 @@ type Summary struct {
 	// FailedRequests: requests whose KV did not fully arrive.
 	FailedRequests int `json:"failed_requests"`
 	// P50Ms and P99Ms: transfer latency per request, from the first
-	// StartLoad to the last decode rank's done_recving, in milliseconds.
-	P50Ms float64 `json:"p50_ms"`
-	P99Ms float64 `json:"p99_ms"`
-	// ThroughputGBps: BytesMoved / WallSeconds in GB/s (10^9 bytes per
-	// second, the unit nixlbench prints).
-	ThroughputGBps float64 `json:"throughput_gbps"`
-	WallSeconds    float64 `json:"wall_seconds"`
+	// StartLoad to the last decode rank's done_recving, in milliseconds,
+	// nearest rank over LatencySamples (the requests that arrived). With
+	// fewer than 100 samples P99Ms is their maximum.
+	P50Ms          float64 `json:"p50_ms"`
+	P99Ms          float64 `json:"p99_ms"`
+	LatencySamples int     `json:"latency_samples"`
+	// ThroughputGBps: transfer throughput, BytesMoved over TransferSeconds,
+	// in GB/s (10^9 bytes per second, the unit nixlbench prints).
+	// TransferSeconds is the union of the intervals during which at least
+	// one load that moved bytes was in flight (first StartLoad to last
+	// done_recving), so the trace's arrival gaps do not count.
+	ThroughputGBps  float64 `json:"throughput_gbps"`
+	TransferSeconds float64 `json:"transfer_seconds"`
+	// WallGBps: BytesMoved over WallSeconds, the whole replay from the
+	// first request's dispatch to the last one's end, gaps included.
+	WallGBps    float64 `json:"wall_gbps"`
+	WallSeconds float64 `json:"wall_seconds"`
 	// Handshakes: metadata exchanges the decode ranks sent; Dials: QUIC
 	// connections they dialed; HandshakeRTTs: round trips spent on both
 	// (one per 1-RTT QUIC handshake, one per exchange).
@@ -169,14 +234,8 @@ func (c *Config) withDefaults() (Config, error) {
 	if out.DecodeTP == 0 {
 		out.DecodeTP = DefaultDecodeTP
 	}
-	if out.Requests == 0 {
-		out.Requests = DefaultRequests
-	}
 	if out.Speedup == 0 {
 		out.Speedup = DefaultSpeedup
-	}
-	if out.TracePath == "" {
-		out.TracePath = DefaultTracePath
 	}
 	if out.Concurrency == 0 {
 		out.Concurrency = DefaultConcurrency
@@ -205,8 +264,8 @@ func (c *Config) withDefaults() (Config, error) {
 		return bad("PrefillTP", "%d must be in [1, %d]", out.PrefillTP, connector.MaxTPSize)
 	case out.DecodeTP < 1 || out.DecodeTP > connector.MaxTPSize:
 		return bad("DecodeTP", "%d must be in [1, %d]", out.DecodeTP, connector.MaxTPSize)
-	case out.Requests < 1:
-		return bad("Requests", "%d must be at least 1", out.Requests)
+	case out.Requests < 0:
+		return bad("Requests", "%d must not be negative (0: the default)", out.Requests)
 	case math.IsNaN(out.Speedup) || out.Speedup <= 0:
 		return bad("Speedup", "%v must be > 0", out.Speedup)
 	case out.Concurrency < 1:
@@ -231,14 +290,35 @@ func Run(ctx context.Context, cfg *Config) (Summary, error) {
 	if err != nil {
 		return Summary{}, err
 	}
-	reqs, err := trace.ReadFile(c.TracePath, c.Requests)
-	if err != nil {
-		return Summary{}, err // "trace: file:line: ..." already
+	tr := c.Trace
+	if tr == nil {
+		// A trace shorter than asked is read whole: its length is Have.
+		tr = &Trace{Name: c.TracePath}
+		n := max(c.Requests, DefaultRequests)
+		if c.TracePath == "" {
+			tr.Name = mooncake.ConversationName
+			tr.Requests, err = trace.Read(mooncake.Conversation(), tr.Name, n)
+		} else {
+			tr.Requests, err = trace.ReadFile(c.TracePath, n)
+		}
+		if err != nil {
+			return Summary{}, err // "trace: file:line: ..." already
+		}
+	}
+	reqs := tr.Requests
+	switch {
+	case len(reqs) == 0 || c.Requests > len(reqs):
+		return Summary{}, &TraceLengthError{Trace: tr.Name, Have: len(reqs), Want: c.Requests}
+	case c.Requests > 0:
+		reqs = reqs[:c.Requests]
+	default:
+		reqs = reqs[:min(len(reqs), DefaultRequests)]
 	}
 	r, err := newRun(ctx, c, reqs)
 	if err != nil {
 		return Summary{}, err
 	}
+	r.traceName = tr.Name
 	s, err := r.run(ctx)
 	if cerr := r.close(); err == nil && cerr != nil {
 		err = fmt.Errorf("demo: shutting down: %w", cerr)
@@ -251,12 +331,13 @@ func Run(ctx context.Context, cfg *Config) (Summary, error) {
 
 // runner is one Run in progress.
 type runner struct {
-	cfg   Config
-	reqs  []trace.Request
-	bs    int
-	pre   *instance
-	dec   *instance
-	cache *prefixCache
+	cfg       Config
+	traceName string
+	reqs      []trace.Request
+	bs        int
+	pre       *instance
+	dec       *instance
+	cache     *prefixCache
 
 	preRouter, decRouter *router
 	collectors           sync.WaitGroup
@@ -267,6 +348,7 @@ type runner struct {
 	mu        sync.Mutex
 	sum       Summary
 	latencies []time.Duration
+	busy      []interval // loads that moved bytes
 	done      int
 	start     time.Time
 }
@@ -373,7 +455,7 @@ func (r *runner) close() error {
 func (r *runner) run(ctx context.Context) (Summary, error) {
 	g := r.cfg.Geometry
 	r.sum = Summary{Model: g.GetModel(), PrefillTP: r.cfg.PrefillTP, DecodeTP: r.cfg.DecodeTP,
-		Requests: len(r.reqs), PageSize: r.dec.pools[0].PageSize()}
+		Trace: r.traceName, Requests: len(r.reqs), PageSize: r.dec.pools[0].PageSize()}
 	r.start = time.Now()
 	sem := make(chan struct{}, r.cfg.Concurrency)
 	var wg sync.WaitGroup
@@ -410,11 +492,18 @@ dispatch:
 	}
 	s := r.sum
 	s.WallSeconds = wall.Seconds()
+	busy := unionLength(r.busy)
+	s.TransferSeconds = busy.Seconds()
 	if wall > 0 {
-		s.ThroughputGBps = float64(s.BytesMoved) / wall.Seconds() / 1e9
+		s.WallGBps = float64(s.BytesMoved) / wall.Seconds() / 1e9
+	}
+	if busy > 0 {
+		s.ThroughputGBps = float64(s.BytesMoved) / busy.Seconds() / 1e9
 	}
 	slices.Sort(r.latencies)
-	s.P50Ms, s.P99Ms = percentileMs(r.latencies, 0.50), percentileMs(r.latencies, 0.99)
+	s.LatencySamples = len(r.latencies)
+	s.P50Ms = float64(nearestRank(r.latencies, 0.50)) / float64(time.Millisecond)
+	s.P99Ms = float64(nearestRank(r.latencies, 0.99)) / float64(time.Millisecond)
 	for _, rk := range r.dec.ranks {
 		for _, a := range r.pre.addrs {
 			s.Handshakes += rk.Handshakes().Exchanges(a)
@@ -434,6 +523,7 @@ type outcome struct {
 	moved, verified uint64
 	mismatches      uint64
 	latency         time.Duration
+	loadStart       time.Time // when the load began; latency is its length
 	err             error
 }
 
@@ -456,6 +546,9 @@ func (r *runner) finish(o outcome) {
 		r.cfg.Logger.Warn("request failed", "err", o.err)
 	} else {
 		r.latencies = append(r.latencies, o.latency)
+		if o.moved > 0 {
+			r.busy = append(r.busy, interval{o.loadStart, o.loadStart.Add(o.latency)})
+		}
 	}
 	r.done++
 	if r.cfg.Progress != nil {
@@ -553,6 +646,7 @@ func (r *runner) request(ctx context.Context, i int, q trace.Request) (o outcome
 	storeMax(&r.peakDec, r.dec.physPages())
 	loaded := r.decRouter.register(decID, r.cfg.DecodeTP)
 	start := time.Now()
+	o.loadStart = start
 	for rank, rk := range r.dec.ranks {
 		if err := rk.StartLoad(ctx, &v1.ReqMeta{RequestId: decID, LocalBlockIds: dids, Params: dparams}); err != nil {
 			r.decRouter.deliver(decID, fmt.Errorf("demo: decode rank %d StartLoad: %w", rank, err))
@@ -669,15 +763,6 @@ func (r *runner) check(q trace.Request, prefix int, blocks []uint32) (moved, che
 		}
 	}
 	return moved, checked, bad, nil
-}
-
-func percentileMs(sorted []time.Duration, q float64) float64 {
-	if len(sorted) == 0 {
-		return 0
-	}
-	i := int(math.Ceil(q*float64(len(sorted)))) - 1
-	i = min(max(i, 0), len(sorted)-1)
-	return float64(sorted[i]) / float64(time.Millisecond)
 }
 
 // router hands the events of a request id, reported by several ranks, to

@@ -3,6 +3,7 @@ package demo
 import (
 	"context"
 	"errors"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -11,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvsidecar/kvsidecar/internal/trace"
+	"github.com/kvsidecar/kvsidecar/internal/trace/mooncake"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -42,7 +44,7 @@ func writeTrace(t testing.TB, text string) string {
 
 func TestRunPrefixReuse(t *testing.T) {
 	var calls []Progress
-	s, err := Run(t.Context(), &Config{Geometry: tinyGQA, TracePath: writeTrace(t, sharedTrace), Requests: 10,
+	s, err := Run(t.Context(), &Config{Geometry: tinyGQA, TracePath: writeTrace(t, sharedTrace), Requests: 4,
 		Concurrency: 1, Progress: func(p Progress) { calls = append(calls, p) }})
 	require.NoError(t, err)
 	// Imported blocks of 16 tokens: 64 + (82-64) + 0 (full hit) + 38.
@@ -66,6 +68,14 @@ func TestRunPrefixReuse(t *testing.T) {
 	require.Positive(t, s.P50Ms)
 	require.GreaterOrEqual(t, s.P99Ms, s.P50Ms)
 	require.Positive(t, s.ThroughputGBps)
+	require.Equal(t, 4, s.LatencySamples)
+	// Transfer throughput counts only the time loads were in flight: the
+	// trace's arrival gaps (5, 4 and 3 ms apart) are not in it.
+	require.Positive(t, s.TransferSeconds)
+	require.LessOrEqual(t, s.TransferSeconds, s.WallSeconds)
+	require.InDelta(t, float64(s.BytesMoved)/s.TransferSeconds/1e9, s.ThroughputGBps, 1e-9)
+	require.InDelta(t, float64(s.BytesMoved)/s.WallSeconds/1e9, s.WallGBps, 1e-9)
+	require.GreaterOrEqual(t, s.ThroughputGBps, s.WallGBps)
 	require.True(t, s.OK())
 	require.Len(t, calls, 4)
 	require.Equal(t, Progress{Done: 4, Total: 4, BytesMoved: wantBytes, Elapsed: calls[3].Elapsed}, calls[3])
@@ -133,6 +143,58 @@ func TestRunMalformedTrace(t *testing.T) {
 	require.Contains(t, err.Error(), path+":5:")
 }
 
+func TestRunTraceLength(t *testing.T) {
+	path := writeTrace(t, sharedTrace)
+	empty := writeTrace(t, "\n")
+	tests := []struct {
+		name      string
+		cfg       Config
+		wantHave  int
+		wantWant  int
+		wantTrace string
+		want      string
+	}{
+		{"empty, default", Config{TracePath: empty}, 0, 0, empty, "has no requests"},
+		{"empty, asked", Config{TracePath: empty, Requests: 3}, 0, 3, empty, "has no requests"},
+		{"preloaded empty", Config{Trace: &Trace{Name: "mine"}}, 0, 0, "mine", "demo: trace mine has no requests"},
+		{"beyond", Config{TracePath: path, Requests: 5}, 4, 5, path, "has 4 requests, fewer than Config.Requests=5"},
+		{"embedded beyond", Config{Requests: 20000}, 12031, 20000, mooncake.ConversationName, "has 12031 requests"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.cfg.Geometry = tinyGQA
+			_, err := Run(t.Context(), &tc.cfg)
+			var te *TraceLengthError
+			require.ErrorAs(t, err, &te)
+			require.ErrorIs(t, err, ErrInvalidConfig)
+			require.Equal(t, TraceLengthError{Trace: tc.wantTrace, Have: tc.wantHave, Want: tc.wantWant}, *te)
+			require.Contains(t, err.Error(), tc.want)
+		})
+	}
+}
+
+func TestRunShortTraceWholeByDefault(t *testing.T) {
+	// Fewer requests than DefaultRequests and no Requests: all of them.
+	tr, err := LoadTrace(writeTrace(t, sharedTrace))
+	require.NoError(t, err)
+	s, err := Run(t.Context(), &Config{Geometry: tinyGQA, Trace: tr, Speedup: math.Inf(1)})
+	require.NoError(t, err)
+	require.Equal(t, 4, s.Requests)
+	require.Equal(t, tr.Name, s.Trace)
+}
+
+func TestRunEmbeddedTrace(t *testing.T) {
+	s, err := Run(t.Context(), &Config{Geometry: tinyGQA, Requests: 2, Speedup: math.Inf(1)})
+	require.NoError(t, err)
+	require.Equal(t, mooncake.ConversationName, s.Trace)
+	require.Equal(t, 2, s.Requests)
+	// The prompt tokens of the embedded trace's first two requests.
+	first, err := trace.Read(mooncake.Conversation(), mooncake.ConversationName, 2)
+	require.NoError(t, err)
+	require.Equal(t, int64(first[0].InputLength+first[1].InputLength), s.PromptTokens)
+	require.True(t, s.OK())
+}
+
 func TestRunMissingTrace(t *testing.T) {
 	_, err := Run(t.Context(), &Config{Geometry: tinyGQA, TracePath: filepath.Join(t.TempDir(), "nope.jsonl")})
 	require.ErrorIs(t, err, os.ErrNotExist)
@@ -151,7 +213,7 @@ func TestConfigValidation(t *testing.T) {
 		{"prefill tp", Config{PrefillTP: 2048}, "Config.PrefillTP: 2048 must be in [1, 1024]"},
 		{"decode tp", Config{DecodeTP: -1}, "Config.DecodeTP: -1 must be in [1, 1024]"},
 		{"tp vs heads", Config{DecodeTP: 3}, "Config.PrefillTP/DecodeTP: model llama-3.2-1b"},
-		{"requests", Config{Requests: -2}, "Config.Requests: -2 must be at least 1"},
+		{"requests", Config{Requests: -2}, "Config.Requests: -2 must not be negative"},
 		{"speedup", Config{Speedup: -1}, "Config.Speedup: -1 must be > 0"},
 		{"concurrency", Config{Concurrency: -1}, "Config.Concurrency: -1 must be at least 1"},
 	}

@@ -28,7 +28,8 @@ var (
 )
 
 const (
-	// DefaultMaxTransferBytes caps block × batch; larger cells are skipped.
+	// DefaultMaxTransferBytes caps block × batch; larger cells are skipped
+	// (and listed in TransferResult.Skipped).
 	DefaultMaxTransferBytes = 128 << 20
 	// DefaultCellTime is how long each (op, block, batch) cell runs.
 	DefaultCellTime = 200 * time.Millisecond
@@ -46,8 +47,9 @@ type TransferConfig struct {
 	BatchSizes []int
 	// Ops swept, in order. Default READ then WRITE.
 	Ops []transfer.Op
-	// MaxTransferBytes caps block × batch and sizes the registered buffers.
-	// Default DefaultMaxTransferBytes.
+	// MaxTransferBytes caps block × batch and sizes the two registered
+	// buffers (2 × MaxTransferBytes of memory). Cells above it are skipped;
+	// at least one block size must fit. Default DefaultMaxTransferBytes.
 	MaxTransferBytes int
 	// CellTime is the time spent per cell (at least 3 transfers run).
 	// Default DefaultCellTime.
@@ -62,9 +64,11 @@ type TransferConfig struct {
 }
 
 // TransferRow is one nixlbench-style line. Times are in microseconds: post
-// is from calling Transfer until the request is on the wire (from
-// kvsidecar_transfer_post_seconds, p99 interpolated in its buckets), tx is
-// the whole transfer as Transfer returned it.
+// is from calling Transfer until the request is on the wire (each
+// transfer's own observation of kvsidecar_transfer_post_seconds), tx is
+// the whole transfer as Transfer returned it. The p99 figures are nearest
+// rank over the cell's Transfers samples; with at most P99MaxSamples of
+// them (P99IsMax) they are the maximum.
 type TransferRow struct {
 	Op           string  `json:"op"`
 	BlockSize    int     `json:"block_size"`
@@ -75,16 +79,29 @@ type TransferRow struct {
 	P99PostUs    float64 `json:"p99_post_us"`
 	AvgTxUs      float64 `json:"avg_tx_us"`
 	P99TxUs      float64 `json:"p99_tx_us"`
+	P99IsMax     bool    `json:"p99_is_max"`
 	CheckedBytes uint64  `json:"checked_bytes"`
+}
+
+// SkippedCell is a (block size, batch) pair of the sweep left out because
+// BlockSize × Batch exceeds TransferConfig.MaxTransferBytes.
+type SkippedCell struct {
+	BlockSize int `json:"block_size"`
+	Batch     int `json:"batch"`
 }
 
 // TransferResult is the outcome of RunTransferBench; JSON names are stable
 // (the CLI's --json prints it). Throughputs in GB/s (10^9 bytes/s).
 type TransferResult struct {
 	Rows []TransferRow `json:"rows"`
+	// Skipped lists the cells over MaxTransferBytes, once for all ops.
+	Skipped []SkippedCell `json:"skipped,omitempty"`
 	// The bulk comparison: BulkBytes moved in descriptors (chunks) of
 	// BulkBlockSize by a sidecar READ, one raw quic-go stream and Go TLS
 	// 1.3 over TCP, on loopback, connection set-up excluded.
+	// BulkBlockSize is the largest block size within MaxTransferBytes;
+	// BulkBytes is as many of them as fit in MaxTransferBytes, at most
+	// transfer.DefaultMaxDescsPerTransfer (one READ's descriptor limit).
 	BulkBlockSize           int     `json:"bulk_block_size"`
 	BulkBytes               int     `json:"bulk_bytes"`
 	SidecarReadGBps         float64 `json:"sidecar_read_gbps"`
@@ -128,10 +145,16 @@ func (c *TransferConfig) withDefaults() (TransferConfig, error) {
 	bad := func(field, format string, a ...any) (TransferConfig, error) {
 		return TransferConfig{}, fmt.Errorf("%w: TransferConfig.%s: %s", ErrInvalidConfig, field, fmt.Sprintf(format, a...))
 	}
+	if out.MaxTransferBytes < 0 {
+		return bad("MaxTransferBytes", "%d must be positive", out.MaxTransferBytes)
+	}
 	for i, b := range out.BlockSizes {
-		if b < 1 || b > out.MaxTransferBytes {
-			return bad("BlockSizes", "[%d]=%d must be in [1, MaxTransferBytes=%d]", i, b, out.MaxTransferBytes)
+		if b < 1 {
+			return bad("BlockSizes", "[%d]=%d must be at least 1", i, b)
 		}
+	}
+	if slices.Min(out.BlockSizes) > out.MaxTransferBytes {
+		return bad("BlockSizes", "every size exceeds MaxTransferBytes=%d; at least one must fit", out.MaxTransferBytes)
 	}
 	for i, b := range out.BatchSizes {
 		if b < 1 || b > transfer.DefaultMaxDescsPerTransfer {
@@ -139,8 +162,6 @@ func (c *TransferConfig) withDefaults() (TransferConfig, error) {
 		}
 	}
 	switch {
-	case out.MaxTransferBytes < 0:
-		return bad("MaxTransferBytes", "%d must be positive", out.MaxTransferBytes)
 	case out.CellTime < 0:
 		return bad("CellTime", "%v must not be negative", out.CellTime)
 	case out.BulkRounds < 1:
@@ -150,8 +171,11 @@ func (c *TransferConfig) withDefaults() (TransferConfig, error) {
 }
 
 // RunTransferBench runs the sweep (READ and WRITE, every block and batch
-// size) between two agents on loopback, then the bulk comparison against
-// the raw quic-go and TLS-over-TCP baselines at the largest block size.
+// size whose product fits MaxTransferBytes; the others are listed in
+// Skipped) between two agents on loopback, then the bulk comparison against
+// the raw quic-go and TLS-over-TCP baselines at the largest block size that
+// fits. Errors: ErrInvalidConfig naming the field, a failed transfer, or
+// context.Cause(ctx).
 func RunTransferBench(ctx context.Context, cfg *TransferConfig) (_ *TransferResult, err error) {
 	c, err := cfg.withDefaults()
 	if err != nil {
@@ -195,6 +219,13 @@ func RunTransferBench(ctx context.Context, cfg *TransferConfig) (_ *TransferResu
 		return nil, err
 	}
 	res := &TransferResult{}
+	for _, bs := range c.BlockSizes {
+		for _, n := range c.BatchSizes {
+			if bs*n > c.MaxTransferBytes {
+				res.Skipped = append(res.Skipped, SkippedCell{BlockSize: bs, Batch: n})
+			}
+		}
+	}
 	for _, op := range c.Ops {
 		for _, bs := range c.BlockSizes {
 			for _, n := range c.BatchSizes {
@@ -271,40 +302,59 @@ func (b *xferBench) cell(ctx context.Context, op transfer.Op, bs, n int) (Transf
 	if op == transfer.OpWrite {
 		label = "write"
 	}
-	before, err := postHist(b.reg, label)
+	prev, err := postHist(b.reg, label)
 	if err != nil {
 		return TransferRow{}, err
 	}
-	var ds []time.Duration
-	var sum time.Duration
+	var txs, posts []time.Duration
+	var txSum, postSum time.Duration
 	start := time.Now()
-	for len(ds) < 3 || time.Since(start) < b.c.CellTime {
+	for len(txs) < 3 || time.Since(start) < b.c.CellTime {
 		d, err := b.xfer(ctx, op, bs, n)
 		if err != nil {
 			return TransferRow{}, err
 		}
-		ds, sum = append(ds, d), sum+d
+		// One transfer at a time: the histogram grew by exactly this
+		// transfer's post time.
+		cur, err := postHist(b.reg, label)
+		if err != nil {
+			return TransferRow{}, err
+		}
+		if cur.count != prev.count+1 {
+			return TransferRow{}, fmt.Errorf("demo: transfer bench %s %d × %d B: %d post observations for one transfer",
+				op, n, bs, cur.count-prev.count)
+		}
+		p := time.Duration((cur.sum - prev.sum) * 1e9)
+		prev = cur
+		txs, txSum = append(txs, d), txSum+d
+		posts, postSum = append(posts, p), postSum+p
 	}
-	after, err := postHist(b.reg, label)
-	if err != nil {
-		return TransferRow{}, err
-	}
-	slices.Sort(ds)
-	row := TransferRow{Op: op.String(), BlockSize: bs, Batch: n, Transfers: len(ds),
-		GBps:    round(float64(bs*n*len(ds))/sum.Seconds()/1e9, 4),
-		AvgTxUs: round(float64(sum)/float64(len(ds))/1e3, 1),
-		P99TxUs: round(float64(ds[min(len(ds)-1, (len(ds)*99+99)/100-1)])/1e3, 1)}
-	row.AvgPostUs, row.P99PostUs = after.since(before)
+	slices.Sort(txs)
+	slices.Sort(posts)
+	k := len(txs)
+	us := func(d time.Duration) float64 { return round(float64(d)/1e3, 1) }
+	row := TransferRow{Op: op.String(), BlockSize: bs, Batch: n, Transfers: k,
+		GBps:      round(float64(bs*n*k)/txSum.Seconds()/1e9, 4),
+		AvgTxUs:   us(txSum / time.Duration(k)),
+		P99TxUs:   us(nearestRank(txs, 0.99)),
+		AvgPostUs: us(postSum / time.Duration(k)),
+		P99PostUs: us(nearestRank(posts, 0.99)),
+		P99IsMax:  k <= P99MaxSamples}
 	if b.c.Check {
-		row.CheckedBytes = uint64(bs * n * len(ds))
+		row.CheckedBytes = uint64(bs * n * k)
 	}
 	return row, nil
 }
 
 // bulk compares a sidecar READ with the baselines at the largest block.
 func (b *xferBench) bulk(ctx context.Context, res *TransferResult, st, ct *tls.Config) error {
-	bs := slices.Max(b.c.BlockSizes)
-	n := max(b.c.MaxTransferBytes/bs, 1)
+	bs := 0
+	for _, x := range b.c.BlockSizes {
+		if x <= b.c.MaxTransferBytes {
+			bs = max(bs, x)
+		}
+	}
+	n := min(b.c.MaxTransferBytes/bs, transfer.DefaultMaxDescsPerTransfer)
 	total := bs * n
 	res.BulkBlockSize, res.BulkBytes = bs, total
 	best := func(cur *time.Duration, d time.Duration) {
@@ -335,12 +385,11 @@ func (b *xferBench) bulk(ctx context.Context, res *TransferResult, st, ct *tls.C
 	return nil
 }
 
-// hist is a snapshot of one histogram series.
+// hist is a snapshot of one histogram series: observations and their sum
+// in seconds.
 type hist struct {
-	count  uint64
-	sum    float64
-	bounds []float64
-	cum    []uint64
+	count uint64
+	sum   float64
 }
 
 func postHist(g prometheus.Gatherer, op string) (hist, error) {
@@ -363,37 +412,8 @@ func postHist(g prometheus.Gatherer, op string) (hist, error) {
 				continue
 			}
 			h := m.GetHistogram()
-			out := hist{count: h.GetSampleCount(), sum: h.GetSampleSum()}
-			for _, bk := range h.GetBucket() {
-				out.bounds = append(out.bounds, bk.GetUpperBound())
-				out.cum = append(out.cum, bk.GetCumulativeCount())
-			}
-			return out, nil
+			return hist{count: h.GetSampleCount(), sum: h.GetSampleSum()}, nil
 		}
 	}
 	return hist{}, nil // nothing observed yet
-}
-
-// since returns the mean and the p99 (linear inside its bucket) of the
-// observations between before and h, in microseconds.
-func (h hist) since(before hist) (avgUs, p99Us float64) {
-	n := h.count - before.count
-	if n == 0 {
-		return 0, 0
-	}
-	avgUs = (h.sum - before.sum) / float64(n) * 1e6
-	target := 0.99 * float64(n)
-	lo, prev := 0.0, uint64(0)
-	for i, ub := range h.bounds {
-		c := h.cum[i]
-		if i < len(before.cum) {
-			c -= before.cum[i]
-		}
-		if float64(c) >= target {
-			frac := (target - float64(prev)) / float64(max(c-prev, 1))
-			return round(avgUs, 1), round((lo+frac*(ub-lo))*1e6, 1)
-		}
-		lo, prev = ub, c
-	}
-	return round(avgUs, 1), round(lo*1e6, 1) // beyond the last bucket: its bound, a floor
 }
