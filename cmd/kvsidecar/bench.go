@@ -5,12 +5,17 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
+	"time"
 
+	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/internal/demo"
+	"github.com/kvsidecar/kvsidecar/transfer"
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
 
@@ -37,12 +42,21 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 func benchHandshake(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("bench handshake", "Measure handshake latency in piggyback and legacy modes.", stderr)
 	model := fs.String("model", demo.DefaultModel, "model geometry: "+strings.Join(vmm.ModelNames(), ", "))
-	prefillTP := fs.Int("prefill-tp", demo.DefaultPrefillTP, "TP size of the prefill instance")
-	decodeTP := fs.Int("decode-tp", demo.DefaultDecodeTP, "TP size of the decode instance")
-	rtt := fs.Duration("rtt", demo.DefaultRTT, "injected round-trip time (one-way delay rtt/2 on every socket)")
-	trials := fs.Int("trials", demo.DefaultTrials, "trials per mode; medians are reported")
+	prefillTP := fs.Int("prefill-tp", demo.DefaultPrefillTP, fmt.Sprintf("TP size of the prefill instance, 1..%d", connector.MaxTPSize))
+	decodeTP := fs.Int("decode-tp", demo.DefaultDecodeTP, fmt.Sprintf("TP size of the decode instance, 1..%d; one of the TP sizes must divide the other", connector.MaxTPSize))
+	rtt := fs.Duration("rtt", demo.DefaultRTT, fmt.Sprintf("injected round-trip time, %v..%v (one-way delay rtt/2 on every socket)", minRTT, maxRTT))
+	trials := fs.Int("trials", demo.DefaultTrials, fmt.Sprintf("trials per mode, 1..%d; medians are reported", maxTrials))
 	asJSON := fs.Bool("json", false, "print the result as one JSON object on the last line of stdout (the table goes to stderr)")
 	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if _, err := checkModelTP(*model, *prefillTP, *decodeTP); err != nil {
+		return err
+	}
+	if err := checkDuration("rtt", *rtt, minRTT, maxRTT); err != nil {
+		return err
+	}
+	if err := checkInt("trials", *trials, 1, maxTrials); err != nil {
 		return err
 	}
 	res, err := demo.RunHandshakeBench(ctx, &demo.HandshakeConfig{Model: *model, PrefillTP: *prefillTP,
@@ -86,11 +100,11 @@ func printJSON(w io.Writer, v any) error {
 
 func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("bench transfer", "Measure transfer throughput against raw QUIC and TLS/TCP baselines.", stderr)
-	blocks := fs.String("block-sizes", "4K,64K,1M,16M,64M", "descriptor sizes, comma-separated (K, M suffixes: KiB, MiB)")
-	batches := fs.String("batch-sizes", "1,16", "descriptors per transfer, comma-separated")
-	maxBytes := fs.String("max-bytes", "128M", "cap of block size × batch; larger cells are skipped")
-	cellTime := fs.Duration("cell-time", demo.DefaultCellTime, "time spent on each (op, block, batch) cell")
-	rounds := fs.Int("bulk-rounds", demo.DefaultBulkRounds, "rounds of the bulk comparison with the baselines (best kept)")
+	blocks := fs.String("block-sizes", "4K,64K,1M,16M,64M", "descriptor sizes, comma-separated (K, M, G suffixes: KiB, MiB, GiB); at least one within --max-bytes")
+	batches := fs.String("batch-sizes", "1,16", fmt.Sprintf("descriptors per transfer, comma-separated, each 1..%d", transfer.DefaultMaxDescsPerTransfer))
+	maxBytes := fs.String("max-bytes", "128M", fmt.Sprintf("cap of block size × batch, 1..%s (two buffers of it are allocated); larger cells are skipped with a note", sizeString(maxMaxBytes)))
+	cellTime := fs.Duration("cell-time", demo.DefaultCellTime, fmt.Sprintf("time spent on each (op, block, batch) cell, > 0 and <= %v (at least 3 transfers run)", maxCellTime))
+	rounds := fs.Int("bulk-rounds", demo.DefaultBulkRounds, fmt.Sprintf("rounds of the bulk comparison with the baselines (best kept), 1..%d", maxBulkRounds))
 	check := fs.Bool("check", false, "verify every byte of every transfer")
 	asJSON := fs.Bool("json", false, "print the result as one JSON object on the last line of stdout (the table goes to stderr)")
 	if err := parseFlags(fs, args); err != nil {
@@ -98,15 +112,30 @@ func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer)
 	}
 	bs, err := parseSizes(*blocks)
 	if err != nil {
-		return usageErrorf("--block-sizes: %v", err)
+		return usageErrorf("--block-sizes %q: %v", *blocks, err)
 	}
 	ns, err := parseSizes(*batches)
 	if err != nil {
-		return usageErrorf("--batch-sizes: %v", err)
+		return usageErrorf("--batch-sizes %q: %v", *batches, err)
+	}
+	for _, n := range ns {
+		if n > transfer.DefaultMaxDescsPerTransfer {
+			return usageErrorf("--batch-sizes %d: want 1..%d descriptors per transfer", n, transfer.DefaultMaxDescsPerTransfer)
+		}
 	}
 	mb, err := parseSizes(*maxBytes)
-	if err != nil || len(mb) != 1 {
-		return usageErrorf("--max-bytes %q: want one size", *maxBytes)
+	if err != nil || len(mb) != 1 || mb[0] > maxMaxBytes {
+		return usageErrorf("--max-bytes %q: want one size, 1..%s", *maxBytes, sizeString(maxMaxBytes))
+	}
+	if slices.Min(bs) > mb[0] {
+		return usageErrorf("--block-sizes %s: every size exceeds --max-bytes %s; want at least one <= %s",
+			*blocks, sizeString(mb[0]), sizeString(mb[0]))
+	}
+	if err := checkDuration("cell-time", *cellTime, time.Nanosecond, maxCellTime); err != nil {
+		return usageErrorf("--cell-time %v: want > 0s and <= %v", *cellTime, maxCellTime)
+	}
+	if err := checkInt("bulk-rounds", *rounds, 1, maxBulkRounds); err != nil {
+		return err
 	}
 	res, err := demo.RunTransferBench(ctx, &demo.TransferConfig{BlockSizes: bs, BatchSizes: ns, MaxTransferBytes: mb[0],
 		CellTime: *cellTime, BulkRounds: *rounds, Check: *check})
@@ -120,11 +149,22 @@ func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer)
 	tw := tabwriter.NewWriter(table, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "op\tblock size\tbatch\txfers\tGB/s\tavg post us\tp99 post us\tavg tx us\tp99 tx us\tchecked\t")
 	for _, r := range res.Rows {
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%.3f\t%.1f\t%.1f\t%.1f\t%.1f\t%s\t\n", r.Op, sizeString(r.BlockSize), r.Batch,
-			r.Transfers, r.GBps, r.AvgPostUs, r.P99PostUs, r.AvgTxUs, r.P99TxUs, sizeString(int(r.CheckedBytes)))
+		mark := ""
+		if r.P99IsMax {
+			mark = "*"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%.3f\t%.1f\t%.1f%s\t%.1f\t%.1f%s\t%s\t\n", r.Op, sizeString(r.BlockSize), r.Batch,
+			r.Transfers, r.GBps, r.AvgPostUs, r.P99PostUs, mark, r.AvgTxUs, r.P99TxUs, mark, sizeString(int(r.CheckedBytes)))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
+	}
+	if slices.ContainsFunc(res.Rows, func(r demo.TransferRow) bool { return r.P99IsMax }) {
+		fmt.Fprintf(table, "* fewer than %d transfers in the cell: p99 is their maximum\n", demo.P99MaxSamples+1)
+	}
+	for _, c := range res.Skipped {
+		fmt.Fprintf(table, "note: skipped block %s × batch %d = %s, over --max-bytes %s\n", sizeString(c.BlockSize), c.Batch,
+			sizeString(c.BlockSize*c.Batch), sizeString(mb[0]))
 	}
 	fmt.Fprintf(table, "\nbulk, %s in %s descriptors, loopback, best of %d:\n", sizeString(res.BulkBytes), sizeString(res.BulkBlockSize), *rounds)
 	fmt.Fprintf(table, "  sidecar READ    %.3f GB/s\n  raw quic-go     %.3f GB/s  (sidecar/raw quic-go = %.3f)\n  TLS 1.3 over TCP %.3f GB/s (sidecar/TLS-TCP = %.3f)\n",
@@ -152,6 +192,9 @@ func parseSizes(s string) ([]int, error) {
 		n, err := strconv.Atoi(f)
 		if err != nil || n < 1 {
 			return nil, fmt.Errorf("%q is not a positive size", f)
+		}
+		if n > math.MaxInt/mult {
+			return nil, fmt.Errorf("%q overflows", f)
 		}
 		out = append(out, n*mult)
 	}

@@ -7,12 +7,15 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"os"
 	"strings"
 	"text/tabwriter"
 
+	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/handshake"
 	"github.com/kvsidecar/kvsidecar/internal/demo"
+	"github.com/kvsidecar/kvsidecar/internal/trace"
 	"github.com/kvsidecar/kvsidecar/vmm"
 	"github.com/kvsidecar/kvsidecar/vmm/cuda"
 )
@@ -20,14 +23,14 @@ import (
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("demo", "Run a prefill and a decode instance on the host backend and replay a real trace through them.", stderr)
 	model := fs.String("model", demo.DefaultModel, "model geometry: "+strings.Join(vmm.ModelNames(), ", "))
-	prefillTP := fs.Int("prefill-tp", demo.DefaultPrefillTP, "TP size of the prefill instance")
-	decodeTP := fs.Int("decode-tp", demo.DefaultDecodeTP, "TP size of the decode instance")
-	requests := fs.Int("requests", demo.DefaultRequests, "replay the first N requests of the trace")
-	speedup := fs.Float64("speedup", demo.DefaultSpeedup, "divide the trace's arrival times by this factor")
+	prefillTP := fs.Int("prefill-tp", demo.DefaultPrefillTP, fmt.Sprintf("TP size of the prefill instance, 1..%d, dividing or divided by the model's KV heads", connector.MaxTPSize))
+	decodeTP := fs.Int("decode-tp", demo.DefaultDecodeTP, fmt.Sprintf("TP size of the decode instance, 1..%d; one of the TP sizes must divide the other", connector.MaxTPSize))
+	requests := fs.Int("requests", demo.DefaultRequests, "replay the first N requests of the trace, 1..its length (not given: all of a shorter trace)")
+	speedup := fs.Float64("speedup", demo.DefaultSpeedup, "divide the trace's arrival times by this factor, > 0 (inf: every request at once)")
 	tracePath := fs.String("trace", "", "Mooncake JSONL trace file (default: the Mooncake conversation trace embedded in the binary)")
 	backend := fs.String("backend", "host", "page backend: host (memfd) or cuda (one GPU, device 0)")
-	concurrency := fs.Int("concurrency", demo.DefaultConcurrency, "requests in flight at most")
-	cacheEntries := fs.Int("cache-entries", demo.DefaultCacheEntries, "decode prefix cache size in 512-token hash blocks (negative: off)")
+	concurrency := fs.Int("concurrency", demo.DefaultConcurrency, fmt.Sprintf("requests in flight at most, 1..%d", maxConcurrency))
+	cacheEntries := fs.Int("cache-entries", demo.DefaultCacheEntries, fmt.Sprintf("decode prefix cache size in 512-token hash blocks, 0..%d (0: no cache)", maxCacheEntries))
 	hsMode := fs.String("handshake-mode", "piggyback", "decode handshake mode: piggyback or legacy")
 	asJSON := fs.Bool("json", false, "print the summary as one JSON object on the last line of stdout (the table goes to stderr)")
 	verbose := fs.Bool("v", false, "log the ranks' warnings to stderr")
@@ -36,11 +39,41 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	}
 	mode, err := handshake.ParseMode(*hsMode)
 	if err != nil {
-		return usageErrorf("--handshake-mode: %v", err)
+		return usageErrorf("--handshake-mode %q: want piggyback or legacy", *hsMode)
 	}
-	cfg := &demo.Config{Model: *model, PrefillTP: *prefillTP, DecodeTP: *decodeTP, Requests: *requests,
-		Speedup: *speedup, TracePath: *tracePath, Concurrency: *concurrency, CacheEntries: *cacheEntries,
-		HandshakeMode: mode}
+	if _, err := checkModelTP(*model, *prefillTP, *decodeTP); err != nil {
+		return err
+	}
+	if err := errors.Join(checkSpeedup(*speedup), checkInt("concurrency", *concurrency, 1, maxConcurrency),
+		checkInt("cache-entries", *cacheEntries, 0, maxCacheEntries)); err != nil {
+		return firstUsage(err)
+	}
+	tr, err := demo.LoadTrace(*tracePath)
+	var le *trace.LineError
+	switch {
+	case errors.As(err, &le):
+		return err // a malformed line: "trace: file:line: ..."
+	case err != nil:
+		return usageErrorf("--trace %s: %v", *tracePath, strings.TrimPrefix(err.Error(), "trace: "))
+	case len(tr.Requests) == 0:
+		return usageErrorf("--trace %s: the trace has no requests", tr.Name)
+	}
+	n := *requests
+	if flagSet(fs, "requests") {
+		if n < 1 || n > len(tr.Requests) {
+			return usageErrorf("--requests %d: want 1..%d (the requests in %s)", n, len(tr.Requests), tr.Name)
+		}
+	} else if n > len(tr.Requests) {
+		fmt.Fprintf(stderr, "kvsidecar demo: %s has %d requests, fewer than the default %d: replaying all of them\n",
+			tr.Name, len(tr.Requests), n)
+		n = len(tr.Requests)
+	}
+	cache := *cacheEntries
+	if cache == 0 {
+		cache = -1 // the library's "off"
+	}
+	cfg := &demo.Config{Model: *model, PrefillTP: *prefillTP, DecodeTP: *decodeTP, Requests: n,
+		Speedup: *speedup, Trace: tr, Concurrency: *concurrency, CacheEntries: cache, HandshakeMode: mode}
 	switch *backend {
 	case "host":
 	case "cuda":
@@ -55,8 +88,12 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	// kernel buffers; the demo is loopback-only.
 	os.Setenv("QUIC_GO_DISABLE_RECEIVE_BUFFER_WARNING", "true")
 	cfg.Progress = newProgress(stderr).report
-	fmt.Fprintf(stderr, "kvsidecar demo: %s, prefill TP %d -> decode TP %d, %d requests of %s, speed-up %gx\n",
-		*model, *prefillTP, *decodeTP, *requests, *tracePath, *speedup)
+	pace := fmt.Sprintf("speed-up %gx", *speedup)
+	if math.IsInf(*speedup, 1) {
+		pace = "all at once"
+	}
+	fmt.Fprintf(stderr, "kvsidecar demo: %s, prefill TP %d -> decode TP %d, the first %d of %d requests of %s, %s, %d in flight\n",
+		*model, *prefillTP, *decodeTP, n, len(tr.Requests), tr.Name, pace, *concurrency)
 	s, err := demo.Run(ctx, cfg)
 	if err != nil && !errors.Is(err, demo.ErrVerification) {
 		return err
@@ -121,8 +158,13 @@ func printDemoSummary(w io.Writer, s *demo.Summary) {
 	pages := func(n int) string {
 		return fmt.Sprintf("%d (%.1f MiB)", n, float64(uint64(n)*s.PageSize)/(1<<20))
 	}
+	latency := fmt.Sprintf("%.1f ms / %.1f ms", s.P50Ms, s.P99Ms)
+	if s.LatencySamples > 0 && s.LatencySamples <= demo.P99MaxSamples {
+		latency += fmt.Sprintf(" (p99 is the max of %d samples)", s.LatencySamples)
+	}
 	rows := [][2]string{
 		{"model", fmt.Sprintf("%s, prefill TP %d -> decode TP %d", s.Model, s.PrefillTP, s.DecodeTP)},
+		{"trace", s.Trace},
 		{"requests", fmt.Sprint(s.Requests)},
 		{"prompt tokens", fmt.Sprint(s.PromptTokens)},
 		{"prefix tokens reused", fmt.Sprintf("%d (%d full hits)", s.PrefixTokensReused, s.FullHits)},
@@ -130,8 +172,9 @@ func printDemoSummary(w io.Writer, s *demo.Summary) {
 		{"bytes verified", gib(s.BytesVerified)},
 		{"mismatches", fmt.Sprint(s.Mismatches)},
 		{"failed requests", fmt.Sprint(s.FailedRequests)},
-		{"transfer latency p50 / p99", fmt.Sprintf("%.1f ms / %.1f ms", s.P50Ms, s.P99Ms)},
-		{"throughput", fmt.Sprintf("%.3f GB/s over %.2fs", s.ThroughputGBps, s.WallSeconds)},
+		{"transfer latency p50 / p99", latency},
+		{"transfer throughput", fmt.Sprintf("%.3f GB/s (bytes moved over %.2fs with a load in flight)", s.ThroughputGBps, s.TransferSeconds)},
+		{"wall throughput", fmt.Sprintf("%.3f GB/s (bytes moved over the %.2fs replay, arrival gaps included)", s.WallGBps, s.WallSeconds)},
 		{"handshakes", fmt.Sprintf("%d exchanges over %d QUIC connections = %d RTTs", s.Handshakes, s.Dials, s.HandshakeRTTs)},
 		{"peak pages mapped, prefill", pages(s.PeakPagesPrefill)},
 		{"peak pages mapped, decode", pages(s.PeakPagesDecode)},
@@ -149,4 +192,15 @@ func printDemoSummary(w io.Writer, s *demo.Summary) {
 	} else {
 		fmt.Fprintln(w, "FAILED")
 	}
+}
+
+// firstUsage returns the first of the errors joined in err, so one bad
+// flag is reported at a time, in flag order.
+func firstUsage(err error) error {
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		if errs := j.Unwrap(); len(errs) > 0 {
+			return errs[0]
+		}
+	}
+	return err
 }

@@ -1,0 +1,132 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvsidecar/kvsidecar/internal/trace/mooncake"
+)
+
+// tinyTrace: two requests of one and two hash blocks.
+const tinyTrace = `{"timestamp": 0, "input_length": 300, "output_length": 1, "hash_ids": [1]}
+{"timestamp": 1, "input_length": 700, "output_length": 1, "hash_ids": [1, 2]}
+`
+
+func writeFile(t testing.TB, name, text string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), name)
+	require.NoError(t, os.WriteFile(p, []byte(text), 0o600))
+	return p
+}
+
+// TestDemoBenchFlagErrors: every out-of-range value is a usage error (exit
+// 2, like an unknown flag) naming the flag, the value and the range, never
+// a library field, and nothing runs.
+func TestDemoBenchFlagErrors(t *testing.T) {
+	short := writeFile(t, "short.jsonl", tinyTrace)
+	empty := writeFile(t, "empty.jsonl", "\n")
+	tests := []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"unknown flag", []string{"demo", "--nope"}, "flag provided but not defined: -nope"},
+		{"bad int", []string{"demo", "--requests", "x"}, `invalid value "x" for flag -requests`},
+		{"requests zero", []string{"demo", "--requests", "0"}, "--requests 0: want 1..12031 (the requests in " + mooncake.ConversationName + ")"},
+		{"requests beyond", []string{"demo", "--trace", short, "--requests", "3"}, "--requests 3: want 1..2 (the requests in " + short + ")"},
+		{"empty trace", []string{"demo", "--trace", empty}, "--trace " + empty + ": the trace has no requests"},
+		{"missing trace", []string{"demo", "--trace", "/nonexistent/t.jsonl"}, "--trace /nonexistent/t.jsonl: open /nonexistent/t.jsonl: no such file or directory"},
+		{"prefill tp zero", []string{"demo", "--prefill-tp", "0"}, "--prefill-tp 0: want 1..1024"},
+		{"decode tp vs heads", []string{"demo", "--decode-tp", "3"}, "--decode-tp 3: model llama-3.2-1b: tp_size: 3 and num_kv_heads 8: one must divide the other"},
+		{"tp sizes", []string{"demo", "--model", "qwen3-8b", "--prefill-tp", "2", "--decode-tp", "8", "--prefill-tp", "4", "--decode-tp", "1"}, ""},
+		{"speedup zero", []string{"demo", "--speedup", "0"}, "--speedup 0: want a factor > 0"},
+		{"speedup nan", []string{"demo", "--speedup", "NaN"}, "--speedup NaN: want a factor > 0"},
+		{"concurrency zero", []string{"demo", "--concurrency", "0"}, "--concurrency 0: want 1..1024"},
+		{"cache negative", []string{"demo", "--cache-entries", "-1"}, "--cache-entries -1: want 0..65536"},
+		{"model", []string{"demo", "--model", "gpt-9"}, `--model "gpt-9": unknown; want one of deepseek-v2-lite,`},
+		{"handshake mode", []string{"demo", "--handshake-mode", "fast"}, `--handshake-mode "fast": want piggyback or legacy`},
+		{"hs rtt zero", []string{"bench", "handshake", "--rtt", "0"}, "--rtt 0s: want 1ms..10s"},
+		{"hs trials zero", []string{"bench", "handshake", "--trials", "0"}, "--trials 0: want 1..1000"},
+		{"hs decode tp zero", []string{"bench", "handshake", "--decode-tp", "0"}, "--decode-tp 0: want 1..1024"},
+		{"hs tp sizes", []string{"bench", "handshake", "--prefill-tp", "2", "--decode-tp", "1", "--model", "qwen3-8b", "--decode-tp", "3"}, "--decode-tp 3: model qwen3-8b"},
+		{"hs model", []string{"bench", "handshake", "--model", "nope"}, `--model "nope": unknown`},
+		{"xfer rounds zero", []string{"bench", "transfer", "--bulk-rounds", "0"}, "--bulk-rounds 0: want 1..1000"},
+		{"xfer cell time zero", []string{"bench", "transfer", "--cell-time", "0s"}, "--cell-time 0s: want > 0s and <= 1h0m0s"},
+		{"xfer every block too big", []string{"bench", "transfer", "--max-bytes", "1K"}, "--block-sizes 4K,64K,1M,16M,64M: every size exceeds --max-bytes 1K; want at least one <= 1K"},
+		{"xfer max bytes", []string{"bench", "transfer", "--max-bytes", "2G"}, `--max-bytes "2G": want one size, 1..1G`},
+		{"xfer batch", []string{"bench", "transfer", "--batch-sizes", "1,65537"}, "--batch-sizes 65537: want 1..65536 descriptors per transfer"},
+		{"xfer block zero", []string{"bench", "transfer", "--block-sizes", "4K,0"}, `--block-sizes "4K,0": "0" is not a positive size`},
+		{"xfer block overflow", []string{"bench", "transfer", "--block-sizes", "99999999999999G"}, `"99999999999999" overflows`},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.want == "" {
+				// qwen3-8b has 8 KV heads: prefill 4 -> decode 1 is valid,
+				// so this case checks the last flag wins, then fails on
+				// --concurrency instead of running.
+				tc.args = append(tc.args, "--concurrency", "0")
+				tc.want = "--concurrency 0"
+			}
+			var out, errb bytes.Buffer
+			code := run(context.Background(), tc.args, &out, &errb)
+			msg := errb.String()
+			require.Equal(t, 2, code, msg)
+			require.Contains(t, msg, tc.want)
+			for _, bad := range []string{"Config.", ": demo:", "invalid config", ": :", "kvsidecar demo: llama"} {
+				require.NotContains(t, msg, bad)
+			}
+			require.Empty(t, out.String(), "nothing ran")
+		})
+	}
+}
+
+func TestDemoTinyTrace(t *testing.T) {
+	path := writeFile(t, "tiny.jsonl", tinyTrace)
+	var out, errb bytes.Buffer
+	code := run(context.Background(), []string{"demo", "--model", "qwen2.5-0.5b", "--prefill-tp", "1", "--decode-tp", "2",
+		"--trace", path, "--speedup", "inf", "--cache-entries", "0", "--json"}, &out, &errb)
+	require.Equal(t, 0, code, errb.String())
+	// The default of 8 requests is more than the trace holds: all of it,
+	// said so.
+	require.Contains(t, errb.String(), path+" has 2 requests, fewer than the default 8: replaying all of them")
+	require.Contains(t, errb.String(), "the first 2 of 2 requests of "+path+", all at once, 2 in flight")
+	require.Contains(t, errb.String(), "transfer throughput")
+	require.Contains(t, errb.String(), "wall throughput")
+	require.Contains(t, errb.String(), "(p99 is the max of 2 samples)")
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	var s struct {
+		Trace           string  `json:"trace"`
+		Requests        int     `json:"requests"`
+		PrefixReused    int64   `json:"prefix_tokens_reused"`
+		ThroughputGBps  float64 `json:"throughput_gbps"`
+		WallGBps        float64 `json:"wall_gbps"`
+		TransferSeconds float64 `json:"transfer_seconds"`
+		WallSeconds     float64 `json:"wall_seconds"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(lines[len(lines)-1]), &s))
+	require.Equal(t, path, s.Trace)
+	require.Equal(t, 2, s.Requests)
+	require.Zero(t, s.PrefixReused, "--cache-entries 0 turns the cache off")
+	require.Positive(t, s.WallGBps)
+	require.GreaterOrEqual(t, s.ThroughputGBps, s.WallGBps)
+	require.LessOrEqual(t, s.TransferSeconds, s.WallSeconds)
+}
+
+func TestBenchTransferSkipsWithNote(t *testing.T) {
+	var out, errb bytes.Buffer
+	code := run(context.Background(), []string{"bench", "transfer", "--block-sizes", "4K,2M", "--batch-sizes", "1,4",
+		"--max-bytes", "1M", "--cell-time", "1ms", "--bulk-rounds", "1"}, &out, &errb)
+	require.Equal(t, 0, code, errb.String())
+	table := out.String()
+	require.Contains(t, table, "note: skipped block 2M × batch 1 = 2M, over --max-bytes 1M")
+	require.Contains(t, table, "note: skipped block 2M × batch 4 = 8M, over --max-bytes 1M")
+	require.Contains(t, table, "p99 is their maximum")
+	require.Contains(t, table, "bulk, 1M in 4K descriptors")
+}
