@@ -150,7 +150,8 @@ func TestFaultPrefillAcrossNetns(t *testing.T) {
 	dec := make([]*side, 4)
 	dst := make([][]uint32, 4)
 	for d := range dec {
-		s := env.StartSidecar(t, SidecarOpts{Engine: "dec", TPRank: d, TPSize: 4, Listen: net.JoinHostPort(nodes[0].HostIP, "0"), Args: faultArgs()})
+		// --role decode: a TP 4 decode on port 0 needs no --rank-addrs (peers never look it up).
+		s := env.StartSidecar(t, SidecarOpts{Engine: "dec", Role: "decode", TPRank: d, TPSize: 4, Listen: net.JoinHostPort(nodes[0].HostIP, "0"), Args: faultArgs()})
 		dec[d] = attachSide(t, s, 1024)
 		dst[d] = dec[d].load(t, "req", params)
 	}
