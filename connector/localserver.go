@@ -430,6 +430,7 @@ func (s *LocalServer) create(ctx context.Context, st *connState, req *v1.CreateK
 		s.mu.Lock()
 		if s.draining || s.closed {
 			s.mu.Unlock()
+			_ = c.Rank.Close() // its agent and goroutines, like Close does
 			_ = closeCache(c)
 			return nil, fmt.Errorf("%w: local API refuses new caches", ErrDraining)
 		}
