@@ -44,7 +44,7 @@ verify: generate ## generated code and go.mod are up to date; builds without cgo
 	$(GO) mod tidy -diff
 	CGO_ENABLED=0 $(GO) build ./...
 
-ci: lint verify test bench-once fuzz-short ## everything CI runs
+ci: lint verify test demo bench-once fuzz-short ## everything CI runs: the README's two commands (make test, make demo) and the rest
 
 demo: ## the main job: prefill→decode on the host backend over a real trace
 	$(GO) run ./cmd/kvsidecar demo
