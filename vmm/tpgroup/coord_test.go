@@ -325,3 +325,60 @@ func TestCoordinatedUnmapFailureRepaired(t *testing.T) {
 		require.ErrorIs(t, groups[1].broadcast(ctx, v1.PageOp_KIND_MAP, []int{1}), ErrNotCoordinator)
 	})
 }
+
+// An UNMAP that is never sent, because it cannot take the peer's slot or
+// the repair step before it fails, still leaves its pages pending on that
+// peer: the next MAP of the same page repairs it instead of failing with
+// "already mapped" forever.
+func TestCoordinatedUnmapNeverSentIsRepaired(t *testing.T) {
+	tests := []struct {
+		name string
+		// block makes rank 2's UNMAP of page 2 fail before it is sent and
+		// returns what undoes that.
+		block func(t *testing.T, g *Group) (ctx context.Context, undo func())
+		op    string
+	}{
+		{"slot busy", func(t *testing.T, g *Group) (context.Context, func()) {
+			p := g.peers[2]
+			require.NoError(t, p.acquire(t.Context()))
+			ctx, cancel := context.WithCancelCause(t.Context())
+			cancel(errors.New("caller gave up"))
+			return ctx, p.release
+		}, "unmap"},
+		{"repair fails", func(t *testing.T, g *Group) (context.Context, func()) {
+			// Page 99 is outside rank 2's pool: the repair's UNMAP of it is
+			// refused with INVALID_ARGUMENT, which repair does not accept.
+			p := g.peers[2]
+			p.markPending([]int{99})
+			return t.Context(), func() { p.clearPending([]int{99}) }
+		}, "repair"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := t.Context()
+			groups, pools, _ := coordinated(t, 4, &Config{Dir: sockDir(t)})
+			hook := groups[0].Hook()
+			require.NoError(t, hook.MapPages(ctx, []int{2}))
+			require.Equal(t, []int{1, 2, 2, 2}, pagesMapped(pools))
+
+			uctx, undo := tt.block(t, groups[0])
+			err := hook.UnmapPages(uctx, []int{2})
+			undo()
+			var oe *OpError
+			require.ErrorAs(t, err, &oe)
+			require.Contains(t, oe.Ranks(), 2)
+			var re *RankError
+			require.ErrorAs(t, err, &re)
+			require.Equal(t, tt.op, re.Op)
+			require.Equal(t, 2, pagesMapped(pools)[2], "rank 2 never got the unmap")
+			require.Equal(t, []int{2}, groups[0].peers[2].pendingPages())
+
+			// The next MAP of page 2 first unmaps it on rank 2.
+			require.NoError(t, hook.MapPages(ctx, []int{2}))
+			require.Equal(t, []int{1, 2, 2, 2}, pagesMapped(pools))
+			require.Empty(t, groups[0].peers[2].pendingPages())
+			require.NoError(t, hook.UnmapPages(ctx, []int{2}))
+			require.Equal(t, []int{1, 1, 1, 1}, pagesMapped(pools))
+		})
+	}
+}

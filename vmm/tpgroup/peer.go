@@ -7,6 +7,7 @@ import (
 	"maps"
 	"net"
 	"slices"
+	"sync"
 	"time"
 
 	"google.golang.org/protobuf/proto"
@@ -16,18 +17,47 @@ import (
 )
 
 // peer is the client side of the connection to one other rank. One request
-// is in flight per peer at a time: sem is a context-aware mutex over conn, r
-// and pending.
+// is in flight per peer at a time: sem is a context-aware mutex over conn
+// and r. pending has its own mutex, mu, because an UNMAP that could not even
+// take the slot must still record its pages.
 type peer struct {
 	rank int
 	sem  chan struct{}
 	conn net.Conn
 	r    *wire.Reader
+
+	mu sync.Mutex
 	// pending holds pages whose state on the peer is unknown or wrong: a MAP
-	// whose answer never came, an UNMAP that failed. They are unmapped on the
-	// peer (tolerating "not mapped") before any other request is sent to it,
-	// so a later MAP of the same page can never be overtaken by a stale one.
+	// whose answer never came, an UNMAP that failed or was never sent. They
+	// are unmapped on the peer (tolerating "not mapped") before any other
+	// request is sent to it, so a later MAP of the same page can never be
+	// overtaken by a stale one. Guarded by mu.
 	pending map[int]struct{}
+}
+
+// markPending records pages as pending on p; it needs no slot.
+func (p *peer) markPending(pages []int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, pg := range pages {
+		p.pending[pg] = struct{}{}
+	}
+}
+
+// pendingPages returns p's pending pages in ascending order.
+func (p *peer) pendingPages() []int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Sorted(maps.Keys(p.pending))
+}
+
+// clearPending forgets pages that are known to be unmapped on the peer.
+func (p *peer) clearPending(pages []int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, pg := range pages {
+		delete(p.pending, pg)
+	}
 }
 
 // acquire takes the peer's slot or returns the ctx's cause.
@@ -127,18 +157,28 @@ func pageOpRequest(req *v1.GroupRequest, kind v1.PageOp_Kind, pages []int) *v1.G
 
 // pageOp sends one MAP or UNMAP of pages to rank, after repairing the
 // peer's pending pages. A MAP whose outcome is unknown and any failed UNMAP
-// leave the pages pending on that peer.
+// (including one that could not take the peer's slot or whose repair step
+// failed, so it was never sent) leave the pages pending on that peer: the
+// pages are unmapped locally already, and a page left mapped on the peer
+// would make every later MAP of it fail with "already mapped".
 func (g *Group) pageOp(ctx context.Context, rank int, kind v1.PageOp_Kind, pages []int) *RankError {
 	op := "map"
-	if kind == v1.PageOp_KIND_UNMAP {
+	unmap := kind == v1.PageOp_KIND_UNMAP
+	if unmap {
 		op = "unmap"
 	}
 	p := g.peers[rank]
 	if err := p.acquire(ctx); err != nil {
+		if unmap {
+			p.markPending(pages)
+		}
 		return &RankError{Rank: rank, Op: op, Err: err}
 	}
 	defer p.release()
 	if err := g.repair(ctx, p); err != nil {
+		if unmap {
+			p.markPending(pages)
+		}
 		return &RankError{Rank: rank, Op: "repair", Err: err}
 	}
 	_, sent, err := g.exchange(ctx, p, pageOpRequest(g.request(rank), kind, pages))
@@ -147,10 +187,8 @@ func (g *Group) pageOp(ctx context.Context, rank int, kind v1.PageOp_Kind, pages
 	}
 	var re *RemoteError
 	definite := !sent || errors.As(err, &re) || errors.Is(err, ErrTPMismatch)
-	if kind == v1.PageOp_KIND_UNMAP || !definite {
-		for _, pg := range pages {
-			p.pending[pg] = struct{}{}
-		}
+	if unmap || !definite {
+		p.markPending(pages)
 	}
 	return &RankError{Rank: rank, Op: op, Err: err}
 }
@@ -159,10 +197,10 @@ func (g *Group) pageOp(ctx context.Context, rank int, kind v1.PageOp_Kind, pages
 // It first tries them in one message and, when the peer says some page is
 // not mapped, one page at a time. The caller holds p's slot.
 func (g *Group) repair(ctx context.Context, p *peer) error {
-	if len(p.pending) == 0 {
+	pages := p.pendingPages()
+	if len(pages) == 0 {
 		return nil
 	}
-	pages := slices.Sorted(maps.Keys(p.pending))
 	g.log.Info("tpgroup repairing peer", "peer", p.rank, "pages", len(pages))
 	batch := [][]int{pages}
 	for len(batch) > 0 {
@@ -181,9 +219,7 @@ func (g *Group) repair(ctx context.Context, p *peer) error {
 		default:
 			return err
 		}
-		for _, one := range pg {
-			delete(p.pending, one)
-		}
+		p.clearPending(pg)
 	}
 	return nil
 }
