@@ -123,10 +123,13 @@ func (a *Agent) Handshake(ctx context.Context, addr string, req *v1.HandshakeReq
 	return hb.Handshake, nil
 }
 
-// Heartbeat extends leases at the agent at addr (idempotent, 0-RTT allowed).
+// Heartbeat extends leases at the agent at addr and returns the new expiries.
+// It is never sent in 0-RTT: a replayed heartbeat would extend leases the
+// consumer already gave up, so it waits for the handshake to complete.
+// Errors: the peer's class, ErrUnavailable, context.Cause(ctx).
 func (a *Agent) Heartbeat(ctx context.Context, addr string, hb *v1.Heartbeat) (*v1.HeartbeatAck, error) {
 	resp, err := a.call(ctx, addr, &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1,
-		Body: &v1.PeerRequest_Heartbeat{Heartbeat: hb}}, true)
+		Body: &v1.PeerRequest_Heartbeat{Heartbeat: hb}}, false)
 	if err != nil {
 		return nil, err
 	}
@@ -160,10 +163,10 @@ func (a *Agent) Notify(ctx context.Context, addr string, n *v1.Notification) err
 	return codes.FromProto(addr, b.Notification.GetError())
 }
 
-// call runs one request/response exchange with addr. An idempotent
-// (early) request that fails because the cached connection died under it,
-// e.g. the peer restarted and closed it just now, is sent once more on a
-// new connection.
+// call runs one request/response exchange with addr; early requests may
+// travel in 0-RTT. An idempotent request (every request call sends) that
+// fails because the cached connection died under it, e.g. the peer restarted
+// and closed it just now, is sent once more on a new connection.
 func (a *Agent) call(ctx context.Context, addr string, req *v1.PeerRequest, early bool) (*v1.PeerResponse, error) {
 	for attempt := 0; ; attempt++ {
 		p, err := a.peerFor(ctx, addr)
@@ -171,7 +174,7 @@ func (a *Agent) call(ctx context.Context, addr string, req *v1.PeerRequest, earl
 			return nil, err
 		}
 		resp, err := a.roundTrip(ctx, p, req, early)
-		if err != nil && early && attempt == 0 && ctx.Err() == nil && p.conn.Context().Err() != nil && !a.isClosed() {
+		if err != nil && attempt == 0 && ctx.Err() == nil && p.conn.Context().Err() != nil && !a.isClosed() {
 			a.dropPeer(p)
 			continue
 		}

@@ -121,6 +121,10 @@ func (a *Agent) serveStream(sc *servedConn, str *quic.Stream) {
 		}
 		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Handshake{Handshake: resp}})
 	case *v1.PeerRequest_Heartbeat:
+		// Extending leases is not safe to replay: never served in 0-RTT.
+		if waitHandshake(sc) != nil {
+			return
+		}
 		var resp *v1.HeartbeatAck
 		if a.cfg.OnHeartbeat != nil {
 			resp = a.cfg.OnHeartbeat(ctx, sc.peer, body.Heartbeat)
