@@ -20,6 +20,14 @@ import (
 // the next Alloc that needs a fresh page rarely waits for the backend.
 const DefaultPreallocPages = 1
 
+// DefaultUnmapHookTimeout is Config.UnmapHookTimeout when it is zero: it
+// exceeds tpgroup's default PeerTimeout (5 s) so the hook's own deadline
+// normally ends first.
+const DefaultUnmapHookTimeout = 30 * time.Second
+
+// MaxUnmapHookTimeout is the largest Config.UnmapHookTimeout accepted.
+const MaxUnmapHookTimeout = 10 * time.Minute
+
 // PageHook is told about page indices a coordinated-mode rank 0 maps and
 // unmaps, so ranks 1..N-1 map the same pages (DESIGN.md section 3, TP group).
 //
@@ -28,7 +36,9 @@ const DefaultPreallocPages = 1
 // reserve (for the background refill); if it fails, the pool unmaps the
 // pages locally and the Alloc fails with a *HookError wrapping the hook's
 // error, nothing left allocated. UnmapPages is called after the local unmap,
-// so rank 0 unmaps first, then ranks 1..N-1. Page 0 (the null block) is
+// so rank 0 unmaps first, then ranks 1..N-1; it gets every page that was
+// unmapped (even when another page's unmap failed) and a ctx detached from
+// the caller's, bounded by Config.UnmapHookTimeout. Page 0 (the null block) is
 // mapped by every pool at NewPool and never passed to the hook.
 type PageHook interface {
 	MapPages(ctx context.Context, pages []int) error
@@ -60,6 +70,12 @@ type Config struct {
 	// PageHook, when set, is told about every page index mapped or unmapped
 	// (except page 0). Default (nil): none.
 	PageHook PageHook
+	// UnmapHookTimeout bounds each PageHook.UnmapPages call. That call runs
+	// detached from the caller's ctx (context.WithoutCancel), so a caller
+	// that gives up after the local unmap cannot leave the followers still
+	// mapping pages rank 0 will reuse. Default (0): DefaultUnmapHookTimeout
+	// (30 s); it must be in [0, MaxUnmapHookTimeout].
+	UnmapHookTimeout time.Duration
 	// Logger receives Debug per page and Warn on failures. Default (nil):
 	// discard.
 	Logger *slog.Logger
@@ -77,6 +93,9 @@ func (c *Config) withDefaults() Config {
 	}
 	if out.PreallocPages < 0 {
 		out.PreallocPages = 0
+	}
+	if out.UnmapHookTimeout == 0 {
+		out.UnmapHookTimeout = DefaultUnmapHookTimeout
 	}
 	if out.Logger == nil {
 		out.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
@@ -206,6 +225,9 @@ func NewPool(ctx context.Context, cfg *Config) (*Pool, error) {
 	}
 	if c.NumBlocks < 2 || c.NumBlocks > math.MaxInt32 {
 		return nil, configError("Config.NumBlocks", "%d must be in [2, %d] (block 0 is the null block)", c.NumBlocks, math.MaxInt32)
+	}
+	if c.UnmapHookTimeout < 0 || c.UnmapHookTimeout > MaxUnmapHookTimeout {
+		return nil, configError("Config.UnmapHookTimeout", "%v must be in [0, %v]", c.UnmapHookTimeout, MaxUnmapHookTimeout)
 	}
 	be, own := c.Backend, false
 	if be == nil {
@@ -530,8 +552,9 @@ func (p *Pool) callMapHook(ctx context.Context, pages []int) error {
 // ErrDoubleFree (also for an id named twice). Pages whose last block was
 // freed are unmapped, except those kept for the prealloc reserve; when the
 // pool is over its limit, empty pages are unmapped first. An error of the
-// unmap (a *PageError) or of PageHook.UnmapPages (a *HookError) is returned
-// after the blocks were freed.
+// unmap (a *PageError), of PageHook.UnmapPages (a *HookError), or both
+// (errors.Join) is returned after the blocks were freed; the hook is told
+// about every page that was unmapped, whatever ctx has become since.
 func (p *Pool) Free(ctx context.Context, ids []int) error {
 	p.mu.Lock()
 	if p.closed {
@@ -617,7 +640,12 @@ func (p *Pool) trimLocked(keep int) []int {
 	return out
 }
 
-// unmapTrimmed unmaps busy pages picked by trimLocked and tells the hook.
+// unmapTrimmed unmaps busy pages picked by trimLocked and tells the hook
+// about every page that was unmapped, even when others failed (those stay
+// broken, still mapped here, and are not reported): a page missing from the
+// hook's view stays mapped on the followers while this pool reuses its slot.
+// The hook runs detached from ctx, bounded by Config.UnmapHookTimeout. The
+// unmap's *PageError and the hook's *HookError are joined.
 func (p *Pool) unmapTrimmed(ctx context.Context, pages []int) error {
 	if len(pages) == 0 {
 		return nil
@@ -634,17 +662,17 @@ func (p *Pool) unmapTrimmed(ctx context.Context, pages []int) error {
 	}
 	p.updateGaugesLocked()
 	p.mu.Unlock()
-	if err != nil {
-		return err
-	}
 	if p.cfg.PageHook != nil && len(done) > 0 {
-		if herr := p.cfg.PageHook.UnmapPages(ctx, done); herr != nil {
+		hctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.UnmapHookTimeout)
+		herr := p.cfg.PageHook.UnmapPages(hctx, done)
+		cancel()
+		if herr != nil {
 			p.m.failures.WithLabelValues("hook_unmap").Inc()
 			p.log.Warn("vmm: page hook unmap failed", "pages", done, "err", herr)
-			return &HookError{Op: "unmap", Pages: done, Err: herr}
+			err = errors.Join(err, &HookError{Op: "unmap", Pages: done, Err: herr})
 		}
 	}
-	return nil
+	return err
 }
 
 // mapBackend maps busy pages in every region: create, map, set access. On

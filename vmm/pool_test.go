@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"testing/synctest"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	promtest "github.com/prometheus/client_golang/prometheus/testutil"
@@ -37,6 +38,8 @@ type failing struct {
 	doubleMap atomic.Int64
 	// gate, when set before a Map, holds that Map until it is closed.
 	gate atomic.Pointer[chan struct{}]
+	// failUnmap, when not 0, is an address whose Unmap fails.
+	failUnmap atomic.Uint64
 }
 
 var errInjected = errors.New("injected map failure")
@@ -82,7 +85,12 @@ func (f *failing) Map(addr uint64, h Handle) error {
 	return err
 }
 
+var errInjectedUnmap = errors.New("injected unmap failure")
+
 func (f *failing) Unmap(addr uint64) error {
+	if addr == f.failUnmap.Load() {
+		return &BackendError{Op: "munmap", Err: errInjectedUnmap}
+	}
 	err := f.HostBackend.Unmap(addr)
 	if err == nil {
 		f.mapped.Add(-1)
@@ -163,6 +171,8 @@ func TestNewPoolRejects(t *testing.T) {
 		{"bad dtype", &Config{NumBlocks: 64, Layout: Layout{Layers: 1, BlockSize: 16, HeadsPerRank: 1, HeadDim: 64, DTypeBytes: 3}}, "Layout.DTypeBytes"},
 		{"block over page", &Config{NumBlocks: 64, Layout: Layout{Layers: 1, BlockSize: 4096, HeadsPerRank: 8, HeadDim: 128, DTypeBytes: 2}}, "page size"},
 		{"limit below page 0", func() *Config { c := good; c.MemoryLimit = 1; return &c }(), "Config.MemoryLimit"},
+		{"negative hook timeout", func() *Config { c := good; c.UnmapHookTimeout = -time.Second; return &c }(), "Config.UnmapHookTimeout"},
+		{"hook timeout over max", func() *Config { c := good; c.UnmapHookTimeout = MaxUnmapHookTimeout + 1; return &c }(), "Config.UnmapHookTimeout"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -438,6 +448,84 @@ func TestPoolPageHook(t *testing.T) {
 	require.Equal(t, before, p.Stats(), "nothing left allocated after a hook failure")
 	require.Equal(t, int64(testLayout.NumRegions()), be.mapped.Load(), "rank 0 unmapped locally")
 	checkInvariants(t, p)
+}
+
+// ctxHook records each UnmapPages call with the state of its ctx.
+type ctxHook struct {
+	mu       sync.Mutex
+	unmapped [][]int
+	errs     []error // ctx.Err() at the call
+	deadline []bool  // whether the ctx had a deadline
+	fail     error   // returned by UnmapPages
+}
+
+func (h *ctxHook) MapPages(context.Context, []int) error { return nil }
+
+func (h *ctxHook) UnmapPages(ctx context.Context, pages []int) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.unmapped = append(h.unmapped, pages)
+	h.errs = append(h.errs, ctx.Err())
+	_, ok := ctx.Deadline()
+	h.deadline = append(h.deadline, ok)
+	return h.fail
+}
+
+// The hook hears about every page that was unmapped locally, even when
+// another page's unmap failed or the caller's ctx is already cancelled, and
+// both errors come back.
+func TestPoolUnmapHookAlwaysTold(t *testing.T) {
+	errHook := errors.New("rank 1 unreachable")
+	tests := []struct {
+		name      string
+		failPage  int   // page whose unmap fails in region 0; 0 = none
+		hookErr   error // the hook's answer
+		wantHook  []int
+		wantPage  bool
+		wantHookE bool
+	}{
+		{"unmap of page 2 fails", 2, nil, []int{1, 3}, true, false},
+		{"hook fails too", 2, errHook, []int{1, 3}, true, true},
+		{"all unmapped, caller gone", 0, nil, []int{1, 2, 3}, false, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			be := newFailing(t)
+			hook := &ctxHook{fail: tt.hookErr}
+			p := newTestPool(t, Config{Backend: be, PreallocPages: -1, PageHook: hook})
+			ids, err := p.Alloc(context.Background(), 31+3*32) // page 0's rest, pages 1..3
+			require.NoError(t, err)
+			t.Cleanup(func() { be.failUnmap.Store(0) }) // Close retries the broken page
+			if tt.failPage != 0 {
+				be.failUnmap.Store(p.Regions()[0].Base + uint64(tt.failPage)*testPage)
+			}
+			ctx, cancel := context.WithCancelCause(context.Background())
+			cancel(errors.New("caller gave up"))
+
+			err = p.Free(ctx, ids)
+			require.Len(t, hook.unmapped, 1)
+			require.ElementsMatch(t, tt.wantHook, hook.unmapped[0], "the unmapped pages reach the hook")
+			require.Equal(t, []error{nil}, hook.errs, "the hook runs detached from the cancelled caller")
+			require.Equal(t, []bool{true}, hook.deadline, "the hook's ctx is bounded")
+			var pe *PageError
+			require.Equal(t, tt.wantPage, errors.As(err, &pe), "page error in %v", err)
+			if tt.wantPage {
+				require.Equal(t, tt.failPage, pe.Page)
+				require.ErrorIs(t, err, errInjectedUnmap)
+			}
+			var he *HookError
+			require.Equal(t, tt.wantHookE, errors.As(err, &he), "hook error in %v", err)
+			if tt.wantHookE {
+				require.ElementsMatch(t, tt.wantHook, he.Pages)
+				require.ErrorIs(t, err, errHook)
+			}
+			if !tt.wantPage && !tt.wantHookE {
+				require.NoError(t, err)
+			}
+			require.Zero(t, p.Stats().BlocksUsed)
+			checkInvariants(t, p)
+		})
+	}
 }
 
 func TestPoolFollowerMapPages(t *testing.T) {
