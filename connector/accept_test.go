@@ -318,8 +318,49 @@ func TestFreeRefusedWhileLoading(t *testing.T) {
 	err = rank.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "r2", LocalBlockIds: local[5:6], Params: params})
 	require.Equal(t, v1.Code_CODE_BUSY, codes.Of(err), "%v", err)
 
+	// RequestFinished's free-at-once is the other path to those blocks.
+	p, err := rank.RequestFinished(t.Context(), "x", local[:2], v1.FinishStatus_FINISH_STATUS_STOP, nil)
+	require.Nil(t, p)
+	require.Equal(t, v1.Code_CODE_BUSY, codes.Of(err), "%v", err)
+
 	require.NoError(t, rank.Abort(t.Context(), "r"))
 	require.NoError(t, rank.FreeBlocks(t.Context(), ids), "free after the abort")
 	err = rank.FreeBlocks(t.Context(), ids)
 	require.Error(t, err, "a double free is still the pool's error")
+}
+
+// TestLeasedBlocksAreGuarded is a regression test of a review finding:
+// blocks RequestFinished took over could be freed by the engine while
+// decode still read them (the next Alloc handed them to another request,
+// whose KV decode then read under the first capability). A block shared by
+// two requests (a prefix) is freed when its last lease is released.
+func TestLeasedBlocksAreGuarded(t *testing.T) {
+	pre := newInstance(t, instOpts{engine: "prefill", tp: 1, geom: gqa8})
+	dec := newInstance(t, instOpts{engine: "decode", tp: 1, geom: gqa8})
+	rank, pool := pre.ranks[0], pre.pools[0]
+	blocks := pre.alloc(t, 3)
+	pre.fill(t, 4, blocks)
+	pa := pre.finish(t, "a", blocks)
+
+	err := rank.FreeBlocks(t.Context(), []int{int(blocks[0])})
+	require.Equal(t, v1.Code_CODE_BUSY, codes.Of(err), "%v", err)
+	require.ErrorContains(t, err, "is held for decode under 1 lease(s)")
+
+	// A second request over the shared prefix takes another reference.
+	pb := pre.finish(t, "b", blocks[:2])
+	used := pool.Stats().BlocksUsed
+
+	local := dec.alloc(t, 3)
+	dec.startLoad(t, "a", local, pa)
+	requireAllDone(t, dec.wait(t, "a"))
+	dec.check(t, 4, local, 0)
+	require.Equal(t, used-1, pool.Stats().BlocksUsed, "only the block b does not hold is freed")
+	err = rank.FreeBlocks(t.Context(), []int{int(blocks[0])})
+	require.Equal(t, v1.Code_CODE_BUSY, codes.Of(err), "b still holds the shared block: %v", err)
+
+	local2 := dec.alloc(t, 2)
+	dec.startLoad(t, "b", local2, pb)
+	requireAllDone(t, dec.wait(t, "b"))
+	dec.check(t, 4, local2, 0)
+	require.Equal(t, used-3, pool.Stats().BlocksUsed, "the last lease frees the shared blocks")
 }

@@ -76,18 +76,23 @@ func (r *Rank) StartLoad(ctx context.Context, meta *v1.ReqMeta) error {
 		fmt.Errorf("connector: load of %q exceeded LoadTimeout %v", id, r.cfg.LoadTimeout))
 	l.cancel = func(err error) { cancel(err); cancelTimeout() }
 	r.mu.Lock()
+	if r.closed || r.draining {
+		r.mu.Unlock()
+		l.cancel(nil)
+		return r.refuseIfDraining()
+	}
 	if _, busy := r.loads[id]; busy {
 		r.mu.Unlock()
 		l.cancel(nil)
 		return fmt.Errorf("%w: request %q is already loading", ErrBusy, id)
 	}
-	if err := r.busyLocked("local_block_ids", local); err != nil {
+	if err := r.busyLocked("local_block_ids", local, false); err != nil {
 		r.mu.Unlock()
 		l.cancel(nil)
 		return err
 	}
 	for _, b := range local {
-		r.busy[b] = id
+		r.busy[b] = blockUse{useLoading, id}
 	}
 	r.loads[id] = l
 	r.mu.Unlock()
@@ -380,43 +385,66 @@ func (r *Rank) heartbeatLoop() {
 	}
 }
 
-// freeing marks a block in Rank.busy that FreeBlocks is freeing.
-const freeing = "\x00freeing"
+// blockUse says why a block in Rank.busy must not be freed or reused.
+type blockUse struct {
+	kind    int // useLoading or useFreeing
+	request string
+}
+
+const (
+	useLoading = iota + 1 // the destination of a load in flight
+	useFreeing            // being freed by FreeBlocks or a release
+)
 
 // busyLocked fails when a block of ids is the destination of a load in
-// flight or being freed; r.mu is held.
-func (r *Rank) busyLocked(field string, ids []int) error {
+// flight or being freed, or, unless leasedOK, held under a prefill lease;
+// r.mu is held.
+func (r *Rank) busyLocked(field string, ids []int, leasedOK bool) error {
 	for i, b := range ids {
-		switch req, ok := r.busy[b]; {
-		case !ok:
-		case req == freeing:
+		u, ok := r.busy[b]
+		switch {
+		case ok && u.kind == useFreeing:
 			return fmt.Errorf("%w: %s[%d]=%d is being freed", ErrBusy, field, i, b)
-		default:
-			return fmt.Errorf("%w: %s[%d]=%d is being loaded by request %q; abort it first", ErrBusy, field, i, b, req)
+		case ok:
+			return fmt.Errorf("%w: %s[%d]=%d is being loaded by request %q; abort it first", ErrBusy, field, i, b, u.request)
+		case !leasedOK && r.refs[b] > 0:
+			return fmt.Errorf("%w: %s[%d]=%d is held for decode under %d lease(s) until their consumers notify or the leases expire", ErrBusy, field, i, b, r.refs[b])
 		}
 	}
 	return nil
 }
 
-// FreeBlocks frees local blocks in the pool (the local API's free call).
-// A block a load in flight is writing into is refused with ErrBusy naming
-// the request (Abort it first): freeing it could unmap a page under the
-// READ. Other errors are the pool's (double free, out of range).
-func (r *Rank) FreeBlocks(ctx context.Context, ids []int) error {
-	r.mu.Lock()
-	if err := r.busyLocked("block_ids", ids); err != nil {
-		r.mu.Unlock()
-		return err
-	}
+// markLocked records ids as used by request for kind; r.mu is held.
+func (r *Rank) markLocked(ids []int, kind int, request string) {
 	for _, b := range ids {
-		r.busy[b] = freeing
+		r.busy[b] = blockUse{kind, request}
 	}
-	r.mu.Unlock()
-	err := r.pool.Free(ctx, ids)
+}
+
+// unmark forgets ids in r.busy.
+func (r *Rank) unmark(ids []int) {
 	r.mu.Lock()
 	for _, b := range ids {
 		delete(r.busy, b)
 	}
 	r.mu.Unlock()
+}
+
+// FreeBlocks frees local blocks in the pool (the local API's free call).
+// A block a load in flight is writing into, or one held under a prefill
+// lease (RequestFinished took it over), is refused with ErrBusy naming the
+// request: freeing it could unmap a page under a READ, or hand a leased
+// block to another request while decode still reads it. Other errors are
+// the pool's (double free, out of range).
+func (r *Rank) FreeBlocks(ctx context.Context, ids []int) error {
+	r.mu.Lock()
+	if err := r.busyLocked("block_ids", ids, false); err != nil {
+		r.mu.Unlock()
+		return err
+	}
+	r.markLocked(ids, useFreeing, "")
+	r.mu.Unlock()
+	err := r.pool.Free(ctx, ids)
+	r.unmark(ids)
 	return err
 }

@@ -32,7 +32,28 @@ func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs [
 	if err != nil {
 		return nil, err
 	}
-	if !in.GetDoRemoteDecode() || status != v1.FinishStatus_FINISH_STATUS_LENGTH || len(ids) == 0 {
+	host, port, err := rank0Addr(r.cfg.AdvertiseAddr, r.cfg.TPRank)
+	if len(r.cfg.RankAddrs) > 0 {
+		host, port, err = rank0Addr(r.cfg.RankAddrs[0], 0)
+	}
+	if err != nil {
+		return nil, err
+	}
+	hold := in.GetDoRemoteDecode() && status == v1.FinishStatus_FINISH_STATUS_LENGTH && len(ids) > 0
+	// Take the blocks over only if no load writes into them and no free is
+	// in progress. A block may be in several requests (a shared prefix):
+	// each RequestFinished is one reference, and a block is freed when its
+	// last reference is released.
+	r.mu.Lock()
+	if err := r.busyLocked("block_ids", ids, true); err != nil {
+		r.mu.Unlock()
+		return nil, err
+	}
+	for _, b := range ids {
+		r.refs[b]++
+	}
+	r.mu.Unlock()
+	if !hold {
 		r.released(requestID, ids, false)
 		r.m.requests.WithLabelValues("prefill", "freed_at_once").Inc()
 		return nil, nil
@@ -40,6 +61,7 @@ func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs [
 	capab := r.capKey.Issue(requestID, blockIDs...)
 	expires, err := r.leases.add(requestID, ids, capab)
 	if err != nil {
+		r.unref(ids) // not taken over: the blocks stay the engine's
 		return nil, err
 	}
 	r.m.blocksHeld.Add(float64(len(ids)))
@@ -53,16 +75,6 @@ func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs [
 		RemoteIncarnation:  r.incarnation,
 		Capability:         capab,
 		LeaseExpiresUnixMs: expires.UnixMilli(),
-	}
-	host, port, err := rank0Addr(r.cfg.AdvertiseAddr, r.cfg.TPRank)
-	if err != nil {
-		return nil, err
-	}
-	if len(out.RemoteRankAddrs) > 0 {
-		host, port, err = rank0Addr(out.RemoteRankAddrs[0], 0)
-		if err != nil {
-			return nil, err
-		}
 	}
 	out.RemoteHost, out.RemotePort = host, port
 	r.cfg.Logger.Debug("request held for decode", "request_id", requestID, "blocks", len(ids), "lease_expires", expires)
@@ -89,13 +101,36 @@ func (r *Rank) leaseReleased(id string, blocks []int, expired bool) {
 	r.released(id, blocks, expired)
 }
 
-// released is called once per lease (or for blocks freed at once): frees
-// the blocks under local ownership and reports the request in done_sending.
-func (r *Rank) released(id string, blocks []int, expired bool) {
-	if len(blocks) > 0 && r.cfg.Ownership == v1.Ownership_OWNERSHIP_LOCAL {
-		if err := r.pool.Free(context.Background(), blocks); err != nil {
-			r.cfg.Logger.Error("freeing released blocks failed", "request_id", id, "blocks", len(blocks), "err", err)
+// unref drops one reference of each block and returns the blocks whose
+// last reference it was.
+func (r *Rank) unref(blocks []int) []int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var last []int
+	for _, b := range blocks {
+		if r.refs[b]--; r.refs[b] <= 0 {
+			delete(r.refs, b)
+			last = append(last, b)
 		}
+	}
+	return last
+}
+
+// released is called once per lease (or for blocks freed at once): drops
+// the request's references, frees the blocks no other request holds under
+// local ownership (under coordinated ownership the engine frees them once
+// every rank reported done_sending), and reports the request in
+// done_sending.
+func (r *Rank) released(id string, blocks []int, expired bool) {
+	last := r.unref(blocks)
+	if len(last) > 0 && r.cfg.Ownership == v1.Ownership_OWNERSHIP_LOCAL {
+		r.mu.Lock()
+		r.markLocked(last, useFreeing, id)
+		r.mu.Unlock()
+		if err := r.pool.Free(context.Background(), last); err != nil {
+			r.cfg.Logger.Error("freeing released blocks failed", "request_id", id, "blocks", len(last), "err", err)
+		}
+		r.unmark(last)
 	}
 	if expired {
 		r.m.leasesExpired.Inc()

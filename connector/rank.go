@@ -196,7 +196,8 @@ type Rank struct {
 
 	mu       sync.Mutex
 	loads    map[string]*load
-	busy     map[int]string // local block -> request loading into it, or freeing
+	busy     map[int]blockUse // blocks a load writes into or a free is freeing
+	refs     map[int]int      // references to blocks taken over by RequestFinished
 	sending  []string
 	recving  []string
 	failed   []FailedLoad
@@ -243,7 +244,7 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 		return nil, err
 	}
 	r := &Rank{cfg: c, pool: c.Pool, regions: c.Pool.Regions(), shape: shape, modelHash: handshake.ModelHash(c.Geometry),
-		capKey: transfer.NewCapabilityKeyFromSecret(c.CapabilitySecret), loads: map[string]*load{}, busy: map[int]string{}, changed: make(chan struct{})}
+		capKey: transfer.NewCapabilityKeyFromSecret(c.CapabilitySecret), loads: map[string]*load{}, busy: map[int]blockUse{}, refs: map[int]int{}, changed: make(chan struct{})}
 	var inc [8]byte
 	_, _ = rand.Read(inc[:])
 	r.incarnation = binary.LittleEndian.Uint64(inc[:]) | 1
