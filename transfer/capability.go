@@ -124,5 +124,3 @@ func decodeCapability(b []byte) ([]uint32, error) {
 	}
 	return ids, nil
 }
-
-func sortU32(s []uint32) { slices.Sort(s) }

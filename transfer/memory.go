@@ -1,8 +1,11 @@
 package transfer
 
 import (
+	"cmp"
 	"fmt"
+	"math"
 	"math/bits"
+	"slices"
 	"unsafe"
 
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
@@ -168,25 +171,47 @@ func (rs regionSet) resolveAll(ds []Desc) ([]span, uint64, error) {
 	return out, total, nil
 }
 
+// MaxBlocksPerTransfer bounds the block ids one served READ or WRITE may
+// touch (counted per descriptor, before duplicates are merged): 2^20 blocks
+// is 16 GiB of 16 KiB blocks, far beyond one request's KV cache, and keeps
+// Access.BlockIDs at most 4 MiB. A transfer beyond it is refused with
+// ErrInvalidArgument before Authorize runs.
+const MaxBlocksPerTransfer = 1 << 20
+
 // blockIDs returns the sorted, deduplicated block ids the spans touch
-// (block id = offset / BlockLen inside the span's region).
-func blockIDs(spans []span) []uint32 {
-	seen := make(map[uint64]struct{})
-	var ids []uint32
-	for _, s := range spans {
-		first, last := uint64(0), uint64(0)
-		if bl := s.reg.BlockLen; bl > 0 {
-			first, last = s.reg.blockAt(s.off), s.reg.blockAt(s.off+s.n-1)
+// (Region.blockAt of the span's first and last byte, and every id between).
+// The count is summed per span from its first and last block before any id
+// is listed: more than MaxBlocksPerTransfer fails with ErrInvalidArgument,
+// and a block id beyond uint32 (the capability's id space) with
+// ErrOutOfRange.
+func blockIDs(spans []span) ([]uint32, error) {
+	type run struct{ first, last uint64 }
+	runs := make([]run, len(spans))
+	var count uint64 // at most len(spans) × 2^32: no overflow
+	for i, s := range spans {
+		var r run
+		if s.reg.BlockLen > 0 {
+			r = run{s.reg.blockAt(s.off), s.reg.blockAt(s.off + s.n - 1)}
 		}
-		for b := first; b <= last; b++ {
-			if _, ok := seen[b]; !ok {
-				seen[b] = struct{}{}
-				ids = append(ids, uint32(b))
-			}
+		if r.last > math.MaxUint32 {
+			return nil, errorf(v1.Code_CODE_OUT_OF_RANGE, "descriptor %d reaches block %d, beyond the uint32 block ids capabilities name", i, r.last)
 		}
+		runs[i] = r
+		count += r.last - r.first + 1
 	}
-	sortU32(ids)
-	return ids
+	if count > MaxBlocksPerTransfer {
+		return nil, errorf(v1.Code_CODE_INVALID_ARGUMENT, "descriptors touch %d blocks, more than the limit of %d per transfer", count, MaxBlocksPerTransfer)
+	}
+	slices.SortFunc(runs, func(a, b run) int { return cmp.Compare(a.first, b.first) })
+	var ids []uint32
+	next := uint64(0) // the smallest id not yet listed
+	for _, r := range runs {
+		for b := max(r.first, next); b <= r.last; b++ {
+			ids = append(ids, uint32(b))
+		}
+		next = max(next, r.last+1)
+	}
+	return ids, nil
 }
 
 func descsToProto(ds []Desc) *v1.DescriptorList {

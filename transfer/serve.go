@@ -272,7 +272,12 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 		refuse(errorf(v1.Code_CODE_INVALID_ARGUMENT, "total_len %d differs from the descriptors' %d bytes", x.GetTotalLen(), total))
 		return
 	}
-	acc := &Access{Peer: sc.peer, Op: op, RequestID: x.GetRequestId(), Capability: x.GetCapability(), BlockIDs: blockIDs(spans)}
+	ids, err := blockIDs(spans)
+	if err != nil {
+		refuse(err)
+		return
+	}
+	acc := &Access{Peer: sc.peer, Op: op, RequestID: x.GetRequestId(), Capability: x.GetCapability(), BlockIDs: ids}
 	acc.Descs = make([]Desc, len(spans))
 	for i, s := range spans {
 		acc.Descs[i] = Desc{Addr: s.reg.Base + s.off, Len: s.n, DevID: s.reg.DevID}

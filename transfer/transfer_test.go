@@ -190,6 +190,46 @@ func TestServingSideRefuses(t *testing.T) {
 	})
 }
 
+// TestBlockBoundBeforeAuthorize sends descriptors naming more blocks than
+// MaxBlocksPerTransfer, or block ids beyond uint32, and checks the server
+// refuses them without calling Authorize or touching memory.
+func TestBlockBoundBeforeAuthorize(t *testing.T) {
+	const size = 2 << 20
+	// A region of 2^40 one-byte blocks; only its first bytes are backed,
+	// which is safe because nothing past the refusal reads it.
+	backing := make([]byte, 4096)
+	srvReg := Region{Base: 1 << 44, Len: 1 << 40, BlockLen: 1, Mem: SliceMemory(backing)}
+	var authorized atomic.Int32
+	srv := startAgent(t, Config{Regions: []Region{srvReg}, Authorize: func(context.Context, *Access) error {
+		authorized.Add(1)
+		return nil
+	}})
+	cliMem := mmapRegion(t, size)
+	cliReg := SliceRegion(cliMem, 0, 0)
+	cli := startAgent(t, Config{Regions: []Region{cliReg}})
+	tests := []struct {
+		name    string
+		remote  Desc
+		want    error
+		wantMsg string
+	}{
+		{"2 MiB of one-byte blocks", Desc{Addr: srvReg.Base, Len: size}, ErrInvalidArgument, "touch 2097152 blocks, more than the limit of 1048576"},
+		{"block id beyond uint32", Desc{Addr: srvReg.Base + 1<<32, Len: 4096}, ErrOutOfRange, "beyond the uint32 block ids"},
+	}
+	for _, tt := range tests {
+		for _, op := range []Op{OpRead, OpWrite} {
+			t.Run(op.String()+" "+tt.name, func(t *testing.T) {
+				_, err := cli.Transfer(ctxT(t, 10*time.Second), &Xfer{Op: op, Peer: srv.Addr().String(), RequestID: "r",
+					Local: []Desc{{Addr: cliReg.Base, Len: tt.remote.Len}}, Remote: []Desc{tt.remote}})
+				require.ErrorIs(t, err, tt.want)
+				require.ErrorContains(t, err, tt.wantMsg)
+				require.Zero(t, authorized.Load(), "Authorize ran for a refused transfer")
+				require.Equal(t, make([]byte, len(backing)), backing, "serving memory changed")
+			})
+		}
+	}
+}
+
 func TestWriteFailsWithoutAck(t *testing.T) {
 	pc := testutil.ListenUDP(t, 0)
 	const size = 4 << 20

@@ -7,6 +7,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -210,7 +211,9 @@ func FuzzPeerRequest(f *testing.F) {
 				sum += s.n
 			}
 			require.Equal(t, sum, total)
-			for _, id := range blockIDs(spans) {
+			ids, err := blockIDs(spans)
+			require.NoError(t, err, "16 blocks are far below the limit")
+			for _, id := range ids {
 				require.Less(t, id, uint32(16))
 			}
 		}
@@ -296,7 +299,42 @@ func TestBlockIDs(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			require.Equal(t, tt.want, blockIDs(tt.spans))
+			ids, err := blockIDs(tt.spans)
+			require.NoError(t, err)
+			require.Equal(t, tt.want, ids)
+		})
+	}
+}
+
+func TestBlockIDsBounded(t *testing.T) {
+	// Regions are never touched here: only their geometry counts.
+	bytewise := &Region{Len: 1 << 40, BlockLen: 1}
+	tests := []struct {
+		name    string
+		spans   []span
+		want    error
+		wantMsg string
+		wantN   int
+	}{
+		{"exactly the limit", []span{{bytewise, 0, MaxBlocksPerTransfer}}, nil, "", MaxBlocksPerTransfer},
+		{"duplicates count before merging", []span{{bytewise, 0, MaxBlocksPerTransfer}, {bytewise, 0, 1}}, ErrInvalidArgument,
+			"descriptors touch 1048577 blocks, more than the limit of 1048576 per transfer", 0},
+		{"whole region", []span{{bytewise, 0, 1 << 32}}, ErrInvalidArgument, "4294967296 blocks", 0},
+		{"65536 whole-region spans", slices.Repeat([]span{{bytewise, 0, 1 << 32}}, 1<<16), ErrInvalidArgument, "281474976710656 blocks", 0},
+		{"block id beyond uint32", []span{{bytewise, 1 << 32, 1}}, ErrOutOfRange, "descriptor 0 reaches block 4294967296", 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ids, err := blockIDs(tt.spans)
+			if tt.want == nil {
+				require.NoError(t, err)
+				require.Len(t, ids, tt.wantN)
+				require.Equal(t, uint32(tt.wantN-1), ids[len(ids)-1])
+				return
+			}
+			require.ErrorIs(t, err, tt.want)
+			require.ErrorContains(t, err, tt.wantMsg)
+			require.Nil(t, ids)
 		})
 	}
 }
