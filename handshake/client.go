@@ -119,6 +119,15 @@ type peerKey struct {
 	rank   int
 }
 
+// callKey identifies an exchange in flight: only Gets for the same rank at
+// the same address and incarnation share one (a stale and a fresh address
+// of a restarted rank must not share the first one's metadata).
+type callKey struct {
+	peer        peerKey
+	addr        string
+	incarnation uint64
+}
+
 type inflight struct {
 	done chan struct{}
 	md   *Metadata
@@ -138,7 +147,7 @@ type Client struct {
 	wg     sync.WaitGroup
 
 	mu        sync.Mutex
-	calls     map[peerKey]*inflight
+	calls     map[callKey]*inflight
 	exchanges map[string]int // addr -> exchanges sent
 	closed    bool
 }
@@ -159,7 +168,7 @@ func NewClient(cfg *Config) (*Client, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	return &Client{cfg: c, cache: cache, metrics: m, ctx: ctx, cancel: cancel,
-		calls: map[peerKey]*inflight{}, exchanges: map[string]int{}}, nil
+		calls: map[callKey]*inflight{}, exchanges: map[string]int{}}, nil
 }
 
 // Mode returns the client's mode.
@@ -207,13 +216,14 @@ func (c *Client) get(ctx context.Context, t Target, expectTP int) (*Metadata, er
 		c.mu.Unlock()
 		return nil, fmt.Errorf("handshake: client closed: %w", net.ErrClosed)
 	}
-	call, ok := c.calls[key]
+	ck := callKey{key, t.Addr, t.Incarnation}
+	call, ok := c.calls[ck]
 	if !ok {
 		call = &inflight{done: make(chan struct{})}
-		c.calls[key] = call
+		c.calls[ck] = call
 		c.exchanges[t.Addr]++
 		c.wg.Add(1)
-		go c.exchange(key, call, t, expectTP)
+		go c.exchange(key, ck, call, t, expectTP)
 	}
 	c.mu.Unlock()
 	select {
@@ -229,7 +239,7 @@ func (c *Client) get(ctx context.Context, t Target, expectTP int) (*Metadata, er
 
 // exchange runs one handshake detached from any single caller's context, so
 // a caller that gives up does not fail the others waiting for the same peer.
-func (c *Client) exchange(key peerKey, call *inflight, t Target, expectTP int) {
+func (c *Client) exchange(key peerKey, ck callKey, call *inflight, t Target, expectTP int) {
 	defer c.wg.Done()
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(c.ctx, c.cfg.Timeout)
@@ -247,7 +257,7 @@ func (c *Client) exchange(key peerKey, call *inflight, t Target, expectTP int) {
 	c.metrics.seconds.WithLabelValues(c.cfg.Mode.String(), result).Observe(time.Since(start).Seconds())
 	c.mu.Lock()
 	call.md, call.err = md, err
-	delete(c.calls, key)
+	delete(c.calls, ck)
 	c.mu.Unlock()
 	close(call.done)
 }

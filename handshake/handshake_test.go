@@ -330,3 +330,31 @@ func FuzzMetadata(f *testing.F) {
 		}
 	})
 }
+
+// TestInflightKeyedByAddress is a regression test: Gets for one rank at two
+// addresses (a stale and a fresh remote_rank_addrs after a restart) shared
+// the first exchange, so the second got metadata of another process.
+func TestInflightKeyedByAddress(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		wc := newGroup(t, "prefill", 2, 1)
+		other := newGroup(t, "prefill", 2, 1)
+		wc.servers["127.0.0.1:7001"] = other.servers[addrOf(1)]
+		wc.gate = make(chan struct{})
+		cl, err := handshake.NewClient(&handshake.Config{Caller: wc})
+		require.NoError(t, err)
+		defer cl.Close()
+		a, b := target("prefill", 1, 2), target("prefill", 1, 2)
+		b.Addr = "127.0.0.1:7001"
+		var mdA, mdB *handshake.Metadata
+		var wg sync.WaitGroup
+		wg.Go(func() { mdA, _ = cl.Get(t.Context(), a) })
+		wg.Go(func() { mdB, _ = cl.Get(t.Context(), b) })
+		synctest.Wait()
+		require.Equal(t, 1, wc.count(a.Addr))
+		require.Equal(t, 1, wc.count(b.Addr), "the second address got its own exchange")
+		close(wc.gate)
+		wg.Wait()
+		require.Equal(t, a.Addr, mdA.Addr)
+		require.Equal(t, b.Addr, mdB.Addr)
+	})
+}
