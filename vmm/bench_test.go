@@ -87,3 +87,24 @@ func BenchmarkHostMapUnmap2MiB(b *testing.B) {
 	slices.Sort(samples)
 	b.ReportMetric(float64(samples[len(samples)/2].Nanoseconds()), "p50-ns")
 }
+
+// BenchmarkCheckAllocated256 checks 256 allocated blocks, the size of a long
+// READ's block list, as the connector does before each READ.
+func BenchmarkCheckAllocated256(b *testing.B) {
+	l := Layout{Layers: 2, BlockSize: 16, HeadsPerRank: 8, HeadDim: 128, DTypeBytes: 2}
+	p, err := NewPool(context.Background(), &Config{Layout: l, NumBlocks: 4096, PreallocPages: -1})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer p.Close()
+	ids, err := p.Alloc(context.Background(), 256)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := p.CheckAllocated(ids); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -29,6 +29,11 @@ var (
 	// ErrDoubleFree: a block that is not allocated was freed.
 	// v1.Code_CODE_INVALID_ARGUMENT.
 	ErrDoubleFree = errors.New("vmm: double free")
+	// ErrNotAllocated: a block id in range that is not allocated now (free,
+	// possibly in an empty reserve page that may be unmapped at any time)
+	// was named where an allocated block is required (Pool.CheckAllocated).
+	// v1.Code_CODE_INVALID_ARGUMENT.
+	ErrNotAllocated = errors.New("vmm: block not allocated")
 	// ErrNullBlock: block 0, the null block, was named in Free. It is
 	// allocated at NewPool and never handed out. v1.Code_CODE_INVALID_ARGUMENT.
 	ErrNullBlock = errors.New("vmm: block 0 is the reserved null block")
@@ -58,11 +63,12 @@ func (e *PageError) Error() string {
 
 func (e *PageError) Unwrap() error { return e.Err }
 
-// BlockError reports a block id that breaks a rule of Free.
+// BlockError reports a block id that breaks a rule of Free or
+// CheckAllocated.
 type BlockError struct {
 	Block     int   // the offending id
 	NumBlocks int   // ids are valid in [1, NumBlocks)
-	Err       error // ErrBlockOutOfRange, ErrDoubleFree or ErrNullBlock
+	Err       error // ErrBlockOutOfRange, ErrDoubleFree, ErrNullBlock or ErrNotAllocated
 }
 
 func (e *BlockError) Error() string {
@@ -153,7 +159,7 @@ func trimPrefix(err error) string {
 // CodeOf maps an error of this package to its v1.Code: nil → CODE_OK;
 // ErrAlreadyMapped → ALREADY_EXISTS; ErrNotMapped → NOT_FOUND; ErrOverLimit →
 // BUSY; ErrBlockOutOfRange → OUT_OF_RANGE; ErrDoubleFree, ErrNullBlock,
-// ErrInvalidConfig → INVALID_ARGUMENT; ErrBackend → INTERNAL; net.ErrClosed →
+// ErrNotAllocated, ErrInvalidConfig → INVALID_ARGUMENT; ErrBackend → INTERNAL; net.ErrClosed →
 // UNAVAILABLE; context.DeadlineExceeded → TIMEOUT; context.Canceled →
 // ABORTED; anything else → INTERNAL.
 func CodeOf(err error) v1.Code {
@@ -168,7 +174,8 @@ func CodeOf(err error) v1.Code {
 		return v1.Code_CODE_BUSY
 	case errors.Is(err, ErrBlockOutOfRange):
 		return v1.Code_CODE_OUT_OF_RANGE
-	case errors.Is(err, ErrDoubleFree), errors.Is(err, ErrNullBlock), errors.Is(err, ErrInvalidConfig):
+	case errors.Is(err, ErrDoubleFree), errors.Is(err, ErrNullBlock), errors.Is(err, ErrNotAllocated),
+		errors.Is(err, ErrInvalidConfig):
 		return v1.Code_CODE_INVALID_ARGUMENT
 	case errors.Is(err, ErrBackend):
 		return v1.Code_CODE_INTERNAL

@@ -124,6 +124,7 @@ func TestCodeOf(t *testing.T) {
 		{&PageError{Op: "read", Page: 3, Region: 1, Err: ErrNotMapped}, v1.Code_CODE_NOT_FOUND},
 		{&LimitError{Want: 4}, v1.Code_CODE_BUSY},
 		{&BackendError{Op: "mmap", Err: errors.New("ENOMEM")}, v1.Code_CODE_INTERNAL},
+		{&BlockError{Block: 7, NumBlocks: 64, Err: ErrNotAllocated}, v1.Code_CODE_INVALID_ARGUMENT},
 	}
 	for _, tc := range tests {
 		t.Run(tc.want.String(), func(t *testing.T) {

@@ -577,6 +577,39 @@ func (p *Pool) Free(ctx context.Context, ids []int) error {
 	return p.unmapTrimmed(ctx, trim)
 }
 
+// CheckAllocated reports whether every id in ids is a block allocated now
+// (handed out by Alloc and not freed since), so its page is mapped and
+// cannot be trimmed: the check a caller makes before writing into blocks,
+// e.g. the connector before a READ lands in them. It does not block beyond
+// the pool's lock and costs O(len(ids)); an empty ids is nil. Errors: a
+// *BlockError naming the first bad id, wrapping ErrBlockOutOfRange (outside
+// [0, NumBlocks)), ErrNullBlock (id 0) or ErrNotAllocated (free, perhaps in
+// a reserve page that SetMemoryLimit or the refill may unmap at any time);
+// an error wrapping net.ErrClosed after Close. A block Free'd right after a
+// nil answer is the caller's race to avoid.
+func (p *Pool) CheckAllocated(ids []int) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return p.closedErr()
+	}
+	for _, b := range ids {
+		var bad error
+		switch {
+		case b < 0 || b >= p.cfg.NumBlocks:
+			bad = ErrBlockOutOfRange
+		case b == 0:
+			bad = ErrNullBlock
+		case !p.blockUsed[b] || p.pages[b/p.bpp].status != pageMapped:
+			bad = ErrNotAllocated
+		}
+		if bad != nil {
+			return &BlockError{Block: b, NumBlocks: p.cfg.NumBlocks, Err: bad}
+		}
+	}
+	return nil
+}
+
 func (p *Pool) validateFreeLocked(ids []int) error {
 	var bad error
 	n := 0

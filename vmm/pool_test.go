@@ -265,6 +265,55 @@ func TestPoolFreeErrors(t *testing.T) {
 	require.ErrorIs(t, p.Free(ctx, ids[:1]), ErrDoubleFree)
 }
 
+func TestPoolCheckAllocated(t *testing.T) {
+	p := newTestPool(t, Config{NumBlocks: 32 * 4, PreallocPages: 1})
+	ctx := context.Background()
+	held, err := p.Alloc(ctx, 31+2) // page 0's 31 blocks, then 2 of page 1
+	require.NoError(t, err)
+	last := held[len(held)-1]
+	require.Equal(t, 1, last/32, "the last block lives in page 1")
+	require.NoError(t, p.Free(ctx, held[len(held)-2:]))
+	held = held[:len(held)-2]
+	require.GreaterOrEqual(t, p.Stats().ReservePages, 1, "page 1 stays mapped as reserve")
+
+	tests := []struct {
+		name string
+		ids  []int
+		want error // nil: accepted
+		code v1.Code
+		msg  string
+	}{
+		{"all allocated", held, nil, v1.Code_CODE_OK, ""},
+		{"empty", nil, nil, v1.Code_CODE_OK, ""},
+		{"freed block in a reserve page", []int{held[0], last}, ErrNotAllocated, v1.Code_CODE_INVALID_ARGUMENT, fmt.Sprintf("block %d", last)},
+		{"never allocated, unmapped page", []int{100}, ErrNotAllocated, v1.Code_CODE_INVALID_ARGUMENT, "block 100: block not allocated"},
+		{"first bad id named", []int{held[1], 90, 0}, ErrNotAllocated, v1.Code_CODE_INVALID_ARGUMENT, "block 90"},
+		{"null block", []int{held[0], 0}, ErrNullBlock, v1.Code_CODE_INVALID_ARGUMENT, "block 0"},
+		{"out of range", []int{128}, ErrBlockOutOfRange, v1.Code_CODE_OUT_OF_RANGE, "block 128 out of range [1, 128)"},
+		{"negative", []int{-3}, ErrBlockOutOfRange, v1.Code_CODE_OUT_OF_RANGE, "block -3"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			err := p.CheckAllocated(tc.ids)
+			require.Equal(t, tc.code, CodeOf(err))
+			if tc.want == nil {
+				require.NoError(t, err)
+				return
+			}
+			require.ErrorIs(t, err, tc.want)
+			var be *BlockError
+			require.ErrorAs(t, err, &be)
+			require.Contains(t, err.Error(), tc.msg)
+		})
+	}
+	require.Equal(t, 31, p.Stats().BlocksUsed, "a check changes nothing")
+	checkInvariants(t, p)
+	require.NoError(t, p.Free(ctx, held[:1]))
+	require.ErrorIs(t, p.CheckAllocated(held[:2]), ErrNotAllocated, "a freed block")
+	require.NoError(t, p.Close())
+	require.ErrorIs(t, p.CheckAllocated(held[1:2]), net.ErrClosed)
+}
+
 func TestPoolMemoryLimit(t *testing.T) {
 	be := newFailing(t)
 	pageBytes := uint64(testPage * testLayout.NumRegions())
