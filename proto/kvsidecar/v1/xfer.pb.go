@@ -641,8 +641,11 @@ type Heartbeat struct {
 	RequestIds       []string               `protobuf:"bytes,1,rep,name=request_ids,json=requestIds,proto3" json:"request_ids,omitempty"`
 	ConsumerEngineId string                 `protobuf:"bytes,2,opt,name=consumer_engine_id,json=consumerEngineId,proto3" json:"consumer_engine_id,omitempty"`
 	ConsumerTpRank   uint32                 `protobuf:"varint,3,opt,name=consumer_tp_rank,json=consumerTpRank,proto3" json:"consumer_tp_rank,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Capability of each request id, same order (from kv_transfer_params); a
+	// lease whose capability does not verify is not extended.
+	Capabilities  [][]byte `protobuf:"bytes,4,rep,name=capabilities,proto3" json:"capabilities,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Heartbeat) Reset() {
@@ -694,6 +697,13 @@ func (x *Heartbeat) GetConsumerTpRank() uint32 {
 		return x.ConsumerTpRank
 	}
 	return 0
+}
+
+func (x *Heartbeat) GetCapabilities() [][]byte {
+	if x != nil {
+		return x.Capabilities
+	}
+	return nil
 }
 
 // HeartbeatAck answers a Heartbeat with the new expiries.
@@ -1069,12 +1079,13 @@ const file_kvsidecar_v1_xfer_proto_rawDesc = "" +
 	"\x10consumer_tp_rank\x18\x05 \x01(\rR\x0econsumerTpRank\x12%\n" +
 	"\x0econsumer_count\x18\x06 \x01(\rR\rconsumerCount\"<\n" +
 	"\x0fNotificationAck\x12)\n" +
-	"\x05error\x18\x01 \x01(\v2\x13.kvsidecar.v1.ErrorR\x05error\"\x84\x01\n" +
+	"\x05error\x18\x01 \x01(\v2\x13.kvsidecar.v1.ErrorR\x05error\"\xa8\x01\n" +
 	"\tHeartbeat\x12\x1f\n" +
 	"\vrequest_ids\x18\x01 \x03(\tR\n" +
 	"requestIds\x12,\n" +
 	"\x12consumer_engine_id\x18\x02 \x01(\tR\x10consumerEngineId\x12(\n" +
-	"\x10consumer_tp_rank\x18\x03 \x01(\rR\x0econsumerTpRank\"l\n" +
+	"\x10consumer_tp_rank\x18\x03 \x01(\rR\x0econsumerTpRank\x12\"\n" +
+	"\fcapabilities\x18\x04 \x03(\fR\fcapabilities\"l\n" +
 	"\fHeartbeatAck\x12)\n" +
 	"\x05error\x18\x01 \x01(\v2\x13.kvsidecar.v1.ErrorR\x05error\x121\n" +
 	"\x15lease_expires_unix_ms\x18\x02 \x03(\x03R\x12leaseExpiresUnixMs\"\xf1\x02\n" +
