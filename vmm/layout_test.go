@@ -133,3 +133,23 @@ func TestCodeOf(t *testing.T) {
 	}
 	require.Equal(t, "vmm: map page 12: page already mapped", tests[1].err.Error())
 }
+
+func TestRegionInfoBlockOffset(t *testing.T) {
+	tests := []struct {
+		name string
+		r    RegionInfo
+		b    int
+		want uint64
+	}{
+		{"packed power of 2", RegionInfo{BlockLen: 2048, PageSize: 64 << 10, BlocksPerPage: 32}, 37, 37 * 2048},
+		{"gap at page end", RegionInfo{BlockLen: 3000, PageSize: 8192, BlocksPerPage: 2}, 3, 8192 + 3000},
+		{"hand built, no BlocksPerPage", RegionInfo{BlockLen: 2048, PageSize: 64 << 10}, 37, 37 * 2048},
+		{"hand built, no page size either", RegionInfo{BlockLen: 512}, 5, 5 * 512},
+		{"block 0", RegionInfo{BlockLen: 2048}, 0, 0},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			require.Equal(t, tc.want, tc.r.BlockOffset(tc.b))
+		})
+	}
+}

@@ -116,11 +116,17 @@ type RegionInfo struct {
 	Layer         int
 	Kind          v1.RegionKind
 	PageSize      uint64
-	BlocksPerPage int
+	BlocksPerPage int // derived: blocks in one page; 0 (hand built) = packed, see BlockOffset
 }
 
-// BlockOffset returns the byte offset of block b inside the region.
+// BlockOffset returns the byte offset of block b inside the region. A
+// RegionInfo built by hand may leave the derived BlocksPerPage zero; the
+// offset is then b × BlockLen (blocks packed without page gaps, exact when
+// BlockLen divides PageSize).
 func (r RegionInfo) BlockOffset(b int) uint64 {
+	if r.BlocksPerPage <= 0 {
+		return uint64(b) * r.BlockLen
+	}
 	return uint64(b/r.BlocksPerPage)*r.PageSize + uint64(b%r.BlocksPerPage)*r.BlockLen
 }
 
