@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
-	"io"
 	"sync"
 	"time"
 
@@ -450,19 +449,8 @@ func (a *Agent) runRead(str *quic.Stream, req *v1.XferRequest, local []span, che
 	for _, s := range local {
 		var crc uint32
 		err := a.eachChunk(s, &staging, true, func(b []byte) error {
-			for off := 0; off < len(b); {
-				k, err := r.Read(b[off:])
-				off += k
-				xe.Bytes += uint64(k)
-				if k > 0 {
-					wd.progress()
-				}
-				if err != nil && off < len(b) {
-					if err == io.EOF {
-						return errorf(v1.Code_CODE_DATA_LOSS, "stream from %s ended early", xe.Peer)
-					}
-					return err
-				}
+			if err := readFull(r, b, &xe.Bytes, wd); err != nil {
+				return err
 			}
 			if checksum {
 				crc = crc32.Update(crc, castagnoli, b)
@@ -522,16 +510,7 @@ func (a *Agent) runWrite(str *quic.Stream, req *v1.XferRequest, local []span, ch
 			if checksum {
 				crc = crc32.Update(crc, castagnoli, b)
 			}
-			for len(b) > 0 {
-				k := min(len(b), writeChunk)
-				if _, err := str.Write(b[:k]); err != nil {
-					return err
-				}
-				b = b[k:]
-				xe.Sent += uint64(k)
-				wd.progress()
-			}
-			return nil
+			return writeChunks(str, b, &xe.Sent, wd)
 		})
 		if err != nil {
 			return refusal(err)

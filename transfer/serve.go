@@ -337,16 +337,7 @@ func (a *Agent) serveRead(str *quic.Stream, spans []span, checksum bool, wd *wat
 			if checksum {
 				crc = crc32.Update(crc, castagnoli, b)
 			}
-			for len(b) > 0 {
-				k := min(len(b), writeChunk)
-				if _, err := str.Write(b[:k]); err != nil {
-					return err
-				}
-				b = b[k:]
-				sent += uint64(k)
-				wd.progress()
-			}
-			return nil
+			return writeChunks(str, b, &sent, wd)
 		})
 		if err != nil {
 			code := codes.Of(err)
@@ -376,19 +367,8 @@ func (a *Agent) serveWrite(str *quic.Stream, r *wire.Reader, spans []span, check
 	for _, s := range spans {
 		var crc uint32
 		err := a.eachChunk(s, &staging, true, func(b []byte) error {
-			for off := 0; off < len(b); {
-				k, err := r.Read(b[off:])
-				off += k
-				got += uint64(k)
-				if k > 0 {
-					wd.progress()
-				}
-				if err != nil && off < len(b) {
-					if err == io.EOF {
-						return errorf(v1.Code_CODE_INVALID_ARGUMENT, "stream ended after %d bytes", got)
-					}
-					return err
-				}
+			if err := readFull(r, b, &got, wd); err != nil {
+				return err
 			}
 			if checksum {
 				crc = crc32.Update(crc, castagnoli, b)
@@ -421,6 +401,45 @@ func (a *Agent) serveWrite(str *quic.Stream, r *wire.Reader, spans []span, check
 // writeChunk is the largest single stream write, so progress is reported at
 // least every 1 MiB.
 const writeChunk = 1 << 20
+
+// writeChunks writes b to w in writes of at most writeChunk bytes, adding
+// each write to *sent and reporting it to wd. It returns the first write
+// error as is (a *quic.StreamError when the peer reset the stream).
+func writeChunks(w io.Writer, b []byte, sent *uint64, wd *watchdog) error {
+	for len(b) > 0 {
+		k := min(len(b), writeChunk)
+		if _, err := w.Write(b[:k]); err != nil {
+			return err
+		}
+		b = b[k:]
+		*sent += uint64(k)
+		wd.progress()
+	}
+	return nil
+}
+
+// readFull fills b from r, adding what arrives to *got and reporting it to
+// wd. A stream that ends (FIN) before b is full is ErrDataLoss on both sides,
+// READ and WRITE receivers alike: the sender promised total_len bytes and
+// delivered fewer, so bytes the receiver was owed are lost. Other read
+// errors (a reset, a closed connection) are returned as is.
+func readFull(r io.Reader, b []byte, got *uint64, wd *watchdog) error {
+	for off := 0; off < len(b); {
+		k, err := r.Read(b[off:])
+		off += k
+		*got += uint64(k)
+		if k > 0 {
+			wd.progress()
+		}
+		if err != nil && off < len(b) {
+			if errors.Is(err, io.EOF) {
+				return errorf(v1.Code_CODE_DATA_LOSS, "stream ended after %d bytes, %d bytes short", *got, len(b)-off)
+			}
+			return err
+		}
+	}
+	return nil
+}
 
 // eachChunk hands fn the span's bytes: the mapped memory itself when the
 // backend allows, else a staging buffer (filled before fn when !in, copied

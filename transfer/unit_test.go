@@ -4,11 +4,13 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
 	"math"
 	"os"
 	"path/filepath"
 	"slices"
 	"testing"
+	"testing/iotest"
 	"testing/synctest"
 	"time"
 
@@ -344,4 +346,81 @@ func TestCapabilityKeyFromSecret(t *testing.T) {
 	a, b := NewCapabilityKeyFromSecret(secret), NewCapabilityKeyFromSecret(secret)
 	require.NoError(t, b.Verify(a.Issue("r", 4), "r", []uint32{4}), "ranks sharing a secret verify each other")
 	require.ErrorIs(t, NewCapabilityKeyFromSecret([]byte("another-secret-16b")).Verify(a.Issue("r", 4), "r", []uint32{4}), ErrCapabilityDenied)
+}
+
+// recordingWriter records the size of every Write; it fails once failAfter
+// writes succeeded (failAfter < 0: never).
+type recordingWriter struct {
+	sizes     []int
+	failAfter int
+}
+
+var errWriteRefused = errors.New("write refused")
+
+func (w *recordingWriter) Write(b []byte) (int, error) {
+	if w.failAfter >= 0 && len(w.sizes) == w.failAfter {
+		return 0, errWriteRefused
+	}
+	w.sizes = append(w.sizes, len(b))
+	return len(b), nil
+}
+
+func TestWriteChunks(t *testing.T) {
+	tests := []struct {
+		name      string
+		n         int
+		failAfter int
+		want      error
+		wantSizes []int
+		wantSent  uint64
+	}{
+		{"below one chunk", 4096, -1, nil, []int{4096}, 4096},
+		{"two and a half chunks", 5 * writeChunk / 2, -1, nil, []int{writeChunk, writeChunk, writeChunk / 2}, 5 * writeChunk / 2},
+		{"fails on the second write", 3 * writeChunk, 1, errWriteRefused, []int{writeChunk}, writeChunk},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			w := &recordingWriter{failAfter: tt.failAfter}
+			wd := startWatchdog(0, nil)
+			var sent uint64
+			err := writeChunks(w, make([]byte, tt.n), &sent, wd)
+			require.ErrorIs(t, err, tt.want)
+			require.Equal(t, tt.wantSizes, w.sizes)
+			require.Equal(t, tt.wantSent, sent, "sent counts only bytes the writer took")
+		})
+	}
+}
+
+func TestReadFull(t *testing.T) {
+	errReset := errors.New("stream reset")
+	data := bytes.Repeat([]byte{7}, 100)
+	tests := []struct {
+		name    string
+		r       io.Reader
+		want    error
+		wantMsg string
+		wantGot uint64
+	}{
+		{"all bytes", bytes.NewReader(data), nil, "", 100},
+		{"all bytes, EOF with the last", iotest.DataErrReader(bytes.NewReader(data)), nil, "", 100},
+		{"one byte at a time", iotest.OneByteReader(bytes.NewReader(data)), nil, "", 100},
+		{"peer closes early", bytes.NewReader(data[:60]), ErrDataLoss, "stream ended after 60 bytes, 40 bytes short", 60},
+		{"peer closes at once", bytes.NewReader(nil), ErrDataLoss, "stream ended after 0 bytes, 100 bytes short", 0},
+		{"reset mid-data", io.MultiReader(bytes.NewReader(data[:30]), iotest.ErrReader(errReset)), errReset, "stream reset", 30},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			b := make([]byte, len(data))
+			var got uint64
+			err := readFull(tt.r, b, &got, startWatchdog(0, nil))
+			require.Equal(t, tt.wantGot, got)
+			if tt.want == nil {
+				require.NoError(t, err)
+				require.Equal(t, data, b)
+				return
+			}
+			require.ErrorIs(t, err, tt.want)
+			require.ErrorContains(t, err, tt.wantMsg)
+		})
+	}
 }
