@@ -362,22 +362,27 @@ func (r *Rank) heartbeatLoop() {
 			return
 		case <-t.C:
 		}
-		byAddr := map[string][]string{}
+		byAddr := map[string]*v1.Heartbeat{}
 		r.mu.Lock()
 		for _, l := range r.loads {
 			for _, a := range l.addrs {
-				byAddr[a] = append(byAddr[a], l.params.GetRemoteRequestId())
+				hb := byAddr[a]
+				if hb == nil {
+					hb = &v1.Heartbeat{ConsumerEngineId: r.cfg.EngineID, ConsumerTpRank: uint32(r.cfg.TPRank)}
+					byAddr[a] = hb
+				}
+				hb.RequestIds = append(hb.RequestIds, l.params.GetRemoteRequestId())
+				hb.Capabilities = append(hb.Capabilities, l.params.GetCapability())
 			}
 		}
 		r.mu.Unlock()
 		var wg sync.WaitGroup
-		for addr, ids := range byAddr {
+		for addr, hb := range byAddr {
 			wg.Go(func() {
 				ctx, cancel := context.WithTimeout(r.ctx, r.cfg.HeartbeatInterval)
 				defer cancel()
-				if _, err := r.agent.Heartbeat(ctx, addr, &v1.Heartbeat{RequestIds: ids,
-					ConsumerEngineId: r.cfg.EngineID, ConsumerTpRank: uint32(r.cfg.TPRank)}); err != nil {
-					r.cfg.Logger.Debug("heartbeat failed", "peer", addr, "requests", len(ids), "err", err)
+				if _, err := r.agent.Heartbeat(ctx, addr, hb); err != nil {
+					r.cfg.Logger.Debug("heartbeat failed", "peer", addr, "requests", len(hb.GetRequestIds()), "err", err)
 				}
 			})
 		}

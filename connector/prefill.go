@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"strconv"
+	"time"
 
 	"github.com/kvsidecar/kvsidecar/internal/codes"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
@@ -188,9 +189,25 @@ func (r *Rank) onNotification(_ context.Context, peer string, n *v1.Notification
 	return nil
 }
 
-// onHeartbeat extends the leases a consumer is still reading.
-func (r *Rank) onHeartbeat(_ context.Context, _ string, hb *v1.Heartbeat) *v1.HeartbeatAck {
-	dl := r.leases.extend(hb.GetRequestIds())
+// onHeartbeat extends the leases a consumer is still reading: only those
+// whose capability (same position in the heartbeat) verifies, so a peer
+// cannot keep another request's blocks held by naming its id.
+func (r *Rank) onHeartbeat(_ context.Context, peer string, hb *v1.Heartbeat) *v1.HeartbeatAck {
+	caps := hb.GetCapabilities()
+	ids := make([]string, 0, len(hb.GetRequestIds()))
+	pos := make([]int, 0, len(hb.GetRequestIds()))
+	for i, id := range hb.GetRequestIds() {
+		if i >= len(caps) || r.capKey.Verify(caps[i], id, nil) != nil {
+			r.cfg.Logger.Debug("heartbeat without a valid capability ignored", "peer", peer, "request_id", id)
+			continue
+		}
+		ids, pos = append(ids, id), append(pos, i)
+	}
+	ext := r.leases.extend(ids)
+	dl := make([]time.Time, len(hb.GetRequestIds()))
+	for k, i := range pos {
+		dl[i] = ext[k]
+	}
 	ack := &v1.HeartbeatAck{LeaseExpiresUnixMs: make([]int64, len(dl))}
 	for i, t := range dl {
 		if !t.IsZero() {

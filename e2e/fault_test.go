@@ -335,10 +335,12 @@ func TestFaultLeaseOrderWithHeartbeats(t *testing.T) {
 	beat := func() {
 		ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(ttl/4))
 		defer cancel()
-		ack, err := hb.Heartbeat(ctx, addr, &v1.Heartbeat{RequestIds: []string{"A"}, ConsumerEngineId: "hb", ConsumerTpRank: 0})
+		ack, err := hb.Heartbeat(ctx, addr, &v1.Heartbeat{RequestIds: []string{"A", "B"}, ConsumerEngineId: "hb", ConsumerTpRank: 0,
+			Capabilities: [][]byte{pa.GetCapability(), pa.GetCapability()}})
 		require.NoError(t, err)
-		require.Len(t, ack.GetLeaseExpiresUnixMs(), 1)
+		require.Len(t, ack.GetLeaseExpiresUnixMs(), 2)
 		require.Positive(t, ack.GetLeaseExpiresUnixMs()[0], "A's lease extended")
+		require.Zero(t, ack.GetLeaseExpiresUnixMs()[1], "B is not extended by A's capability")
 	}
 	// Heartbeat A every ttl/4 until B and C are freed and A has lived
 	// 1.5 × ttl.

@@ -120,12 +120,11 @@ type peerKey struct {
 }
 
 // callKey identifies an exchange in flight: only Gets for the same rank at
-// the same address and incarnation share one (a stale and a fresh address
-// of a restarted rank must not share the first one's metadata).
+// the same address share one (a stale and a fresh address of a restarted
+// rank must not share the first one's metadata).
 type callKey struct {
-	peer        peerKey
-	addr        string
-	incarnation uint64
+	peer peerKey
+	addr string
 }
 
 type inflight struct {
@@ -216,7 +215,7 @@ func (c *Client) get(ctx context.Context, t Target, expectTP int) (*Metadata, er
 		c.mu.Unlock()
 		return nil, fmt.Errorf("handshake: client closed: %w", net.ErrClosed)
 	}
-	ck := callKey{key, t.Addr, t.Incarnation}
+	ck := callKey{key, t.Addr}
 	call, ok := c.calls[ck]
 	if !ok {
 		call = &inflight{done: make(chan struct{})}
