@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"sync"
@@ -272,8 +273,11 @@ func (a *Agent) peerFor(ctx context.Context, addr string) (*peer, error) {
 				a.m.reconnects.Inc()
 			}
 			a.dials[addr]++
+			// The dial belongs to the agent, not to this caller: a caller
+			// that gives up leaves it running for the others waiting on p.
+			a.wg.Add(1)
 			a.mu.Unlock()
-			a.dial(ctx, p)
+			go a.dial(p)
 		} else {
 			a.mu.Unlock()
 		}
@@ -306,12 +310,22 @@ func (a *Agent) dropPeer(p *peer) {
 	a.mu.Unlock()
 }
 
-// dial connects p and closes p.ready.
-func (a *Agent) dial(ctx context.Context, p *peer) {
+// dial connects p and closes p.ready. It runs on the agent's goroutine
+// under the agent's context bounded by Config.HandshakeTimeout (address
+// resolution included), never under a caller's: every caller waiting on p
+// shares its outcome, whichever of them gives up first.
+func (a *Agent) dial(p *peer) {
+	defer a.wg.Done()
 	defer close(p.ready)
-	udp, err := net.ResolveUDPAddr("udp", p.addr)
+	ctx, cancel := context.WithTimeoutCause(a.ctx, a.cfg.HandshakeTimeout,
+		fmt.Errorf("transfer: dial %s: no handshake within Config.HandshakeTimeout %v: %w", p.addr, a.cfg.HandshakeTimeout, context.DeadlineExceeded))
+	defer cancel()
+	udp, err := resolveUDP(ctx, p.addr)
 	if err != nil {
-		p.err = fmt.Errorf("%w: transfer: peer address %q: %w", ErrInvalidArgument, p.addr, err)
+		if a.isClosed() {
+			err = errClosed()
+		}
+		p.err = err
 		return
 	}
 	tc := a.clientTLS.Clone()
@@ -326,6 +340,8 @@ func (a *Agent) dial(ctx context.Context, p *peer) {
 	if err != nil {
 		if a.isClosed() {
 			err = errClosed()
+		} else if ctx.Err() != nil {
+			err = context.Cause(ctx)
 		}
 		p.err = fmt.Errorf("%w: transfer: dial %s: %w", ErrUnavailable, p.addr, err)
 		return
@@ -343,6 +359,50 @@ func (a *Agent) dial(ctx context.Context, p *peer) {
 		return
 	}
 	go a.watch(p)
+}
+
+// resolveUDP resolves a peer's host:port with net.DefaultResolver under
+// ctx, so a slow name server cannot hold a dial past its deadline. Like
+// net.ResolveUDPAddr it prefers an IPv4 address. Errors: ErrInvalidArgument
+// for a malformed address or a name that does not exist, ErrUnavailable when
+// the lookup fails otherwise (context.Cause(ctx) when it ran out of time).
+func resolveUDP(ctx context.Context, addr string) (*net.UDPAddr, error) {
+	host, port, err := net.SplitHostPort(addr)
+	if err == nil && host == "" {
+		err = errors.New("no host")
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%w: transfer: peer address %q: %w", ErrInvalidArgument, addr, err)
+	}
+	pn, err := net.DefaultResolver.LookupPort(ctx, "udp", port)
+	if err != nil {
+		return nil, fmt.Errorf("%w: transfer: peer address %q: port: %w", ErrInvalidArgument, addr, err)
+	}
+	if ip, err := netip.ParseAddr(host); err == nil {
+		return net.UDPAddrFromAddrPort(netip.AddrPortFrom(ip, uint16(pn))), nil
+	}
+	ips, err := net.DefaultResolver.LookupNetIP(ctx, "ip", host)
+	if err != nil {
+		var de *net.DNSError
+		if errors.As(err, &de) && de.IsNotFound {
+			return nil, fmt.Errorf("%w: transfer: peer address %q: %w", ErrInvalidArgument, addr, err)
+		}
+		if ctx.Err() != nil {
+			err = context.Cause(ctx)
+		}
+		return nil, fmt.Errorf("%w: transfer: resolve peer address %q: %w", ErrUnavailable, addr, err)
+	}
+	if len(ips) == 0 {
+		return nil, fmt.Errorf("%w: transfer: peer address %q: host has no address", ErrInvalidArgument, addr)
+	}
+	best := ips[0]
+	for _, ip := range ips {
+		if ip.Unmap().Is4() {
+			best = ip
+			break
+		}
+	}
+	return net.UDPAddrFromAddrPort(netip.AddrPortFrom(best.Unmap(), uint16(pn))), nil
 }
 
 // watch follows one dialed connection: it records whether 0-RTT was

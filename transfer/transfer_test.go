@@ -509,3 +509,40 @@ func TestReleaseAfterServedTransfer(t *testing.T) {
 	require.NoError(t, srv.Close())
 	require.Empty(t, released, "no Release for a refused access")
 }
+
+// TestSharedDialOutlivesFirstCaller: the caller whose call started a dial
+// gives up at once; a second caller waiting on the same peer still gets the
+// connection, and only one dial was made.
+func TestSharedDialOutlivesFirstCaller(t *testing.T) {
+	pc := testutil.ListenUDP(t, 20*time.Millisecond) // the dial takes a few round trips of 40 ms
+	var handshakes atomic.Int32
+	srv := startAgent(t, Config{PacketConn: pc, OnHandshake: func(context.Context, *v1.HandshakeRequest) *v1.HandshakeResponse {
+		handshakes.Add(1)
+		return &v1.HandshakeResponse{}
+	}})
+	cli := startAgent(t, Config{})
+	peer := srv.Addr().String()
+
+	gone := errors.New("first caller gave up")
+	ctx, cancel := context.WithCancelCause(context.Background())
+	cancel(gone)
+	_, err := cli.Handshake(ctx, peer, &v1.HandshakeRequest{})
+	require.ErrorIs(t, err, gone, "the aborted caller returns its own cause")
+	require.Equal(t, 1, cli.DialCount(peer), "the aborted call started the dial")
+
+	_, err = cli.Handshake(ctxT(t, 10*time.Second), peer, &v1.HandshakeRequest{})
+	require.NoError(t, err, "the dial kept going for the second caller")
+	require.Equal(t, 1, cli.DialCount(peer), "the second caller shared the first dial")
+	require.Equal(t, int32(1), handshakes.Load())
+}
+
+// TestDialBoundedByHandshakeTimeout dials a socket that never answers: the
+// dial ends after Config.HandshakeTimeout, not at the caller's deadline.
+func TestDialBoundedByHandshakeTimeout(t *testing.T) {
+	silent := testutil.ListenUDP(t, 0)
+	cli := startAgent(t, Config{HandshakeTimeout: testutil.Scaled(300 * time.Millisecond)})
+	ctx := ctxT(t, 60*time.Second)
+	_, err := cli.Handshake(ctx, silent.LocalAddr().String(), &v1.HandshakeRequest{})
+	require.ErrorIs(t, err, ErrUnavailable)
+	require.NoError(t, ctx.Err(), "the caller's deadline was not what ended the dial")
+}

@@ -424,3 +424,37 @@ func TestReadFull(t *testing.T) {
 		})
 	}
 }
+
+func TestResolveUDP(t *testing.T) {
+	tests := []struct {
+		name string
+		addr string
+		want string
+		err  error
+	}{
+		{"IPv4 literal", "127.0.0.1:4791", "127.0.0.1:4791", nil},
+		{"IPv6 literal", "[::1]:5", "[::1]:5", nil},
+		{"localhost prefers IPv4", "localhost:7", "127.0.0.1:7", nil},
+		{"no port", "127.0.0.1", "", ErrInvalidArgument},
+		{"no host", ":4791", "", ErrInvalidArgument},
+		{"bad port", "127.0.0.1:notaport", "", ErrInvalidArgument},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := resolveUDP(context.Background(), tt.addr)
+			if tt.err != nil {
+				require.ErrorIs(t, err, tt.err)
+				require.ErrorContains(t, err, tt.addr)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tt.want, got.String())
+		})
+	}
+	t.Run("cancelled lookup", func(t *testing.T) {
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		_, err := resolveUDP(ctx, "kvsidecar-peer.example:4791")
+		require.Error(t, err, "a name is not resolved under a cancelled context")
+	})
+}
