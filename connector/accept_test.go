@@ -364,3 +364,17 @@ func TestLeasedBlocksAreGuarded(t *testing.T) {
 	dec.check(t, 4, local2, 0)
 	require.Equal(t, used-3, pool.Stats().BlocksUsed, "the last lease frees the shared blocks")
 }
+
+// TestStartLoadIntoFreeBlocksRefused: a READ may write only into allocated
+// blocks (a free block can sit in a reserve page that a lower limit
+// unmaps mid-READ).
+func TestStartLoadIntoFreeBlocksRefused(t *testing.T) {
+	pre := newInstance(t, instOpts{engine: "prefill", tp: 1, geom: gqa8})
+	dec := newInstance(t, instOpts{engine: "decode", tp: 1, geom: gqa8})
+	params := pre.finish(t, "r", pre.alloc(t, 2))
+	local := dec.alloc(t, 1)
+	err := dec.ranks[0].StartLoad(t.Context(), &v1.ReqMeta{RequestId: "r", LocalBlockIds: []uint32{local[0], local[0] + 1}, Params: params})
+	require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, codes.Of(err), "%v", err)
+	require.ErrorContains(t, err, "local_block_ids")
+	require.Equal(t, 0, dec.ranks[0].Stats().LoadsInFlight)
+}

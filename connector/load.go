@@ -52,6 +52,14 @@ func (r *Rank) StartLoad(ctx context.Context, meta *v1.ReqMeta) error {
 	if err != nil {
 		return err
 	}
+	// A READ must write only into allocated blocks: a free block may sit in
+	// a reserve page that a lower memory limit unmaps mid-READ. Under
+	// coordinated ownership only rank 0 knows which blocks are allocated.
+	if r.cfg.Ownership == v1.Ownership_OWNERSHIP_LOCAL {
+		if err := r.pool.CheckAllocated(local); err != nil {
+			return fmt.Errorf("%w: local_block_ids: %w", ErrInvalidArgument, err)
+		}
+	}
 	if n, m := len(local), len(p.GetRemoteBlockIds()); n > m {
 		return fmt.Errorf("%w: %d local_block_ids for %d remote_block_ids: the local blocks must not outnumber the remote ones", ErrInvalidArgument, n, m)
 	}
