@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"net"
 	"sync"
 	"time"
 
@@ -51,14 +52,18 @@ type Result struct {
 
 // DescList is a descriptor list of a peer's memory prepared once on the
 // connection to that peer (NIXL prep_xfer_dlist). It is re-prepared
-// transparently after a reconnect. Safe for concurrent use.
+// transparently after a reconnect. The peer holds it until Close or until
+// the connection ends, and bounds what one connection may hold
+// (Config.MaxPreparedDescsPerConn). Safe for concurrent use.
 type DescList struct {
+	a     *Agent
 	peer  string
 	id    uint64
 	descs []Desc
 
 	mu     sync.Mutex
 	onConn *quic.Conn
+	closed bool
 }
 
 // Len is the number of descriptors in the list.
@@ -71,7 +76,7 @@ func (a *Agent) Prepare(ctx context.Context, peer string, descs []Desc) (*DescLi
 	if len(descs) == 0 || len(descs) > a.cfg.MaxDescsPerTransfer {
 		return nil, errorf(v1.Code_CODE_INVALID_ARGUMENT, "descriptor list of %d entries, want 1..%d", len(descs), a.cfg.MaxDescsPerTransfer)
 	}
-	l := &DescList{peer: peer, id: a.nextList.Add(1), descs: append([]Desc(nil), descs...)}
+	l := &DescList{a: a, peer: peer, id: a.nextList.Add(1), descs: append([]Desc(nil), descs...)}
 	p, err := a.peerFor(ctx, peer)
 	if err != nil {
 		return nil, err
@@ -82,9 +87,47 @@ func (a *Agent) Prepare(ctx context.Context, peer string, descs []Desc) (*DescLi
 	return l, nil
 }
 
+// Close releases the list on the peer (an UnprepDescList on the connection
+// it was prepared on), so its descriptors stop counting against the peer's
+// per-connection bound; transfers naming it afterwards fail with
+// ErrInvalidArgument. When that connection is gone there is nothing to
+// release and Close returns nil. A transfer still running with the list is
+// unaffected once the peer resolved its indices; one starting concurrently
+// may fail with ErrNotFound. Errors: the peer's class, ErrUnavailable,
+// context.Cause(ctx); a second Close returns an error wrapping net.ErrClosed.
+func (l *DescList) Close(ctx context.Context) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return fmt.Errorf("transfer: descriptor list %d already closed: %w", l.id, net.ErrClosed)
+	}
+	l.closed = true
+	conn := l.onConn
+	l.onConn = nil
+	if conn == nil || conn.Context().Err() != nil {
+		return nil
+	}
+	resp, err := l.a.exchange(ctx, conn, &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1,
+		Body: &v1.PeerRequest_Unprep{Unprep: &v1.UnprepDescList{DlistId: l.id}}}, false)
+	if err != nil {
+		if conn.Context().Err() != nil && ctx.Err() == nil {
+			return nil // the connection, and the list with it, ended meanwhile
+		}
+		return l.a.streamErr(ctx, l.peer, err)
+	}
+	ub, ok := resp.GetBody().(*v1.PeerResponse_Unprep)
+	if !ok {
+		return errorf(v1.Code_CODE_INTERNAL, "peer %s answered an unprepare with %T", l.peer, resp.GetBody())
+	}
+	return codes.FromProto(l.peer, ub.Unprep)
+}
+
 func (a *Agent) ensurePrepared(ctx context.Context, p *peer, l *DescList) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if l.closed {
+		return fmt.Errorf("%w: transfer: descriptor list %d for %s was closed: %w", ErrInvalidArgument, l.id, l.peer, net.ErrClosed)
+	}
 	if l.onConn == p.conn {
 		return nil
 	}

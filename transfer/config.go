@@ -32,6 +32,10 @@ const (
 	DefaultHandshakeTimeout    = 5 * time.Second
 	DefaultMaxIncomingStreams  = 1024
 	DefaultMaxDescsPerTransfer = 1 << 16
+	// DefaultMaxPreparedDescsPerConn is 16 full lists of
+	// DefaultMaxDescsPerTransfer, about 40 MiB of server state per
+	// connection at 40 bytes a descriptor.
+	DefaultMaxPreparedDescsPerConn = 1 << 20
 )
 
 // Access is what the serving agent asks Config.Authorize about before it
@@ -131,6 +135,12 @@ type Config struct {
 	// MaxDescsPerTransfer bounds descriptors per transfer or prepared list.
 	// Default 65,536.
 	MaxDescsPerTransfer int
+	// MaxPreparedDescsPerConn bounds the descriptors of all lists a peer
+	// has prepared on one connection it dialed to this agent; a Prepare
+	// beyond it is refused with ErrBusy until the peer releases lists
+	// (DescList.Close) or reconnects. Default
+	// DefaultMaxPreparedDescsPerConn (1,048,576).
+	MaxPreparedDescsPerConn int
 	// QlogDir, when set, receives one qlog file per connection
 	// (<odcid>_<client|server>.sqlog). Default "" (off).
 	QlogDir string
@@ -180,6 +190,9 @@ func (c *Config) withDefaults() *Config {
 	if out.MaxDescsPerTransfer == 0 {
 		out.MaxDescsPerTransfer = DefaultMaxDescsPerTransfer
 	}
+	if out.MaxPreparedDescsPerConn == 0 {
+		out.MaxPreparedDescsPerConn = DefaultMaxPreparedDescsPerConn
+	}
 	if out.Logger == nil {
 		out.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
@@ -202,6 +215,8 @@ func (c *Config) validate() error {
 		return fmt.Errorf("transfer: Config.KeepAlivePeriod, MaxIdleTimeout and HandshakeTimeout must be >= 0")
 	case c.MaxDescsPerTransfer < 1:
 		return fmt.Errorf("transfer: Config.MaxDescsPerTransfer %d must be >= 1", c.MaxDescsPerTransfer)
+	case c.MaxPreparedDescsPerConn < 1:
+		return fmt.Errorf("transfer: Config.MaxPreparedDescsPerConn %d must be >= 1", c.MaxPreparedDescsPerConn)
 	case c.ServerTLS != nil && len(c.ServerTLS.Certificates) == 0 && c.ServerTLS.GetCertificate == nil && c.ServerTLS.GetConfigForClient == nil:
 		return fmt.Errorf("transfer: Config.ServerTLS must carry a certificate")
 	case c.ServerTLS != nil && c.ServerTLS.ClientCAs == nil && c.ServerTLS.GetConfigForClient == nil:

@@ -27,8 +27,9 @@ type servedConn struct {
 	budget  *budget
 	notifMu sync.Mutex
 
-	mu     sync.Mutex
-	dlists map[uint64][]span
+	mu       sync.Mutex
+	dlists   map[uint64][]span
+	prepared int // descriptors of all lists in dlists
 }
 
 func (a *Agent) acceptLoop() {
@@ -133,8 +134,18 @@ func (a *Agent) serveStream(sc *servedConn, str *quic.Stream) {
 		}
 		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Heartbeat{Heartbeat: resp}})
 	case *v1.PeerRequest_Prep:
+		// Prepared lists are state a replayed 0-RTT request could pile up.
+		if waitHandshake(sc) != nil {
+			return
+		}
 		err := a.prepare(sc, body.Prep)
 		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Prep{Prep: codes.ToProto(err)}})
+	case *v1.PeerRequest_Unprep:
+		if waitHandshake(sc) != nil {
+			return
+		}
+		err := a.unprepare(sc, body.Unprep)
+		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Unprep{Unprep: codes.ToProto(err)}})
 	case *v1.PeerRequest_Notification:
 		if waitHandshake(sc) != nil {
 			return
@@ -165,6 +176,8 @@ func errorResponse(req *v1.PeerRequest, err error) *v1.PeerResponse {
 		return &v1.PeerResponse{Body: &v1.PeerResponse_Notification{Notification: &v1.NotificationAck{Error: pe}}}
 	case *v1.PeerRequest_Xfer:
 		return &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{Error: pe}}}
+	case *v1.PeerRequest_Unprep:
+		return &v1.PeerResponse{Body: &v1.PeerResponse_Unprep{Unprep: pe}}
 	}
 	return &v1.PeerResponse{Body: &v1.PeerResponse_Prep{Prep: pe}}
 }
@@ -199,7 +212,25 @@ func (a *Agent) prepare(sc *servedConn, p *v1.PrepDescList) error {
 	if len(sc.dlists) >= maxListsPerConn {
 		return errorf(v1.Code_CODE_BUSY, "connection already holds %d descriptor lists", maxListsPerConn)
 	}
+	if limit := a.cfg.MaxPreparedDescsPerConn; len(spans) > limit-sc.prepared {
+		return errorf(v1.Code_CODE_BUSY, "descriptor list %d: %d descriptors on top of the %d prepared on this connection exceed its limit of %d",
+			p.GetDlistId(), len(spans), sc.prepared, limit)
+	}
 	sc.dlists[p.GetDlistId()] = spans
+	sc.prepared += len(spans)
+	return nil
+}
+
+// unprepare releases a descriptor list of this connection.
+func (a *Agent) unprepare(sc *servedConn, u *v1.UnprepDescList) error {
+	sc.mu.Lock()
+	defer sc.mu.Unlock()
+	spans, ok := sc.dlists[u.GetDlistId()]
+	if !ok {
+		return errorf(v1.Code_CODE_NOT_FOUND, "descriptor list %d is not prepared on this connection", u.GetDlistId())
+	}
+	delete(sc.dlists, u.GetDlistId())
+	sc.prepared -= len(spans)
 	return nil
 }
 

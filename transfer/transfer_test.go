@@ -546,3 +546,45 @@ func TestDialBoundedByHandshakeTimeout(t *testing.T) {
 	require.ErrorIs(t, err, ErrUnavailable)
 	require.NoError(t, ctx.Err(), "the caller's deadline was not what ended the dial")
 }
+
+// TestPreparedListsBoundedAndReleased: a connection may hold at most
+// Config.MaxPreparedDescsPerConn prepared descriptors; DescList.Close
+// releases a list on the peer, making room again.
+func TestPreparedListsBoundedAndReleased(t *testing.T) {
+	const pg = 4096
+	srvMem, cliMem := mmapRegion(t, 4*pg), mmapRegion(t, 4*pg)
+	fill(srvMem, 5)
+	srvReg, cliReg := SliceRegion(srvMem, 0, 0), SliceRegion(cliMem, 0, 0)
+	srv := startAgent(t, Config{Regions: []Region{srvReg}, Authorize: allowAll, MaxPreparedDescsPerConn: 3})
+	cli := startAgent(t, Config{Regions: []Region{cliReg}})
+	peer := srv.Addr().String()
+	two := []Desc{{Addr: srvReg.Base, Len: pg}, {Addr: srvReg.Base + pg, Len: pg}}
+
+	first, err := cli.Prepare(ctxT(t, 10*time.Second), peer, two)
+	require.NoError(t, err)
+	_, err = cli.Prepare(ctxT(t, 10*time.Second), peer, two)
+	require.ErrorIs(t, err, ErrBusy)
+	require.ErrorContains(t, err, "2 descriptors on top of the 2 prepared on this connection exceed its limit of 3")
+
+	require.NoError(t, first.Close(ctxT(t, 10*time.Second)))
+	require.ErrorIs(t, first.Close(ctxT(t, 10*time.Second)), net.ErrClosed)
+	_, err = cli.Transfer(ctxT(t, 10*time.Second), &Xfer{Op: OpRead, Peer: peer,
+		Local: []Desc{{Addr: cliReg.Base, Len: pg}}, RemoteList: first, Indices: []uint32{0}})
+	require.ErrorIs(t, err, ErrInvalidArgument)
+	require.ErrorIs(t, err, net.ErrClosed)
+
+	second, err := cli.Prepare(ctxT(t, 10*time.Second), peer, two)
+	require.NoError(t, err, "the closed list's descriptors were released on the peer")
+	_, err = cli.Transfer(ctxT(t, 10*time.Second), &Xfer{Op: OpRead, Peer: peer,
+		Local: []Desc{{Addr: cliReg.Base, Len: pg}}, RemoteList: second, Indices: []uint32{1}})
+	require.NoError(t, err)
+	require.Equal(t, srvMem[pg:2*pg], cliMem[:pg])
+
+	t.Run("close after the connection ended", func(t *testing.T) {
+		cli.Disconnect(peer)
+		require.NoError(t, second.Close(ctxT(t, 10*time.Second)), "nothing is left to release")
+		third, err := cli.Prepare(ctxT(t, 10*time.Second), peer, two)
+		require.NoError(t, err, "a new connection starts with an empty bound")
+		require.NoError(t, third.Close(ctxT(t, 10*time.Second)))
+	})
+}

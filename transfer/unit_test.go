@@ -135,6 +135,7 @@ func TestConfigValidate(t *testing.T) {
 		{"server without client CAs", &Config{ServerTLS: noCA}, "ClientCAs"},
 		{"region of zero length", &Config{Regions: []Region{{Base: 4096, Mem: SliceMemory(nil)}}}, "Len must be > 0"},
 		{"overflowing region", &Config{Regions: []Region{{Base: math.MaxUint64, Len: 2, Mem: SliceMemory(nil)}}}, "overflows"},
+		{"negative prepared bound", &Config{MaxPreparedDescsPerConn: -1}, "Config.MaxPreparedDescsPerConn -1 must be >= 1"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -243,6 +243,54 @@ func (x *PrepDescList) GetDescs() *DescriptorList {
 	return nil
 }
 
+// UnprepDescList releases a descriptor list prepared on this connection, so
+// its slots count no longer against the connection's bound. Lists are also
+// released when the connection closes. Answered with PeerResponse.unprep:
+// no error, or CODE_NOT_FOUND when the list is not prepared.
+type UnprepDescList struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	DlistId       uint64                 `protobuf:"varint,1,opt,name=dlist_id,json=dlistId,proto3" json:"dlist_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UnprepDescList) Reset() {
+	*x = UnprepDescList{}
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UnprepDescList) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UnprepDescList) ProtoMessage() {}
+
+func (x *UnprepDescList) ProtoReflect() protoreflect.Message {
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UnprepDescList.ProtoReflect.Descriptor instead.
+func (*UnprepDescList) Descriptor() ([]byte, []int) {
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *UnprepDescList) GetDlistId() uint64 {
+	if x != nil {
+		return x.DlistId
+	}
+	return 0
+}
+
 // IndexedDescs names entries of a prepared descriptor list, NIXL style:
 // index = region * num_blocks + block_id.
 type IndexedDescs struct {
@@ -255,7 +303,7 @@ type IndexedDescs struct {
 
 func (x *IndexedDescs) Reset() {
 	*x = IndexedDescs{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[3]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -267,7 +315,7 @@ func (x *IndexedDescs) String() string {
 func (*IndexedDescs) ProtoMessage() {}
 
 func (x *IndexedDescs) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[3]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -280,7 +328,7 @@ func (x *IndexedDescs) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use IndexedDescs.ProtoReflect.Descriptor instead.
 func (*IndexedDescs) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{3}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *IndexedDescs) GetDlistId() uint64 {
@@ -323,7 +371,7 @@ type XferRequest struct {
 
 func (x *XferRequest) Reset() {
 	*x = XferRequest{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[4]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -335,7 +383,7 @@ func (x *XferRequest) String() string {
 func (*XferRequest) ProtoMessage() {}
 
 func (x *XferRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[4]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -348,7 +396,7 @@ func (x *XferRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use XferRequest.ProtoReflect.Descriptor instead.
 func (*XferRequest) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{4}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *XferRequest) GetOp() XferOp {
@@ -450,7 +498,7 @@ type XferStatus struct {
 
 func (x *XferStatus) Reset() {
 	*x = XferStatus{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[5]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -462,7 +510,7 @@ func (x *XferStatus) String() string {
 func (*XferStatus) ProtoMessage() {}
 
 func (x *XferStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[5]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -475,7 +523,7 @@ func (x *XferStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use XferStatus.ProtoReflect.Descriptor instead.
 func (*XferStatus) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{5}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *XferStatus) GetError() *Error {
@@ -519,7 +567,7 @@ type Notification struct {
 
 func (x *Notification) Reset() {
 	*x = Notification{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[6]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -531,7 +579,7 @@ func (x *Notification) String() string {
 func (*Notification) ProtoMessage() {}
 
 func (x *Notification) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[6]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -544,7 +592,7 @@ func (x *Notification) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Notification.ProtoReflect.Descriptor instead.
 func (*Notification) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{6}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Notification) GetRequestId() string {
@@ -600,7 +648,7 @@ type NotificationAck struct {
 
 func (x *NotificationAck) Reset() {
 	*x = NotificationAck{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[7]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -612,7 +660,7 @@ func (x *NotificationAck) String() string {
 func (*NotificationAck) ProtoMessage() {}
 
 func (x *NotificationAck) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[7]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -625,7 +673,7 @@ func (x *NotificationAck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NotificationAck.ProtoReflect.Descriptor instead.
 func (*NotificationAck) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{7}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *NotificationAck) GetError() *Error {
@@ -650,7 +698,7 @@ type Heartbeat struct {
 
 func (x *Heartbeat) Reset() {
 	*x = Heartbeat{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[8]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -662,7 +710,7 @@ func (x *Heartbeat) String() string {
 func (*Heartbeat) ProtoMessage() {}
 
 func (x *Heartbeat) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[8]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -675,7 +723,7 @@ func (x *Heartbeat) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Heartbeat.ProtoReflect.Descriptor instead.
 func (*Heartbeat) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{8}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Heartbeat) GetRequestIds() []string {
@@ -719,7 +767,7 @@ type HeartbeatAck struct {
 
 func (x *HeartbeatAck) Reset() {
 	*x = HeartbeatAck{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[9]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -731,7 +779,7 @@ func (x *HeartbeatAck) String() string {
 func (*HeartbeatAck) ProtoMessage() {}
 
 func (x *HeartbeatAck) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[9]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -744,7 +792,7 @@ func (x *HeartbeatAck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatAck.ProtoReflect.Descriptor instead.
 func (*HeartbeatAck) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{9}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *HeartbeatAck) GetError() *Error {
@@ -772,6 +820,7 @@ type PeerRequest struct {
 	//	*PeerRequest_Xfer
 	//	*PeerRequest_Notification
 	//	*PeerRequest_Heartbeat
+	//	*PeerRequest_Unprep
 	Body          isPeerRequest_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -779,7 +828,7 @@ type PeerRequest struct {
 
 func (x *PeerRequest) Reset() {
 	*x = PeerRequest{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[10]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -791,7 +840,7 @@ func (x *PeerRequest) String() string {
 func (*PeerRequest) ProtoMessage() {}
 
 func (x *PeerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[10]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -804,7 +853,7 @@ func (x *PeerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PeerRequest.ProtoReflect.Descriptor instead.
 func (*PeerRequest) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{10}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *PeerRequest) GetWireVersion() WireVersion {
@@ -866,6 +915,15 @@ func (x *PeerRequest) GetHeartbeat() *Heartbeat {
 	return nil
 }
 
+func (x *PeerRequest) GetUnprep() *UnprepDescList {
+	if x != nil {
+		if x, ok := x.Body.(*PeerRequest_Unprep); ok {
+			return x.Unprep
+		}
+	}
+	return nil
+}
+
 type isPeerRequest_Body interface {
 	isPeerRequest_Body()
 }
@@ -890,6 +948,10 @@ type PeerRequest_Heartbeat struct {
 	Heartbeat *Heartbeat `protobuf:"bytes,6,opt,name=heartbeat,proto3,oneof"`
 }
 
+type PeerRequest_Unprep struct {
+	Unprep *UnprepDescList `protobuf:"bytes,7,opt,name=unprep,proto3,oneof"`
+}
+
 func (*PeerRequest_Handshake) isPeerRequest_Body() {}
 
 func (*PeerRequest_Prep) isPeerRequest_Body() {}
@@ -899,6 +961,8 @@ func (*PeerRequest_Xfer) isPeerRequest_Body() {}
 func (*PeerRequest_Notification) isPeerRequest_Body() {}
 
 func (*PeerRequest_Heartbeat) isPeerRequest_Body() {}
+
+func (*PeerRequest_Unprep) isPeerRequest_Body() {}
 
 // PeerResponse answers a PeerRequest (one per request; READ data follows a
 // PeerResponse carrying XferStatus, then a final PeerResponse).
@@ -911,6 +975,7 @@ type PeerResponse struct {
 	//	*PeerResponse_Xfer
 	//	*PeerResponse_Notification
 	//	*PeerResponse_Heartbeat
+	//	*PeerResponse_Unprep
 	Body          isPeerResponse_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -918,7 +983,7 @@ type PeerResponse struct {
 
 func (x *PeerResponse) Reset() {
 	*x = PeerResponse{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[11]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -930,7 +995,7 @@ func (x *PeerResponse) String() string {
 func (*PeerResponse) ProtoMessage() {}
 
 func (x *PeerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[11]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -943,7 +1008,7 @@ func (x *PeerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PeerResponse.ProtoReflect.Descriptor instead.
 func (*PeerResponse) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{11}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *PeerResponse) GetBody() isPeerResponse_Body {
@@ -998,6 +1063,15 @@ func (x *PeerResponse) GetHeartbeat() *HeartbeatAck {
 	return nil
 }
 
+func (x *PeerResponse) GetUnprep() *Error {
+	if x != nil {
+		if x, ok := x.Body.(*PeerResponse_Unprep); ok {
+			return x.Unprep
+		}
+	}
+	return nil
+}
+
 type isPeerResponse_Body interface {
 	isPeerResponse_Body()
 }
@@ -1022,6 +1096,11 @@ type PeerResponse_Heartbeat struct {
 	Heartbeat *HeartbeatAck `protobuf:"bytes,5,opt,name=heartbeat,proto3,oneof"`
 }
 
+type PeerResponse_Unprep struct {
+	// Answers an UnprepDescList.
+	Unprep *Error `protobuf:"bytes,6,opt,name=unprep,proto3,oneof"`
+}
+
 func (*PeerResponse_Handshake) isPeerResponse_Body() {}
 
 func (*PeerResponse_Prep) isPeerResponse_Body() {}
@@ -1031,6 +1110,8 @@ func (*PeerResponse_Xfer) isPeerResponse_Body() {}
 func (*PeerResponse_Notification) isPeerResponse_Body() {}
 
 func (*PeerResponse_Heartbeat) isPeerResponse_Body() {}
+
+func (*PeerResponse_Unprep) isPeerResponse_Body() {}
 
 var File_kvsidecar_v1_xfer_proto protoreflect.FileDescriptor
 
@@ -1046,7 +1127,9 @@ const file_kvsidecar_v1_xfer_proto_rawDesc = "" +
 	"\x05descs\x18\x01 \x03(\v2\x18.kvsidecar.v1.DescriptorR\x05descs\"]\n" +
 	"\fPrepDescList\x12\x19\n" +
 	"\bdlist_id\x18\x01 \x01(\x04R\adlistId\x122\n" +
-	"\x05descs\x18\x02 \x01(\v2\x1c.kvsidecar.v1.DescriptorListR\x05descs\"C\n" +
+	"\x05descs\x18\x02 \x01(\v2\x1c.kvsidecar.v1.DescriptorListR\x05descs\"+\n" +
+	"\x0eUnprepDescList\x12\x19\n" +
+	"\bdlist_id\x18\x01 \x01(\x04R\adlistId\"C\n" +
 	"\fIndexedDescs\x12\x19\n" +
 	"\bdlist_id\x18\x01 \x01(\x04R\adlistId\x12\x18\n" +
 	"\aindices\x18\x02 \x03(\rR\aindices\"\xb9\x02\n" +
@@ -1088,21 +1171,23 @@ const file_kvsidecar_v1_xfer_proto_rawDesc = "" +
 	"\fcapabilities\x18\x04 \x03(\fR\fcapabilities\"l\n" +
 	"\fHeartbeatAck\x12)\n" +
 	"\x05error\x18\x01 \x01(\v2\x13.kvsidecar.v1.ErrorR\x05error\x121\n" +
-	"\x15lease_expires_unix_ms\x18\x02 \x03(\x03R\x12leaseExpiresUnixMs\"\xf1\x02\n" +
+	"\x15lease_expires_unix_ms\x18\x02 \x03(\x03R\x12leaseExpiresUnixMs\"\xa9\x03\n" +
 	"\vPeerRequest\x12<\n" +
 	"\fwire_version\x18\x01 \x01(\x0e2\x19.kvsidecar.v1.WireVersionR\vwireVersion\x12>\n" +
 	"\thandshake\x18\x02 \x01(\v2\x1e.kvsidecar.v1.HandshakeRequestH\x00R\thandshake\x120\n" +
 	"\x04prep\x18\x03 \x01(\v2\x1a.kvsidecar.v1.PrepDescListH\x00R\x04prep\x12/\n" +
 	"\x04xfer\x18\x04 \x01(\v2\x19.kvsidecar.v1.XferRequestH\x00R\x04xfer\x12@\n" +
 	"\fnotification\x18\x05 \x01(\v2\x1a.kvsidecar.v1.NotificationH\x00R\fnotification\x127\n" +
-	"\theartbeat\x18\x06 \x01(\v2\x17.kvsidecar.v1.HeartbeatH\x00R\theartbeatB\x06\n" +
-	"\x04body\"\xb3\x02\n" +
+	"\theartbeat\x18\x06 \x01(\v2\x17.kvsidecar.v1.HeartbeatH\x00R\theartbeat\x126\n" +
+	"\x06unprep\x18\a \x01(\v2\x1c.kvsidecar.v1.UnprepDescListH\x00R\x06unprepB\x06\n" +
+	"\x04body\"\xe2\x02\n" +
 	"\fPeerResponse\x12?\n" +
 	"\thandshake\x18\x01 \x01(\v2\x1f.kvsidecar.v1.HandshakeResponseH\x00R\thandshake\x12)\n" +
 	"\x04prep\x18\x02 \x01(\v2\x13.kvsidecar.v1.ErrorH\x00R\x04prep\x12.\n" +
 	"\x04xfer\x18\x03 \x01(\v2\x18.kvsidecar.v1.XferStatusH\x00R\x04xfer\x12C\n" +
 	"\fnotification\x18\x04 \x01(\v2\x1d.kvsidecar.v1.NotificationAckH\x00R\fnotification\x12:\n" +
-	"\theartbeat\x18\x05 \x01(\v2\x1a.kvsidecar.v1.HeartbeatAckH\x00R\theartbeatB\x06\n" +
+	"\theartbeat\x18\x05 \x01(\v2\x1a.kvsidecar.v1.HeartbeatAckH\x00R\theartbeat\x12-\n" +
+	"\x06unprep\x18\x06 \x01(\v2\x13.kvsidecar.v1.ErrorH\x00R\x06unprepB\x06\n" +
 	"\x04body*F\n" +
 	"\x06XferOp\x12\x17\n" +
 	"\x13XFER_OP_UNSPECIFIED\x10\x00\x12\x10\n" +
@@ -1122,51 +1207,54 @@ func file_kvsidecar_v1_xfer_proto_rawDescGZIP() []byte {
 }
 
 var file_kvsidecar_v1_xfer_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvsidecar_v1_xfer_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
+var file_kvsidecar_v1_xfer_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
 var file_kvsidecar_v1_xfer_proto_goTypes = []any{
 	(XferOp)(0),               // 0: kvsidecar.v1.XferOp
 	(*Descriptor)(nil),        // 1: kvsidecar.v1.Descriptor
 	(*DescriptorList)(nil),    // 2: kvsidecar.v1.DescriptorList
 	(*PrepDescList)(nil),      // 3: kvsidecar.v1.PrepDescList
-	(*IndexedDescs)(nil),      // 4: kvsidecar.v1.IndexedDescs
-	(*XferRequest)(nil),       // 5: kvsidecar.v1.XferRequest
-	(*XferStatus)(nil),        // 6: kvsidecar.v1.XferStatus
-	(*Notification)(nil),      // 7: kvsidecar.v1.Notification
-	(*NotificationAck)(nil),   // 8: kvsidecar.v1.NotificationAck
-	(*Heartbeat)(nil),         // 9: kvsidecar.v1.Heartbeat
-	(*HeartbeatAck)(nil),      // 10: kvsidecar.v1.HeartbeatAck
-	(*PeerRequest)(nil),       // 11: kvsidecar.v1.PeerRequest
-	(*PeerResponse)(nil),      // 12: kvsidecar.v1.PeerResponse
-	(*Error)(nil),             // 13: kvsidecar.v1.Error
-	(WireVersion)(0),          // 14: kvsidecar.v1.WireVersion
-	(*HandshakeRequest)(nil),  // 15: kvsidecar.v1.HandshakeRequest
-	(*HandshakeResponse)(nil), // 16: kvsidecar.v1.HandshakeResponse
+	(*UnprepDescList)(nil),    // 4: kvsidecar.v1.UnprepDescList
+	(*IndexedDescs)(nil),      // 5: kvsidecar.v1.IndexedDescs
+	(*XferRequest)(nil),       // 6: kvsidecar.v1.XferRequest
+	(*XferStatus)(nil),        // 7: kvsidecar.v1.XferStatus
+	(*Notification)(nil),      // 8: kvsidecar.v1.Notification
+	(*NotificationAck)(nil),   // 9: kvsidecar.v1.NotificationAck
+	(*Heartbeat)(nil),         // 10: kvsidecar.v1.Heartbeat
+	(*HeartbeatAck)(nil),      // 11: kvsidecar.v1.HeartbeatAck
+	(*PeerRequest)(nil),       // 12: kvsidecar.v1.PeerRequest
+	(*PeerResponse)(nil),      // 13: kvsidecar.v1.PeerResponse
+	(*Error)(nil),             // 14: kvsidecar.v1.Error
+	(WireVersion)(0),          // 15: kvsidecar.v1.WireVersion
+	(*HandshakeRequest)(nil),  // 16: kvsidecar.v1.HandshakeRequest
+	(*HandshakeResponse)(nil), // 17: kvsidecar.v1.HandshakeResponse
 }
 var file_kvsidecar_v1_xfer_proto_depIdxs = []int32{
 	1,  // 0: kvsidecar.v1.DescriptorList.descs:type_name -> kvsidecar.v1.Descriptor
 	2,  // 1: kvsidecar.v1.PrepDescList.descs:type_name -> kvsidecar.v1.DescriptorList
 	0,  // 2: kvsidecar.v1.XferRequest.op:type_name -> kvsidecar.v1.XferOp
-	4,  // 3: kvsidecar.v1.XferRequest.indexed:type_name -> kvsidecar.v1.IndexedDescs
+	5,  // 3: kvsidecar.v1.XferRequest.indexed:type_name -> kvsidecar.v1.IndexedDescs
 	2,  // 4: kvsidecar.v1.XferRequest.list:type_name -> kvsidecar.v1.DescriptorList
-	13, // 5: kvsidecar.v1.XferStatus.error:type_name -> kvsidecar.v1.Error
-	13, // 6: kvsidecar.v1.NotificationAck.error:type_name -> kvsidecar.v1.Error
-	13, // 7: kvsidecar.v1.HeartbeatAck.error:type_name -> kvsidecar.v1.Error
-	14, // 8: kvsidecar.v1.PeerRequest.wire_version:type_name -> kvsidecar.v1.WireVersion
-	15, // 9: kvsidecar.v1.PeerRequest.handshake:type_name -> kvsidecar.v1.HandshakeRequest
+	14, // 5: kvsidecar.v1.XferStatus.error:type_name -> kvsidecar.v1.Error
+	14, // 6: kvsidecar.v1.NotificationAck.error:type_name -> kvsidecar.v1.Error
+	14, // 7: kvsidecar.v1.HeartbeatAck.error:type_name -> kvsidecar.v1.Error
+	15, // 8: kvsidecar.v1.PeerRequest.wire_version:type_name -> kvsidecar.v1.WireVersion
+	16, // 9: kvsidecar.v1.PeerRequest.handshake:type_name -> kvsidecar.v1.HandshakeRequest
 	3,  // 10: kvsidecar.v1.PeerRequest.prep:type_name -> kvsidecar.v1.PrepDescList
-	5,  // 11: kvsidecar.v1.PeerRequest.xfer:type_name -> kvsidecar.v1.XferRequest
-	7,  // 12: kvsidecar.v1.PeerRequest.notification:type_name -> kvsidecar.v1.Notification
-	9,  // 13: kvsidecar.v1.PeerRequest.heartbeat:type_name -> kvsidecar.v1.Heartbeat
-	16, // 14: kvsidecar.v1.PeerResponse.handshake:type_name -> kvsidecar.v1.HandshakeResponse
-	13, // 15: kvsidecar.v1.PeerResponse.prep:type_name -> kvsidecar.v1.Error
-	6,  // 16: kvsidecar.v1.PeerResponse.xfer:type_name -> kvsidecar.v1.XferStatus
-	8,  // 17: kvsidecar.v1.PeerResponse.notification:type_name -> kvsidecar.v1.NotificationAck
-	10, // 18: kvsidecar.v1.PeerResponse.heartbeat:type_name -> kvsidecar.v1.HeartbeatAck
-	19, // [19:19] is the sub-list for method output_type
-	19, // [19:19] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+	6,  // 11: kvsidecar.v1.PeerRequest.xfer:type_name -> kvsidecar.v1.XferRequest
+	8,  // 12: kvsidecar.v1.PeerRequest.notification:type_name -> kvsidecar.v1.Notification
+	10, // 13: kvsidecar.v1.PeerRequest.heartbeat:type_name -> kvsidecar.v1.Heartbeat
+	4,  // 14: kvsidecar.v1.PeerRequest.unprep:type_name -> kvsidecar.v1.UnprepDescList
+	17, // 15: kvsidecar.v1.PeerResponse.handshake:type_name -> kvsidecar.v1.HandshakeResponse
+	14, // 16: kvsidecar.v1.PeerResponse.prep:type_name -> kvsidecar.v1.Error
+	7,  // 17: kvsidecar.v1.PeerResponse.xfer:type_name -> kvsidecar.v1.XferStatus
+	9,  // 18: kvsidecar.v1.PeerResponse.notification:type_name -> kvsidecar.v1.NotificationAck
+	11, // 19: kvsidecar.v1.PeerResponse.heartbeat:type_name -> kvsidecar.v1.HeartbeatAck
+	14, // 20: kvsidecar.v1.PeerResponse.unprep:type_name -> kvsidecar.v1.Error
+	21, // [21:21] is the sub-list for method output_type
+	21, // [21:21] is the sub-list for method input_type
+	21, // [21:21] is the sub-list for extension type_name
+	21, // [21:21] is the sub-list for extension extendee
+	0,  // [0:21] is the sub-list for field type_name
 }
 
 func init() { file_kvsidecar_v1_xfer_proto_init() }
@@ -1176,23 +1264,25 @@ func file_kvsidecar_v1_xfer_proto_init() {
 	}
 	file_kvsidecar_v1_agent_proto_init()
 	file_kvsidecar_v1_common_proto_init()
-	file_kvsidecar_v1_xfer_proto_msgTypes[4].OneofWrappers = []any{
+	file_kvsidecar_v1_xfer_proto_msgTypes[5].OneofWrappers = []any{
 		(*XferRequest_Indexed)(nil),
 		(*XferRequest_List)(nil),
 	}
-	file_kvsidecar_v1_xfer_proto_msgTypes[10].OneofWrappers = []any{
+	file_kvsidecar_v1_xfer_proto_msgTypes[11].OneofWrappers = []any{
 		(*PeerRequest_Handshake)(nil),
 		(*PeerRequest_Prep)(nil),
 		(*PeerRequest_Xfer)(nil),
 		(*PeerRequest_Notification)(nil),
 		(*PeerRequest_Heartbeat)(nil),
+		(*PeerRequest_Unprep)(nil),
 	}
-	file_kvsidecar_v1_xfer_proto_msgTypes[11].OneofWrappers = []any{
+	file_kvsidecar_v1_xfer_proto_msgTypes[12].OneofWrappers = []any{
 		(*PeerResponse_Handshake)(nil),
 		(*PeerResponse_Prep)(nil),
 		(*PeerResponse_Xfer)(nil),
 		(*PeerResponse_Notification)(nil),
 		(*PeerResponse_Heartbeat)(nil),
+		(*PeerResponse_Unprep)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1200,7 +1290,7 @@ func file_kvsidecar_v1_xfer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvsidecar_v1_xfer_proto_rawDesc), len(file_kvsidecar_v1_xfer_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   12,
+			NumMessages:   13,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
