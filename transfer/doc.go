@@ -35,11 +35,12 @@
 //
 // One connection per remote address, dialed with DialEarly and a session
 // ticket cache keyed by address, so a returning peer reconnects in 0-RTT.
-// Only idempotent requests travel in 0-RTT: Handshake and Heartbeat. Prepare,
-// READ, WRITE and notifications wait for the handshake to complete, on the
-// dialer and again on the server, so replayed 0-RTT data can never move
-// bytes or count a consumer; a READ loses nothing by waiting since it follows
-// the handshake exchange anyway. When the server rejects 0-RTT the request is
+// Only the idempotent Handshake travels in 0-RTT. Heartbeat, Prepare and its
+// release (DescList.Close), READ, WRITE and notifications wait for the
+// handshake to complete, on the dialer and again on the server, so replayed
+// 0-RTT data can never move bytes, extend a lease, pile up prepared lists or
+// count a consumer; a READ loses nothing by waiting since it follows the
+// handshake exchange anyway. When the server rejects 0-RTT the request is
 // resent on the completed connection.
 //
 // # Checks on the serving side

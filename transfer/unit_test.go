@@ -185,6 +185,7 @@ func FuzzPeerRequest(f *testing.F) {
 		Descs: &v1.XferRequest_Indexed{Indexed: &v1.IndexedDescs{DlistId: 1, Indices: []uint32{0, 0, 5}}}}}}))
 	f.Add(frame(f, &v1.PeerRequest{WireVersion: v, Body: &v1.PeerRequest_Prep{Prep: &v1.PrepDescList{DlistId: 2,
 		Descs: descsToProto([]Desc{{Addr: 1<<20 + 4096, Len: 1 << 19}, {Addr: math.MaxUint64, Len: 2}})}}}))
+	f.Add(frame(f, &v1.PeerRequest{WireVersion: v, Body: &v1.PeerRequest_Unprep{Unprep: &v1.UnprepDescList{DlistId: 1}}}))
 	f.Add(frame(f, &v1.PeerRequest{WireVersion: v, Body: &v1.PeerRequest_Notification{Notification: &v1.Notification{RequestId: "r", Payload: []byte("x")}}}))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		a, sc := fuzzAgent()
@@ -194,7 +195,18 @@ func FuzzPeerRequest(f *testing.F) {
 		}
 		switch body := req.GetBody().(type) {
 		case *v1.PeerRequest_Prep:
-			_ = a.prepare(sc, body.Prep)
+			before := sc.prepared
+			if a.prepare(sc, body.Prep) == nil {
+				require.Equal(t, before+len(body.Prep.GetDescs().GetDescs()), sc.prepared)
+			}
+		case *v1.PeerRequest_Unprep:
+			err := a.unprepare(sc, body.Unprep)
+			if body.Unprep.GetDlistId() == 1 {
+				require.NoError(t, err, "list 1 is prepared by fuzzAgent")
+				require.Zero(t, sc.prepared)
+			} else {
+				require.ErrorIs(t, err, ErrNotFound)
+			}
 		case *v1.PeerRequest_Notification:
 			require.ErrorIs(t, a.notify(context.Background(), sc, body.Notification), func() error {
 				if body.Notification.GetRequestId() == "" {
