@@ -244,7 +244,7 @@ func (a *Agent) roundTrip(ctx context.Context, p *peer, req *v1.PeerRequest, ear
 }
 
 func (a *Agent) exchange(ctx context.Context, conn *quic.Conn, req *v1.PeerRequest, early bool) (*v1.PeerResponse, error) {
-	if !early {
+	if !early || noEarlyStreams {
 		if err := waitConn(ctx, conn); err != nil {
 			return nil, err
 		}
