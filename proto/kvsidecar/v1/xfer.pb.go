@@ -244,7 +244,7 @@ func (x *PrepDescList) GetDescs() *DescriptorList {
 }
 
 // UnprepDescList releases a descriptor list prepared on this connection, so
-// its slots count no longer against the connection's bound. Lists are also
+// its descriptors no longer count against the connection's bound. Lists are also
 // released when the connection closes. Answered with PeerResponse.unprep:
 // no error, or CODE_NOT_FOUND when the list is not prepared.
 type UnprepDescList struct {
