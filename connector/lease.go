@@ -32,7 +32,6 @@ type consumer struct {
 type lease struct {
 	id        string
 	blocks    []int
-	blockSet  map[uint32]struct{}
 	capab     []byte
 	expires   time.Time
 	consumers map[consumer]struct{}
@@ -42,6 +41,9 @@ type lease struct {
 	pins    int
 	pending bool
 	expired bool
+	// read: a consumer has started reading; a draining prefill waits for
+	// its notification.
+	read bool
 }
 
 type leaseHeap []*lease
@@ -67,14 +69,14 @@ type leaseTable struct {
 	ttl  time.Duration
 	free func(id string, blocks []int, expired bool) // called without the lock held
 
-	mu       sync.Mutex
-	byID     map[string]*lease
-	order    leaseHeap
-	expired  *lru.Cache[string, struct{}] // recently expired or released ids
-	wake     chan struct{}
-	closed   bool
-	pins     int           // READs being served from leased blocks
-	unpinned chan struct{} // closed and replaced when pins drops to 0
+	mu      sync.Mutex
+	byID    map[string]*lease
+	order   leaseHeap
+	ended   *lru.Cache[string, string] // recently ended ids -> how they ended
+	wake    chan struct{}
+	closed  bool
+	pins    int           // READs being served from leased blocks
+	changed chan struct{} // closed and replaced when a pin or a lease goes
 
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -85,10 +87,10 @@ type leaseTable struct {
 const recentIDs = 65536
 
 func newLeaseTable(ttl time.Duration, free func(id string, blocks []int, expired bool)) *leaseTable {
-	recent, _ := lru.New[string, struct{}](recentIDs)
+	recent, _ := lru.New[string, string](recentIDs)
 	ctx, cancel := context.WithCancel(context.Background())
-	t := &leaseTable{ttl: ttl, free: free, byID: map[string]*lease{}, expired: recent,
-		wake: make(chan struct{}, 1), cancel: cancel, done: make(chan struct{}), unpinned: make(chan struct{})}
+	t := &leaseTable{ttl: ttl, free: free, byID: map[string]*lease{}, ended: recent,
+		wake: make(chan struct{}, 1), cancel: cancel, done: make(chan struct{}), changed: make(chan struct{})}
 	go t.reap(ctx)
 	return t
 }
@@ -104,12 +106,9 @@ func (t *leaseTable) add(id string, blocks []int, capab []byte) (time.Time, erro
 		return time.Time{}, codes.New(v1.Code_CODE_ALREADY_EXISTS, "connector: request %q already holds a lease", id)
 	}
 	l := &lease{id: id, blocks: blocks, capab: capab, expires: time.Now().Add(t.ttl),
-		consumers: map[consumer]struct{}{}, blockSet: make(map[uint32]struct{}, len(blocks))}
-	for _, b := range blocks {
-		l.blockSet[uint32(b)] = struct{}{}
-	}
+		consumers: map[consumer]struct{}{}}
 	t.byID[id] = l
-	t.expired.Remove(id)
+	t.ended.Remove(id)
 	heap.Push(&t.order, l)
 	if l.index == 0 {
 		t.kick()
@@ -129,8 +128,10 @@ func (t *leaseTable) kick() {
 func (t *leaseTable) getLocked(id string) (*lease, error) {
 	if l, ok := t.byID[id]; ok && time.Now().Before(l.expires) {
 		return l, nil
-	} else if ok || t.expired.Contains(id) {
-		return nil, fmt.Errorf("%w: request %q", ErrLeaseExpired, id)
+	} else if ok {
+		return nil, fmt.Errorf("%w: request %q: its lease expired", ErrLeaseExpired, id)
+	} else if how, ok := t.ended.Get(id); ok {
+		return nil, fmt.Errorf("%w: request %q: %s", ErrLeaseExpired, id, how)
 	}
 	return nil, fmt.Errorf("%w: request %q has no lease here", ErrUnknownRequest, id)
 }
@@ -153,7 +154,7 @@ func (t *leaseTable) notify(id string, c consumer, count int, verify func(capab 
 		t.mu.Unlock()
 		return false, nil
 	}
-	t.removeLocked(l)
+	t.removeLocked(l, fmt.Sprintf("released: its %d consumer(s) notified", len(l.consumers)))
 	freeNow := t.endLocked(l, false)
 	t.mu.Unlock()
 	if freeNow {
@@ -183,6 +184,7 @@ func (t *leaseTable) pin(id string) (*lease, error) {
 		return nil, err
 	}
 	l.pins++
+	l.read = true
 	t.pins++
 	return l, nil
 }
@@ -196,24 +198,33 @@ func (t *leaseTable) unpin(l *lease) {
 	if freeNow {
 		l.pending = false
 	}
-	if t.pins == 0 {
-		close(t.unpinned)
-		t.unpinned = make(chan struct{})
-	}
+	t.signalLocked()
 	t.mu.Unlock()
 	if freeNow {
 		t.free(l.id, l.blocks, l.expired)
 	}
 }
 
-// waitUnpinned blocks until no READ is served from leased blocks, or ctx
-// is done.
-func (t *leaseTable) waitUnpinned(ctx context.Context) error {
+// signalLocked wakes waitDrained; t.mu is held.
+func (t *leaseTable) signalLocked() {
+	close(t.changed)
+	t.changed = make(chan struct{})
+}
+
+// waitDrained blocks until no READ is served from leased blocks and every
+// lease some consumer has started reading was released by its consumers,
+// or ctx is done. A draining prefill lets the loads in flight finish and
+// notify instead of refusing their notifications.
+func (t *leaseTable) waitDrained(ctx context.Context) error {
 	for {
 		t.mu.Lock()
-		n, ch := t.pins, t.unpinned
+		busy := t.pins > 0
+		for _, l := range t.byID {
+			busy = busy || l.read
+		}
+		ch := t.changed
 		t.mu.Unlock()
-		if n == 0 {
+		if !busy {
 			return nil
 		}
 		select {
@@ -243,10 +254,12 @@ func (t *leaseTable) extend(ids []string) []time.Time {
 	return out
 }
 
-func (t *leaseTable) removeLocked(l *lease) {
+// removeLocked ends l; how says how, for later requests naming it.
+func (t *leaseTable) removeLocked(l *lease, how string) {
 	heap.Remove(&t.order, l.index)
 	delete(t.byID, l.id)
-	t.expired.Add(l.id, struct{}{})
+	t.ended.Add(l.id, how)
+	t.signalLocked()
 }
 
 // held returns the number of leases and blocks held.
@@ -270,7 +283,7 @@ func (t *leaseTable) reap(ctx context.Context) {
 		now := time.Now()
 		for len(t.order) > 0 && !now.Before(t.order[0].expires) {
 			l := t.order[0]
-			t.removeLocked(l)
+			t.removeLocked(l, "its lease expired")
 			if t.endLocked(l, true) {
 				due = append(due, l)
 			}
@@ -311,7 +324,7 @@ func (t *leaseTable) close() []string {
 	var free []*lease
 	for len(t.order) > 0 {
 		l := t.order[0]
-		t.removeLocked(l)
+		t.removeLocked(l, "released: the sidecar is shutting down")
 		ids = append(ids, l.id)
 		if t.endLocked(l, false) {
 			free = append(free, l)

@@ -129,7 +129,7 @@ func TestPinnedLeaseFreesAfterTheRead(t *testing.T) {
 		require.Empty(t, freedList(), "nothing freed while READs run")
 
 		waited := make(chan error, 1)
-		go func() { waited <- lt.waitUnpinned(t.Context()) }()
+		go func() { waited <- lt.waitDrained(t.Context()) }()
 		lt.unpin(la)
 		got := freedList()
 		require.Len(t, got, 1)
@@ -139,5 +139,39 @@ func TestPinnedLeaseFreesAfterTheRead(t *testing.T) {
 		lt.unpin(lb)
 		require.NoError(t, <-waited)
 		require.Len(t, freedList(), 2)
+	})
+}
+
+// TestDrainWaitsForReadLeases is a regression test: a draining prefill
+// released every lease at once, so a decode that had read its blocks got
+// its notification refused ("the bytes read may be stale") and failed. A
+// lease a consumer started reading is now waited for until notified; one
+// nobody read is not. A later request for a released lease says how it
+// ended.
+func TestDrainWaitsForReadLeases(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		lt, _ := newTestTable(t, time.Minute)
+		defer lt.close()
+		ok := func([]byte) error { return nil }
+		_, err := lt.add("read", []int{1}, nil)
+		require.NoError(t, err)
+		_, err = lt.add("unread", []int{2}, nil)
+		require.NoError(t, err)
+		l, err := lt.pin("read")
+		require.NoError(t, err)
+		lt.unpin(l) // its READ finished; the notification is still to come
+
+		waited := make(chan error, 1)
+		go func() { waited <- lt.waitDrained(t.Context()) }()
+		synctest.Wait()
+		require.Empty(t, waited, "a read lease is waited for")
+		done, err := lt.notify("read", consumer{"d", 0}, 1, ok)
+		require.NoError(t, err)
+		require.True(t, done)
+		require.NoError(t, <-waited, "the unread lease is not waited for")
+
+		_, err = lt.pin("read")
+		require.ErrorIs(t, err, ErrLeaseExpired)
+		require.ErrorContains(t, err, `request "read": released: its 1 consumer(s) notified`)
 	})
 }

@@ -145,6 +145,7 @@ type LocalServer struct {
 	mu       sync.Mutex
 	cache    *LocalCache
 	conns    map[*fdpass.Conn]struct{}
+	eng      *engineState
 	draining bool
 	closed   bool
 }
@@ -163,7 +164,7 @@ func NewLocalServer(ctx context.Context, cfg *LocalServerConfig) (*LocalServer, 
 	if err != nil {
 		return nil, err
 	}
-	s := &LocalServer{cfg: c, ln: ln, m: m, conns: map[*fdpass.Conn]struct{}{}}
+	s := &LocalServer{cfg: c, ln: ln, m: m, conns: map[*fdpass.Conn]struct{}{}, eng: newEngineState()}
 	s.ctx, s.cancel = context.WithCancelCause(context.WithoutCancel(ctx))
 	s.wg.Go(s.acceptLoop)
 	c.Logger.Info("local API listening", "path", c.Path)
@@ -227,6 +228,7 @@ type connState struct {
 func (s *LocalServer) serveConn(c *fdpass.Conn) {
 	r := wire.NewReader(c, s.cfg.MaxRequestBytes)
 	st := &connState{known: map[int]uint64{}}
+	defer s.detach(st)
 	for {
 		req := &v1.LocalRequest{}
 		err := r.ReadMsg(req)
@@ -376,6 +378,7 @@ func (s *LocalServer) dispatch(st *connState, req *v1.LocalRequest) (*v1.LocalRe
 		if err != nil {
 			return nil, err
 		}
+		s.eng.addBlocks(ids)
 		out := make([]uint32, len(ids))
 		for i, id := range ids {
 			out[i] = uint32(id)
@@ -386,23 +389,44 @@ func (s *LocalServer) dispatch(st *connState, req *v1.LocalRequest) (*v1.LocalRe
 		for i, id := range call.Free.GetBlockIds() {
 			ids[i] = int(id)
 		}
-		return &v1.LocalReply{}, rank.FreeBlocks(ctx, ids)
+		if err := rank.FreeBlocks(ctx, ids); err != nil {
+			return nil, err
+		}
+		s.eng.removeBlocks(ids)
+		return &v1.LocalReply{}, nil
 	case *v1.LocalRequest_RequestFinished:
 		rf := call.RequestFinished
 		p, err := rank.RequestFinished(ctx, rf.GetRequestId(), rf.GetBlockIds(), rf.GetStatus(), rf.GetParams())
 		if err != nil {
 			return nil, err
 		}
+		if cache.Create.GetOwnership() != v1.Ownership_OWNERSHIP_COORDINATED {
+			// The Rank took the blocks over and frees them itself.
+			s.eng.removeBlocks(blockInts(rf.GetBlockIds()))
+		}
 		return &v1.LocalReply{Result: &v1.LocalReply_RequestFinished{RequestFinished: &v1.RequestFinishedReply{Params: p, DelayFree: p != nil}}}, nil
 	case *v1.LocalRequest_StartLoad:
-		return &v1.LocalReply{}, rank.StartLoad(ctx, call.StartLoad.GetMeta())
+		if err := rank.StartLoad(ctx, call.StartLoad.GetMeta()); err != nil {
+			return nil, err
+		}
+		s.eng.addLoad(call.StartLoad.GetMeta().GetRequestId())
+		return &v1.LocalReply{}, nil
 	case *v1.LocalRequest_GetFinished:
-		return &v1.LocalReply{Result: &v1.LocalReply_GetFinished{GetFinished: finishedProto(rank.GetFinished())}}, nil
+		f := rank.GetFinished()
+		s.eng.removeLoads(f.DoneRecving...)
+		for _, fl := range f.Failed {
+			s.eng.removeLoads(fl.RequestID)
+		}
+		return &v1.LocalReply{Result: &v1.LocalReply_GetFinished{GetFinished: finishedProto(f)}}, nil
 	case *v1.LocalRequest_Abort:
 		if call.Abort.GetRequestId() == "" {
 			return nil, fmt.Errorf("%w: abort: request_id is empty", ErrInvalidArgument)
 		}
-		return &v1.LocalReply{}, rank.Abort(ctx, call.Abort.GetRequestId())
+		if err := rank.Abort(ctx, call.Abort.GetRequestId()); err != nil {
+			return nil, err
+		}
+		s.eng.removeLoads(call.Abort.GetRequestId())
+		return &v1.LocalReply{}, nil
 	case *v1.LocalRequest_Sync:
 		return &v1.LocalReply{}, nil
 	}
@@ -441,8 +465,80 @@ func (s *LocalServer) create(ctx context.Context, st *connState, req *v1.CreateK
 	} else if err := sameCache(cache.Create, req); err != nil {
 		return nil, err
 	}
-	st.attached = true
+	if !st.attached {
+		st.attached = true
+		s.eng.attach()
+	}
 	return &v1.LocalReply{Result: &v1.LocalReply_Cache{Cache: cacheInfo(cache)}}, nil
+}
+
+// detach runs when a connection ends. When it was the last connection
+// attached to the cache, the engine is gone without freeing: every load it
+// started is aborted (Rank.Abort returns once the READ stopped) and the
+// blocks it allocated and still owns are freed. Blocks held under a prefill
+// lease are refused (ErrBusy) and skipped: under local ownership the Rank
+// frees them when the lease ends. Nothing is done while the server closes
+// (Close closes the rank and the pool).
+func (s *LocalServer) detach(st *connState) {
+	if !st.attached {
+		return
+	}
+	blocks, loads, last := s.eng.detach()
+	if !last || (len(blocks) == 0 && len(loads) == 0) {
+		return
+	}
+	s.mu.Lock()
+	closed, cache := s.closed, s.cache
+	s.mu.Unlock()
+	if closed || cache == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.CallTimeout)
+	defer cancel()
+	log := s.cfg.Logger
+	aborted := 0
+	for _, id := range loads {
+		if err := cache.Rank.Abort(ctx, id); err != nil {
+			log.Error("engine gone: aborting its load failed", "request_id", id, "err", err)
+			continue
+		}
+		aborted++
+	}
+	freed, leased, failed := s.freeAll(ctx, cache.Rank, blocks)
+	log.Info("engine gone: released its state", "loads_aborted", aborted, "blocks_freed", freed,
+		"blocks_leased_skipped", leased, "blocks_free_failed", failed)
+}
+
+// freeAll frees blocks through rank, all at once when it can, else one by
+// one, and counts the blocks freed, refused as busy (leased) and failed.
+func (s *LocalServer) freeAll(ctx context.Context, rank *Rank, blocks []int) (freed, busy, failed int) {
+	if len(blocks) == 0 {
+		return 0, 0, 0
+	}
+	if err := rank.FreeBlocks(ctx, blocks); err == nil {
+		return len(blocks), 0, 0
+	}
+	for _, b := range blocks {
+		err := rank.FreeBlocks(ctx, []int{b})
+		switch {
+		case err == nil:
+			freed++
+		case errors.Is(err, ErrBusy):
+			busy++
+		default:
+			failed++
+			s.cfg.Logger.Error("engine gone: freeing its block failed", "block", b, "err", err)
+		}
+	}
+	return freed, busy, failed
+}
+
+func blockInts(ids []uint32) []int {
+	out := make([]int, len(ids))
+	for i, id := range ids {
+		out[i] = int(id)
+	}
+	return out
 }
 
 // sameCache checks that an attach asks for the cache that exists.

@@ -3,6 +3,7 @@ package connector
 import (
 	"context"
 	"maps"
+	"slices"
 	"sync"
 
 	"github.com/kvsidecar/kvsidecar/vmm"
@@ -70,4 +71,70 @@ func (t *PageTracker) Snapshot() map[int]uint64 {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return maps.Clone(t.gen)
+}
+
+// engineState is what the local server remembers of the engine attached to
+// its cache, so it can release it when the engine goes away without
+// freeing: the blocks allocated through the local API and not yet freed or
+// taken over by the Rank, and the loads the engine started.
+type engineState struct {
+	mu       sync.Mutex
+	attached int                 // open connections that sent create
+	blocks   map[int]struct{}    // allocated through the server, still the engine's
+	loads    map[string]struct{} // request ids started via StartLoad
+}
+
+func newEngineState() *engineState {
+	return &engineState{blocks: map[int]struct{}{}, loads: map[string]struct{}{}}
+}
+
+func (e *engineState) attach() {
+	e.mu.Lock()
+	e.attached++
+	e.mu.Unlock()
+}
+
+// detach drops one attached connection; when it was the last one it
+// returns the engine's blocks (sorted) and loads and forgets them.
+func (e *engineState) detach() (blocks []int, loads []string, last bool) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.attached--; e.attached > 0 {
+		return nil, nil, false
+	}
+	blocks = slices.Sorted(maps.Keys(e.blocks))
+	loads = slices.Sorted(maps.Keys(e.loads))
+	clear(e.blocks)
+	clear(e.loads)
+	return blocks, loads, true
+}
+
+func (e *engineState) addBlocks(ids []int) {
+	e.mu.Lock()
+	for _, b := range ids {
+		e.blocks[b] = struct{}{}
+	}
+	e.mu.Unlock()
+}
+
+func (e *engineState) removeBlocks(ids []int) {
+	e.mu.Lock()
+	for _, b := range ids {
+		delete(e.blocks, b)
+	}
+	e.mu.Unlock()
+}
+
+func (e *engineState) addLoad(id string) {
+	e.mu.Lock()
+	e.loads[id] = struct{}{}
+	e.mu.Unlock()
+}
+
+func (e *engineState) removeLoads(ids ...string) {
+	e.mu.Lock()
+	for _, id := range ids {
+		delete(e.loads, id)
+	}
+	e.mu.Unlock()
 }

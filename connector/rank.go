@@ -431,9 +431,11 @@ func (r *Rank) Stats() Stats {
 	return Stats{LeasesHeld: l, BlocksHeld: b, LoadsInFlight: len(r.loads)}
 }
 
-// Drain refuses new requests, waits until every load in flight finished and
-// every READ being served from leased blocks ended, or ctx is done (then
-// aborts them), releases every lease and closes the rank.
+// Drain refuses new requests, waits until every load in flight finished,
+// every READ being served from leased blocks ended and every lease a
+// consumer started reading was notified (so loads in flight on peers finish
+// and are accepted), or ctx is done (then aborts them); it then releases
+// every lease and closes the rank.
 func (r *Rank) Drain(ctx context.Context) error {
 	r.mu.Lock()
 	r.draining = true
@@ -450,8 +452,8 @@ func (r *Rank) Drain(ctx context.Context) error {
 			<-l.done
 		}
 	}
-	if err := r.leases.waitUnpinned(ctx); err != nil {
-		r.cfg.Logger.Warn("drain deadline passed with READs still being served; closing them", "err", err)
+	if err := r.leases.waitDrained(ctx); err != nil {
+		r.cfg.Logger.Warn("drain deadline passed with READs being served or read leases not yet notified; closing", "err", err)
 	}
 	return r.Close()
 }
