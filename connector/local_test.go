@@ -415,3 +415,99 @@ func BenchmarkLocalAllocFree(b *testing.B) {
 		}
 	}
 }
+
+// TestLocalEngineGone checks that an engine that disconnects without
+// freeing leaves nothing behind: its loads in flight are aborted and the
+// blocks it allocated are freed, except those held under a prefill lease,
+// so the next engine can allocate the whole pool.
+func TestLocalEngineGone(t *testing.T) {
+	const blocks = 256
+	// A prefill that never answers: the decode's load stays in flight
+	// until it is aborted.
+	silent, err := net.ListenPacket("udp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = silent.Close() })
+	pre := newLocalSidecar(t, "prefill-gone", nil)
+	pc := dialLocal(t, pre)
+	_, err = pc.Attach(t.Context(), createReq(gqa8, blocks))
+	require.NoError(t, err)
+	src, err := pc.Alloc(t.Context(), 20)
+	require.NoError(t, err)
+	params, err := pc.RequestFinished(t.Context(), "req-gone", src, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
+	require.NoError(t, err)
+	params.RemotePort = uint32(silent.LocalAddr().(*net.UDPAddr).Port)
+
+	tests := []struct {
+		name string
+		// engine runs the engine's calls on its attached connection.
+		engine     func(t *testing.T, c *connector.LocalClient)
+		wantLeased uint64 // blocks left in use after the engine is gone
+	}{
+		{name: "decode_with_load_in_flight", engine: func(t *testing.T, c *connector.LocalClient) {
+			dst, err := c.Alloc(t.Context(), 20)
+			require.NoError(t, err)
+			_, err = c.Alloc(t.Context(), 100)
+			require.NoError(t, err)
+			require.NoError(t, c.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "req-gone", LocalBlockIds: dst, Params: params}))
+			st, err := c.Stats(t.Context())
+			require.NoError(t, err)
+			require.Equal(t, uint64(1), st.GetLoadsInFlight())
+		}},
+		{name: "prefill_with_leased_blocks", wantLeased: 30, engine: func(t *testing.T, c *connector.LocalClient) {
+			ids, err := c.Alloc(t.Context(), 130)
+			require.NoError(t, err)
+			p, err := c.RequestFinished(t.Context(), "held", ids[:30], v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
+			require.NoError(t, err)
+			require.NotNil(t, p, "30 blocks held for decode")
+			require.NoError(t, c.Free(t.Context(), ids[30:40]))
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := newLocalSidecar(t, "gone-"+tt.name, nil)
+			ctl := dialLocal(t, s) // never attaches: does not keep the engine alive
+			// Two connections of one engine: the state goes with the last.
+			a, err := connector.DialLocal(t.Context(), s.srv.Path(), nil)
+			require.NoError(t, err)
+			_, err = a.Attach(t.Context(), createReq(gqa8, blocks))
+			require.NoError(t, err)
+			b, err := connector.DialLocal(t.Context(), s.srv.Path(), nil)
+			require.NoError(t, err)
+			_, err = b.Attach(t.Context(), createReq(gqa8, blocks))
+			require.NoError(t, err)
+			tt.engine(t, a)
+			require.NoError(t, a.Close())
+			require.NoError(t, b.Sync(t.Context()), "the engine's other connection keeps it attached")
+			st, err := ctl.Stats(t.Context())
+			require.NoError(t, err)
+			require.Greater(t, st.GetBlocksUsed(), tt.wantLeased, "nothing released while a connection is attached")
+			require.NoError(t, b.Close())
+
+			ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(30*time.Second))
+			defer cancel()
+			tick := time.NewTicker(time.Millisecond)
+			defer tick.Stop()
+			for {
+				st, err = ctl.Stats(ctx)
+				require.NoError(t, err)
+				if st.GetBlocksUsed() == tt.wantLeased && st.GetLoadsInFlight() == 0 {
+					break
+				}
+				select {
+				case <-ctx.Done():
+					t.Fatalf("engine state not released: %v", st)
+				case <-tick.C:
+				}
+			}
+			require.Equal(t, tt.wantLeased, st.GetLeasesHeld()*30, "the lease is kept")
+
+			// The next engine gets every block not leased.
+			next := dialLocal(t, s)
+			_, err = next.Attach(t.Context(), createReq(gqa8, blocks))
+			require.NoError(t, err)
+			ids, err := next.Alloc(t.Context(), blocks-1-int(tt.wantLeased))
+			require.NoError(t, err)
+			require.Len(t, ids, blocks-1-int(tt.wantLeased))
+		})
+	}
+}
