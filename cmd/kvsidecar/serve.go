@@ -295,6 +295,9 @@ func (f *serveFlags) validate() (*serveConfig, error) {
 		if addrPort(f.advertise) == 0 {
 			return bad("advertise", "%q: port 0 cannot be dialed; give the port peers reach --listen at", f.advertise)
 		}
+		if wildcardHost(f.advertise) {
+			return bad("advertise", "%q: a wildcard host cannot be dialed; give the host peers reach this rank at", f.advertise)
+		}
 	}
 	if f.rankAddrs != "" {
 		c.rankAddrs = strings.Split(f.rankAddrs, ",")
@@ -305,7 +308,19 @@ func (f *serveFlags) validate() (*serveConfig, error) {
 			if err := checkAddr(a); err != nil {
 				return bad("rank-addrs", "[%d]=%q: %v", i, a, err)
 			}
+			if wildcardHost(a) {
+				return bad("rank-addrs", "[%d]=%q: a wildcard host cannot be dialed; give the host peers reach rank %d at", i, a, i)
+			}
+			for j, b := range c.rankAddrs[:i] {
+				if sameAddr(a, b) {
+					return bad("rank-addrs", "[%d]=%q and [%d]=%q are the same address; every rank needs its own", j, b, i, a)
+				}
+			}
 		}
+	}
+	if f.advertise == "" && len(c.rankAddrs) == 0 && wildcardHost(f.listen) {
+		return bad("advertise", "required when --listen=%s has a wildcard host: peers cannot dial it; give the address they reach this rank at "+
+			"(e.g. --advertise 10.0.0.5:%d), or every rank's with --rank-addrs", f.listen, addrPort(f.listen))
 	}
 	for _, p := range []struct{ name, v string }{{"tls-cert", f.tlsCert}, {"tls-key", f.tlsKey}, {"tls-ca", f.tlsCA}} {
 		if p.v == "" {
@@ -383,6 +398,22 @@ func explicitGeometry(f *serveFlags) (*v1.ModelGeometry, error) {
 	}
 	return &v1.ModelGeometry{Model: "custom", NumLayers: uint32(f.layers), NumKvHeads: uint32(f.kvHeads), HeadDim: uint32(f.headDim),
 		Dtype: dt, BlockSize: uint32(f.blockSize), Layout: v1.Layout_LAYOUT_HND, Attention: att}, nil
+}
+
+// wildcardHost reports whether the host of a host:port that checkAddr
+// accepted listens on every address (empty, 0.0.0.0, ::), so it cannot be
+// advertised.
+func wildcardHost(a string) bool {
+	h, _, _ := net.SplitHostPort(a)
+	return h == "" || net.ParseIP(h).IsUnspecified()
+}
+
+// sameAddr reports whether two host:port addresses are the same: equal
+// ports and hosts (sameHost).
+func sameAddr(a, b string) bool {
+	ah, _, _ := net.SplitHostPort(a)
+	bh, _, _ := net.SplitHostPort(b)
+	return addrPort(a) == addrPort(b) && sameHost(ah, bh)
 }
 
 // addrPort is the port of a host:port that checkAddr accepted.
