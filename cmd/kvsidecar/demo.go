@@ -9,7 +9,9 @@ import (
 	"log/slog"
 	"math"
 	"os"
+	"os/signal"
 	"strings"
+	"syscall"
 	"text/tabwriter"
 
 	"github.com/kvsidecar/kvsidecar/connector"
@@ -21,6 +23,11 @@ import (
 )
 
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	// main's context ends on these signals; this channel tells which one,
+	// so the exit status can say it (130 for SIGINT, 143 for SIGTERM).
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, shutdownSignals...)
+	defer signal.Stop(sigs)
 	fs := newFlagSet("demo", "Run a prefill and a decode instance on the host backend and replay a real trace through them.", stderr)
 	model := fs.String("model", demo.DefaultModel, "model geometry: "+strings.Join(vmm.ModelNames(), ", "))
 	prefillTP := fs.Int("prefill-tp", demo.DefaultPrefillTP, fmt.Sprintf("TP size of the prefill instance, 1..%d, dividing or divided by the model's KV heads", connector.MaxTPSize))
@@ -34,6 +41,8 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	hsMode := fs.String("handshake-mode", "piggyback", "decode handshake mode: piggyback or legacy")
 	asJSON := fs.Bool("json", false, "print the summary as one JSON object on the last line of stdout (the table goes to stderr)")
 	verbose := fs.Bool("v", false, "log the ranks' warnings to stderr")
+	var budget byteSize
+	fs.Var(&budget, "memory-budget", "refuse to start when the KV pages the run maps at its peak would exceed this `size`, like 8GiB or 512MiB (default: half of MemAvailable in /proc/meminfo, 8GiB if unreadable)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -81,6 +90,21 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	default:
 		return usageErrorf("--backend %q: want host or cuda", *backend)
 	}
+	budgetFrom := "given"
+	if budget == 0 {
+		b, from := defaultMemoryBudget("/proc/meminfo")
+		budget, budgetFrom = byteSize(b), "default: "+from
+	}
+	cfg.MemoryBudget = uint64(budget)
+	if _, err := demo.CheckMemory(cfg); err != nil {
+		var me *demo.MemoryError
+		if errors.As(err, &me) {
+			return usageErrorf("--memory-budget %s (%s): the request on line %d of %s (%d tokens) maps %s of KV pages on the prefill and decode ranks; with up to %d in flight and the prefix cache the peak is %s, over the budget; replay fewer requests (--requests), fewer at once (--concurrency) or a smaller --model, or raise --memory-budget",
+				demo.FormatBytes(me.Budget), budgetFrom, me.Line, me.Trace, me.Tokens, demo.FormatBytes(me.RequestBytes),
+				me.Concurrency, demo.FormatBytes(me.PeakBytes))
+		}
+		return libError{err}
+	}
 	if *verbose {
 		cfg.Logger = slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	}
@@ -95,8 +119,17 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fmt.Fprintf(stderr, "kvsidecar demo: %s, prefill TP %d -> decode TP %d, the first %d of %d requests of %s, %s, %d in flight\n",
 		*model, *prefillTP, *decodeTP, n, len(tr.Requests), tr.Name, pace, *concurrency)
 	s, err := demo.Run(ctx, cfg)
+	if err != nil && ctx.Err() != nil {
+		select {
+		case sig := <-sigs:
+			if n, ok := sig.(syscall.Signal); ok {
+				return &signalExit{sig: n, err: libError{err}}
+			}
+		default:
+		}
+	}
 	if err != nil && !errors.Is(err, demo.ErrVerification) {
-		return err
+		return libError{err}
 	}
 	table := stdout
 	if *asJSON {
@@ -110,8 +143,36 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		}
 		fmt.Fprintf(stdout, "%s\n", b)
 	}
-	return err
+	if err != nil {
+		return libError{err}
+	}
+	return nil
 }
+
+// libError prints an error of package demo without its "demo: " prefix,
+// which the command's own "kvsidecar demo: " already says; errors.Is and
+// errors.As see the original.
+type libError struct{ err error }
+
+func (e libError) Error() string { return strings.TrimPrefix(e.err.Error(), "demo: ") }
+func (e libError) Unwrap() error { return e.err }
+
+// signalExit: the command stopped on a signal and shut down cleanly; the
+// process exits 128 + the signal number, as shells expect of a command a
+// signal ended (130 for SIGINT, 143 for SIGTERM).
+type signalExit struct {
+	sig syscall.Signal
+	err error // what the interrupted run returned
+}
+
+func (e *signalExit) Error() string {
+	return fmt.Sprintf("stopped by %v (signal %d) after a clean shutdown", e.sig, int(e.sig))
+}
+
+func (e *signalExit) Unwrap() error { return e.err }
+
+// ExitCode is 128 + the signal number.
+func (e *signalExit) ExitCode() int { return 128 + int(e.sig) }
 
 // progress draws a bar on a terminal and plain lines elsewhere.
 type progress struct {

@@ -2,11 +2,15 @@ package main
 
 import (
 	"flag"
+	"fmt"
 	"math"
+	"os"
+	"strconv"
 	"strings"
 	"time"
 
 	"github.com/kvsidecar/kvsidecar/connector"
+	"github.com/kvsidecar/kvsidecar/internal/demo"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
@@ -87,4 +91,65 @@ func flagSet(fs *flag.FlagSet, name string) bool {
 	set := false
 	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
 	return set
+}
+
+// defaultMemoryBudget is demo's --memory-budget when not given: half of
+// MemAvailable in /proc/meminfo, or fallbackMemoryBudget when that cannot
+// be read. The second result says where it came from, for messages.
+func defaultMemoryBudget(meminfo string) (uint64, string) {
+	b, err := os.ReadFile(meminfo)
+	if err == nil {
+		for line := range strings.Lines(string(b)) {
+			// "MemAvailable:   22252636 kB"
+			f := strings.Fields(line)
+			if len(f) == 3 && f[0] == "MemAvailable:" && f[2] == "kB" {
+				if kb, perr := strconv.ParseUint(f[1], 10, 64); perr == nil && kb > 0 && kb < math.MaxUint64/1024 {
+					return kb * 1024 / 2, "half of MemAvailable"
+				}
+			}
+		}
+	}
+	return fallbackMemoryBudget, meminfo + " unreadable"
+}
+
+// fallbackMemoryBudget: 8 GiB.
+const fallbackMemoryBudget = 8 << 30
+
+// byteSize is a flag.Value of a byte count with an optional unit: 1024,
+// 512K or 512KiB (2^10), 8M/8MiB, 8G/8GiB, 1T/1TiB; KB, MB, GB and TB are
+// powers of 10. It must be positive.
+type byteSize uint64
+
+func (b *byteSize) String() string {
+	if b == nil || *b == 0 {
+		return "0"
+	}
+	return strings.ReplaceAll(demo.FormatBytes(uint64(*b)), " ", "")
+}
+
+func (b *byteSize) Set(s string) error {
+	units := []struct {
+		suffix string
+		mult   uint64
+	}{
+		{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"TiB", 1 << 40},
+		{"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12},
+		{"K", 1 << 10}, {"M", 1 << 20}, {"G", 1 << 30}, {"T", 1 << 40}, {"B", 1},
+	}
+	num, mult := strings.TrimSpace(s), uint64(1)
+	for _, u := range units {
+		if strings.HasSuffix(num, u.suffix) {
+			num, mult = strings.TrimSpace(strings.TrimSuffix(num, u.suffix)), u.mult
+			break
+		}
+	}
+	n, err := strconv.ParseUint(num, 10, 64)
+	switch {
+	case err != nil || n == 0:
+		return fmt.Errorf("%q: want a positive size like 8GiB, 512MiB or 1073741824 (bytes)", s)
+	case n > math.MaxUint64/mult:
+		return fmt.Errorf("%q overflows 64 bits", s)
+	}
+	*b = byteSize(n * mult)
+	return nil
 }

@@ -45,7 +45,7 @@ func main() {
 }
 
 // run executes the command line args and returns the exit status:
-// 0 success, 1 failure, 2 usage error.
+// 0 success, 1 failure, 2 usage error, or an exitCoder's status.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
 		usage(stderr)
@@ -62,6 +62,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			continue
 		}
 		err := c.run(ctx, args[1:], stdout, stderr)
+		var ec exitCoder
 		switch {
 		case err == nil:
 			return 0
@@ -70,6 +71,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		case errors.Is(err, errUsage):
 			fmt.Fprintf(stderr, "kvsidecar %s: %v\n", c.name, err)
 			return 2
+		case errors.As(err, &ec):
+			fmt.Fprintf(stderr, "kvsidecar %s: %v\n", c.name, err)
+			return ec.ExitCode()
 		default:
 			fmt.Fprintf(stderr, "kvsidecar %s: %v\n", c.name, err)
 			return 1
@@ -79,6 +83,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	usage(stderr)
 	return 2
 }
+
+// exitCoder is an error that chooses the exit status (demo: 128 + the
+// signal that stopped it).
+type exitCoder interface{ ExitCode() int }
 
 // errUsage marks an error in the command line (exit status 2).
 var errUsage = errors.New("usage")

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"os"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -18,7 +19,6 @@ import (
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
 	"github.com/kvsidecar/kvsidecar/internal/kvgen"
 	"github.com/kvsidecar/kvsidecar/internal/trace"
-	"github.com/kvsidecar/kvsidecar/internal/trace/mooncake"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
@@ -84,6 +84,10 @@ type Trace struct {
 	Name string
 	// Requests in arrival order.
 	Requests []trace.Request
+	// Lines holds the 1-based line of each request in the trace (blank
+	// lines count), for messages. Nil (a Trace built by hand): request i is
+	// on line i+1.
+	Lines []int
 }
 
 // LoadTrace reads every request of the Mooncake JSONL trace at path; an
@@ -92,15 +96,21 @@ type Trace struct {
 // wrapping the *fs.PathError), or a malformed line (*trace.LineError). An
 // empty trace is not an error here; Run refuses it.
 func LoadTrace(path string) (*Trace, error) {
+	return loadTrace(path, 0)
+}
+
+// loadTrace reads the first n requests (all when n <= 0) of the trace at
+// path, or of the embedded one when path is "".
+func loadTrace(path string, n int) (*Trace, error) {
 	if path == "" {
-		reqs, err := trace.Read(mooncake.Conversation(), mooncake.ConversationName, 0)
-		return &Trace{Name: mooncake.ConversationName, Requests: reqs}, err
+		return readEmbedded(n)
 	}
-	reqs, err := trace.ReadFile(path, 0)
+	f, err := os.Open(path)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("trace: %w", err)
 	}
-	return &Trace{Name: path, Requests: reqs}, nil
+	defer f.Close()
+	return readTrace(f, path, n)
 }
 
 // Config configures Run. The zero value (and a nil *Config) runs the
@@ -147,6 +157,11 @@ type Config struct {
 	Logger *slog.Logger
 	// Registerer receives the metrics of every rank. Default nil: none.
 	Registerer prometheus.Registerer
+	// MemoryBudget bounds, in bytes, the pages the run may map at its peak
+	// over both instances, as CheckMemory estimates it; Run refuses a run
+	// over it with a *MemoryError before starting anything. Default 0: no
+	// bound (the CLI always sets one).
+	MemoryBudget uint64
 }
 
 // Progress is reported after each request.
@@ -283,36 +298,17 @@ func (c *Config) withDefaults() (Config, error) {
 // process and checks every byte that arrives. It returns the Summary and
 // ErrVerification when a request failed or a byte differed; other errors
 // (config, a malformed trace line as a *trace.LineError naming file and
-// line, ctx ended: context.Cause(ctx)) come with a zero or partial Summary.
+// line, a *MemoryError when CheckMemory's estimated peak exceeds
+// Config.MemoryBudget, ctx ended: context.Cause(ctx)) come with a zero or
+// partial Summary.
 // Everything it started is closed before it returns.
 func Run(ctx context.Context, cfg *Config) (Summary, error) {
-	c, err := cfg.withDefaults()
+	c, tr, reqs, err := cfg.prepare()
 	if err != nil {
 		return Summary{}, err
 	}
-	tr := c.Trace
-	if tr == nil {
-		// A trace shorter than asked is read whole: its length is Have.
-		tr = &Trace{Name: c.TracePath}
-		n := max(c.Requests, DefaultRequests)
-		if c.TracePath == "" {
-			tr.Name = mooncake.ConversationName
-			tr.Requests, err = trace.Read(mooncake.Conversation(), tr.Name, n)
-		} else {
-			tr.Requests, err = trace.ReadFile(c.TracePath, n)
-		}
-		if err != nil {
-			return Summary{}, err // "trace: file:line: ..." already
-		}
-	}
-	reqs := tr.Requests
-	switch {
-	case len(reqs) == 0 || c.Requests > len(reqs):
-		return Summary{}, &TraceLengthError{Trace: tr.Name, Have: len(reqs), Want: c.Requests}
-	case c.Requests > 0:
-		reqs = reqs[:c.Requests]
-	default:
-		reqs = reqs[:min(len(reqs), DefaultRequests)]
+	if _, err := c.checkMemory(tr, reqs); err != nil {
+		return Summary{}, err
 	}
 	r, err := newRun(ctx, c, reqs)
 	if err != nil {
@@ -327,6 +323,31 @@ func Run(ctx context.Context, cfg *Config) (Summary, error) {
 		err = fmt.Errorf("%w: %d failed requests, %d mismatched bytes", ErrVerification, s.FailedRequests, s.Mismatches)
 	}
 	return s, err
+}
+
+// prepare fills the defaults and selects the requests to replay.
+func (cfg *Config) prepare() (Config, *Trace, []trace.Request, error) {
+	c, err := cfg.withDefaults()
+	if err != nil {
+		return Config{}, nil, nil, err
+	}
+	tr := c.Trace
+	if tr == nil {
+		// A trace shorter than asked is read whole: its length is Have.
+		if tr, err = loadTrace(c.TracePath, max(c.Requests, DefaultRequests)); err != nil {
+			return Config{}, nil, nil, err // "trace: file:line: ..." already
+		}
+	}
+	reqs := tr.Requests
+	switch {
+	case len(reqs) == 0 || c.Requests > len(reqs):
+		return Config{}, nil, nil, &TraceLengthError{Trace: tr.Name, Have: len(reqs), Want: c.Requests}
+	case c.Requests > 0:
+		reqs = reqs[:c.Requests]
+	default:
+		reqs = reqs[:min(len(reqs), DefaultRequests)]
+	}
+	return c, tr, reqs, nil
 }
 
 // runner is one Run in progress.
