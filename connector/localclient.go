@@ -100,7 +100,11 @@ func (c *LocalClient) call(ctx context.Context, req *v1.LocalRequest) (*v1.Local
 	req.CallId = c.nextID
 	rep, err := c.exchange(ctx, req)
 	if err != nil {
-		if ctx.Err() != nil {
+		// The socket deadline is ctx's: when it fired, ctx is done or about
+		// to be (its timer may run a moment later), and its cause says what
+		// timed out better than "i/o timeout".
+		if dl, ok := ctx.Deadline(); ctx.Err() != nil || ok && !time.Now().Before(dl) {
+			<-ctx.Done()
 			err = context.Cause(ctx)
 		}
 		c.broken = err

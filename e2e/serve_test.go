@@ -164,7 +164,11 @@ func TestServeCtlLimit(t *testing.T) {
 		{"stats", []string{"stats"}, 0, "blocks_used: " + strconv.Itoa(3*perPage)},
 		{"zero percent", []string{"limit", "0%"}, 2, "(0 %, 100 %]"},
 		{"over 100 percent", []string{"limit", "101%"}, 2, "(0 %, 100 %]"},
-		{"above the reservation", []string{"limit", "1TiB"}, 2, "accepted range (0, "},
+		// The range depends on the sidecar: its refusals exit 1, not 2.
+		{"above the reservation", []string{"limit", "1TiB"}, 1, "accepted range (0, "},
+		{"below one page of every region", []string{"limit", "1KiB"}, 1, "accepted range ["},
+		{"negative", []string{"limit", "-5GiB"}, 2, "limit: -5GiB: the limit must be positive"},
+		{"missing value", []string{"limit"}, 2, "limit: missing VALUE"},
 		{"below use, strict", []string{"limit", "8MiB", "--strict"}, 1, "below the"},
 		{"lower", []string{"limit", "10MiB"}, 0, "memory limit: 10485760 bytes"},
 	}
@@ -173,6 +177,9 @@ func TestServeCtlLimit(t *testing.T) {
 			code, out, errOut := s.Ctl(t, tc.args...)
 			require.Equal(t, tc.wantCode, code, "stdout %q stderr %q", out, errOut)
 			require.Contains(t, out+errOut, tc.wantOut)
+			if tc.wantCode == 1 {
+				require.NotContains(t, errOut, "usage", "a refusal is not a command-line error")
+			}
 		})
 	}
 	// 4 page indices hold the blocks; 10 MiB allows one page index (of 4

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -38,6 +39,9 @@ var byteUnits = map[string]float64{
 // accepted range.
 func parseLimit(s string) (limitValue, error) {
 	s = strings.TrimSpace(s)
+	if strings.HasPrefix(s, "-") {
+		return limitValue{}, fmt.Errorf("%s: the limit must be positive (e.g. 8GiB, 512MiB, 50%%; none removes the limit)", s)
+	}
 	if strings.EqualFold(s, "none") {
 		return limitValue{set: true, none: true}, nil
 	}
@@ -98,11 +102,17 @@ func runCtl(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		}
 		return usageErrorf("%v", err)
 	}
-	// Flags may also follow the subcommand and its value.
+	// Flags may also follow the subcommand and its value. A value of limit
+	// that looks like a negative number is its value, not a flag, so that
+	// it is refused as a limit rather than as an unknown flag.
 	var pos []string
 	for rest := fs.Args(); len(rest) > 0; rest = fs.Args() {
 		pos = append(pos, rest[0])
-		if err := fs.Parse(rest[1:]); err != nil {
+		rest = rest[1:]
+		if len(pos) == 1 && pos[0] == "limit" && len(rest) > 0 && negativeNumber(rest[0]) {
+			pos, rest = append(pos, rest[0]), rest[1:]
+		}
+		if err := fs.Parse(rest); err != nil {
 			return usageErrorf("%v", err)
 		}
 	}
@@ -112,6 +122,8 @@ func runCtl(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	var lv limitValue
 	switch {
 	case pos[0] == "stats" && len(pos) == 1:
+	case pos[0] == "limit" && len(pos) == 1:
+		return usageErrorf("limit: missing VALUE (e.g. 8GiB, 512MiB, 1.5GB, 50%%, none)")
 	case pos[0] == "limit" && len(pos) == 2:
 		var err error
 		if lv, err = parseLimit(pos[1]); err != nil {
@@ -128,16 +140,24 @@ func runCtl(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if *timeout <= 0 {
 		return usageErrorf("--timeout: %v: must be positive", *timeout)
 	}
-	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	ctx, cancel := context.WithTimeoutCause(ctx, *timeout, fmt.Errorf("no reply from %s within %v (--timeout)", *socket, *timeout))
 	defer cancel()
+	// timedOut names what timed out instead of "context deadline exceeded"
+	// or the socket's "i/o timeout".
+	timedOut := func(err error) error {
+		if ctx.Err() != nil && (errors.Is(err, context.DeadlineExceeded) || errors.Is(err, os.ErrDeadlineExceeded)) {
+			return context.Cause(ctx)
+		}
+		return err
+	}
 	c, err := connector.DialLocal(ctx, *socket, nil)
 	if err != nil {
-		return err
+		return timedOut(err)
 	}
 	defer c.Close()
 	st, err := c.Stats(ctx)
 	if err != nil {
-		return err
+		return timedOut(err)
 	}
 	if pos[0] == "stats" {
 		printStats(stdout, st)
@@ -146,17 +166,19 @@ func runCtl(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if !st.GetCacheReady() {
 		return fmt.Errorf("limit: the sidecar has no KV cache yet (no engine attached)")
 	}
+	// The range depends on the sidecar's reservation: a value outside it is
+	// the sidecar's refusal (exit 1), not a command-line error.
 	b, err := lv.bytes(st.GetReservationBytes())
 	if err != nil {
-		return usageErrorf("limit: %v", err)
+		return fmt.Errorf("limit: %w", err)
 	}
 	pageBytes := st.GetPageSize() * st.GetNumRegions()
 	if b != 0 && b < pageBytes {
-		return usageErrorf("limit: %d bytes is outside the accepted range [%d, %d] (one page of every region up to the reservation)",
+		return fmt.Errorf("limit: %d bytes is outside the accepted range [%d, %d] (one page of every region up to the reservation)",
 			b, pageBytes, st.GetReservationBytes())
 	}
 	if err := c.SetMemoryLimit(ctx, b, *strict); err != nil {
-		return err
+		return timedOut(err)
 	}
 	if b == 0 {
 		fmt.Fprintln(stdout, "memory limit: none")
@@ -164,6 +186,12 @@ func runCtl(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		fmt.Fprintf(stdout, "memory limit: %d bytes (%.1f%% of the %d-byte reservation)\n", b, 100*float64(b)/float64(st.GetReservationBytes()), st.GetReservationBytes())
 	}
 	return nil
+}
+
+// negativeNumber reports whether a looks like a negative number ("-5GiB",
+// "-.5", "-10%") rather than a flag.
+func negativeNumber(a string) bool {
+	return len(a) > 1 && a[0] == '-' && (a[1] >= '0' && a[1] <= '9' || a[1] == '.')
 }
 
 func printStats(w io.Writer, st *v1.StatsReply) {
