@@ -302,3 +302,30 @@ func TestServeBadInput(t *testing.T) {
 	good.fill(t, 1, ids)
 	good.check(t, 1, ids)
 }
+
+// TestServeEngineGone: an engine that exits without freeing leaves no
+// blocks behind; the next engine can allocate the whole pool (a decode
+// engine's exit used to leave blocks_used at 2000 and the next Alloc
+// failed with CODE_BUSY).
+func TestServeEngineGone(t *testing.T) {
+	env := NewEnv(t)
+	s := env.StartSidecar(t, SidecarOpts{Engine: "gone"})
+	e := attach(t, s, 4096)
+	_, err := e.Alloc(t.Context(), 2000)
+	require.NoError(t, err)
+	code, out, errOut := s.Ctl(t, "stats")
+	require.Zero(t, code, errOut)
+	require.Contains(t, out, "blocks_used: 2000\n")
+	require.NoError(t, e.Close())
+
+	line := s.WaitLog(t, "engine gone: released its state", StartTimeout)
+	require.EqualValues(t, 2000, line["blocks_freed"])
+	code, out, errOut = s.Ctl(t, "stats")
+	require.Zero(t, code, errOut)
+	require.Contains(t, out, "blocks_used: 0\n")
+
+	next := attach(t, s, 4096)
+	ids, err := next.Alloc(t.Context(), 4095)
+	require.NoError(t, err, "the next engine gets every block")
+	require.Len(t, ids, 4095)
+}
