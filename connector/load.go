@@ -400,24 +400,20 @@ func (r *Rank) heartbeatLoop() {
 
 // blockUse says why a block in Rank.busy must not be freed or reused.
 type blockUse struct {
-	kind    int // useLoading or useFreeing
+	kind    int // useLoading
 	request string
 }
 
-const (
-	useLoading = iota + 1 // the destination of a load in flight
-	useFreeing            // being freed by FreeBlocks or a release
-)
+// useLoading: the block is the destination of a load in flight.
+const useLoading = 1
 
 // busyLocked fails when a block of ids is the destination of a load in
-// flight or being freed, or, unless leasedOK, held under a prefill lease;
-// r.mu is held.
+// flight or, unless leasedOK, held under a prefill lease; r.mu is held.
+// Frees run under r.mu, so no block is seen half freed.
 func (r *Rank) busyLocked(field string, ids []int, leasedOK bool) error {
 	for i, b := range ids {
 		u, ok := r.busy[b]
 		switch {
-		case ok && u.kind == useFreeing:
-			return fmt.Errorf("%w: %s[%d]=%d is being freed", ErrBusy, field, i, b)
 		case ok:
 			return fmt.Errorf("%w: %s[%d]=%d is being loaded by request %q; abort it first", ErrBusy, field, i, b, u.request)
 		case !leasedOK && r.refs[b] > 0:
@@ -427,22 +423,6 @@ func (r *Rank) busyLocked(field string, ids []int, leasedOK bool) error {
 	return nil
 }
 
-// markLocked records ids as used by request for kind; r.mu is held.
-func (r *Rank) markLocked(ids []int, kind int, request string) {
-	for _, b := range ids {
-		r.busy[b] = blockUse{kind, request}
-	}
-}
-
-// unmark forgets ids in r.busy.
-func (r *Rank) unmark(ids []int) {
-	r.mu.Lock()
-	for _, b := range ids {
-		delete(r.busy, b)
-	}
-	r.mu.Unlock()
-}
-
 // FreeBlocks frees local blocks in the pool (the local API's free call).
 // A block a load in flight is writing into, or one held under a prefill
 // lease (RequestFinished took it over), is refused with ErrBusy naming the
@@ -450,14 +430,13 @@ func (r *Rank) unmark(ids []int) {
 // block to another request while decode still reads it. Other errors are
 // the pool's (double free, out of range).
 func (r *Rank) FreeBlocks(ctx context.Context, ids []int) error {
+	// The check and the free are one step: a block freed here cannot be
+	// taken by a RequestFinished or StartLoad in between, nor be seen as
+	// "being freed" after the pool handed it out again.
 	r.mu.Lock()
+	defer r.mu.Unlock()
 	if err := r.busyLocked("block_ids", ids, false); err != nil {
-		r.mu.Unlock()
 		return err
 	}
-	r.markLocked(ids, useFreeing, "")
-	r.mu.Unlock()
-	err := r.pool.Free(ctx, ids)
-	r.unmark(ids)
-	return err
+	return r.pool.Free(ctx, ids)
 }

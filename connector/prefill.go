@@ -107,6 +107,10 @@ func (r *Rank) leaseReleased(id string, blocks []int, expired bool) {
 func (r *Rank) unref(blocks []int) []int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	return r.unrefLocked(blocks)
+}
+
+func (r *Rank) unrefLocked(blocks []int) []int {
 	var last []int
 	for _, b := range blocks {
 		if r.refs[b]--; r.refs[b] <= 0 {
@@ -123,16 +127,16 @@ func (r *Rank) unref(blocks []int) []int {
 // every rank reported done_sending), and reports the request in
 // done_sending.
 func (r *Rank) released(id string, blocks []int, expired bool) {
-	last := r.unref(blocks)
+	// Dropping the last reference and freeing are one step under r.mu: no
+	// RequestFinished can take a reference to a block about to be freed.
+	r.mu.Lock()
+	last := r.unrefLocked(blocks)
 	if len(last) > 0 && r.cfg.Ownership == v1.Ownership_OWNERSHIP_LOCAL {
-		r.mu.Lock()
-		r.markLocked(last, useFreeing, id)
-		r.mu.Unlock()
 		if err := r.pool.Free(context.Background(), last); err != nil {
 			r.cfg.Logger.Error("freeing released blocks failed", "request_id", id, "blocks", len(last), "err", err)
 		}
-		r.unmark(last)
 	}
+	r.mu.Unlock()
 	if expired {
 		r.m.leasesExpired.Inc()
 		r.m.requests.WithLabelValues("prefill", "lease_expired").Inc()
