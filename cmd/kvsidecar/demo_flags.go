@@ -23,9 +23,8 @@ const (
 	maxTrials       = 1000    // bench handshake --trials
 	maxBulkRounds   = 1000    // bench transfer --bulk-rounds
 	minRTT          = time.Millisecond
-	maxRTT          = 10 * time.Second // bench handshake --rtt
-	maxCellTime     = time.Hour        // bench transfer --cell-time
-	maxMaxBytes     = 1 << 30          // bench transfer --max-bytes: two buffers of it are allocated
+	maxCellTime     = time.Hour // bench transfer --cell-time
+	maxMaxBytes     = 1 << 30   // bench transfer --max-bytes: two buffers of it are allocated
 )
 
 // checkInt is a usage error naming the flag unless lo <= v <= hi.
