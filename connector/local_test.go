@@ -32,6 +32,13 @@ type localSidecar struct {
 
 func newLocalSidecar(t testing.TB, engine string, reg prometheus.Registerer) *localSidecar {
 	t.Helper()
+	return newLocalSidecarGeom(t, engine, reg, nil)
+}
+
+// newLocalSidecarGeom is newLocalSidecar started with a geometry (serve's
+// --model), used for a create call that carries none.
+func newLocalSidecarGeom(t testing.TB, engine string, reg prometheus.Registerer, g *v1.ModelGeometry) *localSidecar {
+	t.Helper()
 	dir, err := os.MkdirTemp("", "kvs")
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = os.RemoveAll(dir) })
@@ -60,7 +67,7 @@ func newLocalSidecar(t testing.TB, engine string, reg prometheus.Registerer) *lo
 		}
 		return &connector.LocalCache{Pool: pool, Rank: rank, Tracker: tr, Create: req, EngineID: engine, Close: pool.Close}, nil
 	}
-	srv, err := connector.NewLocalServer(t.Context(), &connector.LocalServerConfig{Path: path, Open: open, Registerer: reg})
+	srv, err := connector.NewLocalServer(t.Context(), &connector.LocalServerConfig{Path: path, Open: open, Geometry: g, Registerer: reg})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = srv.Close() })
 	return &localSidecar{srv: srv, engine: engine}
@@ -510,4 +517,19 @@ func TestLocalEngineGone(t *testing.T) {
 			require.Len(t, ids, blocks-1-int(tt.wantLeased))
 		})
 	}
+}
+
+// TestLocalCreateTakesTheSidecarsGeometry: a sidecar started with a model's
+// geometry (serve --model) serves a create call that carries none; one
+// started without refuses it naming what is missing.
+func TestLocalCreateTakesTheSidecarsGeometry(t *testing.T) {
+	s := newLocalSidecarGeom(t, "with-model", nil, gqa8)
+	info, err := dialLocal(t, s).Attach(t.Context(), &v1.CreateKVCache{TpSize: 1, NumBlocks: 64})
+	require.NoError(t, err)
+	require.True(t, proto.Equal(gqa8, info.GetGeometry()), "%v", info.GetGeometry())
+
+	bare := newLocalSidecar(t, "without-model", nil)
+	_, err = dialLocal(t, bare).Attach(t.Context(), &v1.CreateKVCache{TpSize: 1, NumBlocks: 64})
+	require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, codeOf(err))
+	require.ErrorContains(t, err, "geometry is required")
 }

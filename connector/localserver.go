@@ -73,6 +73,10 @@ type LocalServerConfig struct {
 	// geometry present, tp_rank < tp_size). Its error is returned to the
 	// engine with its code. Required.
 	Open func(ctx context.Context, req *v1.CreateKVCache) (*LocalCache, error)
+	// Geometry, when set, is used for a CreateKVCache that carries none (the
+	// sidecar was started with the model's geometry). Default nil: the
+	// engine must send one.
+	Geometry *v1.ModelGeometry
 	// MaxRequestBytes bounds a request frame. Default DefaultMaxRequestBytes.
 	MaxRequestBytes int
 	// MaxReplyBytes bounds a reply frame. Default DefaultMaxReplyBytes.
@@ -435,9 +439,13 @@ func (s *LocalServer) dispatch(st *connState, req *v1.LocalRequest) (*v1.LocalRe
 
 // create builds the cache on the first call and attaches the connection.
 func (s *LocalServer) create(ctx context.Context, st *connState, req *v1.CreateKVCache) (*v1.LocalReply, error) {
+	if req.GetGeometry() == nil && s.cfg.Geometry != nil {
+		req = proto.Clone(req).(*v1.CreateKVCache)
+		req.Geometry = proto.Clone(s.cfg.Geometry).(*v1.ModelGeometry)
+	}
 	switch {
 	case req.GetGeometry() == nil:
-		return nil, fmt.Errorf("%w: create: geometry is required", ErrInvalidArgument)
+		return nil, fmt.Errorf("%w: create: geometry is required (the sidecar was started without --model or an explicit geometry)", ErrInvalidArgument)
 	case req.GetTpSize() < 1 || req.GetTpSize() > MaxTPSize:
 		return nil, fmt.Errorf("%w: create: tp_size %d must be in [1, %d]", ErrInvalidArgument, req.GetTpSize(), MaxTPSize)
 	case req.GetTpRank() >= req.GetTpSize():

@@ -533,7 +533,7 @@ func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 	open := func(octx context.Context, req *v1.CreateKVCache) (*connector.LocalCache, error) {
 		return openCache(octx, cfg, req, srvTLS, cliTLS, log, reg)
 	}
-	srv, err := connector.NewLocalServer(ctx, &connector.LocalServerConfig{Path: path, Open: open, Logger: log, Registerer: reg})
+	srv, err := connector.NewLocalServer(ctx, &connector.LocalServerConfig{Path: path, Open: open, Geometry: cfg.geometry, Logger: log, Registerer: reg})
 	if err != nil {
 		return fmt.Errorf("--socket-dir %s: %w", f.socketDir, err)
 	}
