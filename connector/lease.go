@@ -32,7 +32,6 @@ type consumer struct {
 type lease struct {
 	id        string
 	blocks    []int
-	capab     []byte
 	expires   time.Time
 	consumers map[consumer]struct{}
 	index     int // in the heap
@@ -96,7 +95,7 @@ func newLeaseTable(ttl time.Duration, free func(id string, blocks []int, expired
 }
 
 // add holds blocks for id until every consumer notified or ttl passes.
-func (t *leaseTable) add(id string, blocks []int, capab []byte) (time.Time, error) {
+func (t *leaseTable) add(id string, blocks []int) (time.Time, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.closed {
@@ -105,7 +104,7 @@ func (t *leaseTable) add(id string, blocks []int, capab []byte) (time.Time, erro
 	if _, ok := t.byID[id]; ok {
 		return time.Time{}, codes.New(v1.Code_CODE_ALREADY_EXISTS, "connector: request %q already holds a lease", id)
 	}
-	l := &lease{id: id, blocks: blocks, capab: capab, expires: time.Now().Add(t.ttl),
+	l := &lease{id: id, blocks: blocks, expires: time.Now().Add(t.ttl),
 		consumers: map[consumer]struct{}{}}
 	t.byID[id] = l
 	t.ended.Remove(id)
@@ -139,11 +138,11 @@ func (t *leaseTable) getLocked(id string) (*lease, error) {
 // notify records that consumer c finished with id; when count distinct
 // consumers have notified, the lease is released and its blocks freed. It
 // returns whether the lease was released.
-func (t *leaseTable) notify(id string, c consumer, count int, verify func(capab []byte) error) (bool, error) {
+func (t *leaseTable) notify(id string, c consumer, count int, verify func() error) (bool, error) {
 	t.mu.Lock()
 	l, err := t.getLocked(id)
 	if err == nil {
-		err = verify(l.capab)
+		err = verify()
 	}
 	if err != nil {
 		t.mu.Unlock()

@@ -36,14 +36,14 @@ func TestLeasesExpireInDeadlineOrder(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		lt, freedList := newTestTable(t, 10*time.Second)
 		defer lt.close()
-		ok := func([]byte) error { return nil }
+		ok := func() error { return nil }
 
-		_, err := lt.add("A", []int{1, 2}, nil)
+		_, err := lt.add("A", []int{1, 2})
 		require.NoError(t, err)
 		time.Sleep(time.Second) // fake time inside the bubble
-		_, err = lt.add("B", []int{3}, nil)
+		_, err = lt.add("B", []int{3})
 		require.NoError(t, err)
-		_, err = lt.add("C", []int{4}, nil)
+		_, err = lt.add("C", []int{4})
 		require.NoError(t, err)
 
 		// A is heartbeated every 5 s; B and C are not.
@@ -91,13 +91,13 @@ func TestLeasesExpireInDeadlineOrder(t *testing.T) {
 func TestLeaseCloseReleasesAll(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		lt, freedList := newTestTable(t, time.Minute)
-		_, err := lt.add("A", []int{1}, nil)
+		_, err := lt.add("A", []int{1})
 		require.NoError(t, err)
-		_, err = lt.add("A", []int{2}, nil)
+		_, err = lt.add("A", []int{2})
 		require.ErrorContains(t, err, `request "A" already holds a lease`)
 		require.Equal(t, []string{"A"}, lt.close())
 		require.Len(t, freedList(), 1)
-		_, err = lt.add("B", []int{1}, nil)
+		_, err = lt.add("B", []int{1})
 		require.ErrorContains(t, err, "shutting down")
 		require.Nil(t, lt.close())
 	})
@@ -110,9 +110,9 @@ func TestPinnedLeaseFreesAfterTheRead(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		lt, freedList := newTestTable(t, 10*time.Second)
 		defer lt.close()
-		_, err := lt.add("A", []int{1}, nil)
+		_, err := lt.add("A", []int{1})
 		require.NoError(t, err)
-		_, err = lt.add("B", []int{2}, nil)
+		_, err = lt.add("B", []int{2})
 		require.NoError(t, err)
 		la, err := lt.pin("A")
 		require.NoError(t, err)
@@ -123,7 +123,7 @@ func TestPinnedLeaseFreesAfterTheRead(t *testing.T) {
 		synctest.Wait()
 		_, err = lt.pin("A")
 		require.ErrorIs(t, err, ErrLeaseExpired, "no new READ of an expired lease")
-		done, err := lt.notify("B", consumer{"d", 0}, 1, func([]byte) error { return nil })
+		done, err := lt.notify("B", consumer{"d", 0}, 1, func() error { return nil })
 		require.ErrorIs(t, err, ErrLeaseExpired, "B expired too")
 		require.False(t, done)
 		require.Empty(t, freedList(), "nothing freed while READs run")
@@ -152,10 +152,10 @@ func TestDrainWaitsForReadLeases(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		lt, _ := newTestTable(t, time.Minute)
 		defer lt.close()
-		ok := func([]byte) error { return nil }
-		_, err := lt.add("read", []int{1}, nil)
+		ok := func() error { return nil }
+		_, err := lt.add("read", []int{1})
 		require.NoError(t, err)
-		_, err = lt.add("unread", []int{2}, nil)
+		_, err = lt.add("unread", []int{2})
 		require.NoError(t, err)
 		l, err := lt.pin("read")
 		require.NoError(t, err)

@@ -60,7 +60,7 @@ func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs [
 		return nil, nil
 	}
 	capab := r.capKey.Issue(requestID, blockIDs...)
-	expires, err := r.leases.add(requestID, ids, capab)
+	expires, err := r.leases.add(requestID, ids)
 	if err != nil {
 		r.unref(ids) // not taken over: the blocks stay the engine's
 		return nil, err
@@ -182,7 +182,7 @@ func (r *Rank) release(a *transfer.Access) {
 // releases the lease.
 func (r *Rank) onNotification(_ context.Context, peer string, n *v1.Notification) error {
 	done, err := r.leases.notify(n.GetRequestId(), consumer{n.GetConsumerEngineId(), n.GetConsumerTpRank()}, int(n.GetConsumerCount()),
-		func([]byte) error { return r.capKey.Verify(n.GetCapability(), n.GetRequestId(), nil) })
+		func() error { return r.capKey.Verify(n.GetCapability(), n.GetRequestId(), nil) })
 	if err != nil {
 		r.cfg.Logger.Warn("notification refused", "peer", peer, "request_id", n.GetRequestId(), "err", err)
 		return err

@@ -384,6 +384,11 @@ func (r *Rank) refuseIfDraining() error {
 func (r *Rank) GetFinished() Finished {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	return r.takeLocked()
+}
+
+// takeLocked returns and forgets what finished; r.mu is held.
+func (r *Rank) takeLocked() Finished {
 	f := Finished{DoneSending: r.sending, DoneRecving: r.recving, Failed: r.failed}
 	r.sending, r.recving, r.failed = nil, nil, nil
 	return f
@@ -395,8 +400,7 @@ func (r *Rank) WaitFinished(ctx context.Context) (Finished, error) {
 	for {
 		r.mu.Lock()
 		if len(r.sending)+len(r.recving)+len(r.failed) > 0 {
-			f := Finished{DoneSending: r.sending, DoneRecving: r.recving, Failed: r.failed}
-			r.sending, r.recving, r.failed = nil, nil, nil
+			f := r.takeLocked()
 			r.mu.Unlock()
 			return f, nil
 		}
