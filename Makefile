@@ -5,8 +5,11 @@ PKGS      ?= ./...
 FUZZTIME  ?= 10s
 BIN       ?= bin/kvsidecar
 PROTOC    ?= protoc
+# The Python tests run with Debian's interpreter, which python3-pytest,
+# python3-protobuf and python3-torch serve.
+PYTHON    ?= /usr/bin/python3
 
-.PHONY: help build test e2e bench bench-once fuzz-short lint generate verify ci demo gpu-check clean
+.PHONY: help build test test-go test-python e2e bench bench-once fuzz-short lint generate verify ci demo gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
@@ -14,8 +17,18 @@ help: ## list the targets
 build: ## build bin/kvsidecar
 	$(GO) build -o $(BIN) ./cmd/kvsidecar
 
-test: ## run every test with the race detector, in shuffled order (the README's test command)
+test: test-go test-python ## every test: Go (race detector, shuffled) and Python (the README's test command)
+
+test-go: ## run every Go test with the race detector, in shuffled order
 	$(GO) test -race -shuffle=on $(PKGS)
+
+test-python: build ## run the Python tests (pytest, against bin/kvsidecar); skipped when pytest is missing unless KVSIDECAR_REQUIRE_PYTHON=1
+	@if ! $(PYTHON) -c 'import pytest, google.protobuf' 2>/dev/null; then \
+	  msg="$(PYTHON) lacks pytest or protobuf (apt-get install python3-pytest python3-protobuf python3-torch)"; \
+	  if [ "$${KVSIDECAR_REQUIRE_PYTHON:-0}" = 1 ]; then echo "test-python: FAIL: $$msg and KVSIDECAR_REQUIRE_PYTHON=1"; exit 1; fi; \
+	  echo "test-python: SKIPPED: $$msg"; exit 0; \
+	fi; \
+	cd python && KVSIDECAR_BIN=$(CURDIR)/$(BIN) $(PYTHON) -m pytest -q -p no:cacheprovider
 
 e2e: ## run the black-box tests of the built binary
 	$(GO) test -race -count=1 ./e2e/...
@@ -34,13 +47,15 @@ lint: ## gofmt and go vet
 	$(GO) vet $(PKGS)
 	CGO_ENABLED=0 $(GO) vet $(PKGS)
 
-generate: ## regenerate proto/kvsidecar/v1/*.pb.go (needs protoc: apt-get install protobuf-compiler)
+generate: ## regenerate proto/kvsidecar/v1/*.pb.go and python/kvsidecar/v1/*_pb2.py (needs protoc: apt-get install protobuf-compiler)
 	@command -v $(PROTOC) >/dev/null || { echo "protoc not found: apt-get install protobuf-compiler"; exit 1; }
 	$(PROTOC) --proto_path=proto --plugin=protoc-gen-go="$$($(GO) tool -n protoc-gen-go)" \
-	  --go_out=proto --go_opt=paths=source_relative proto/kvsidecar/v1/*.proto
+	  --go_out=proto --go_opt=paths=source_relative --python_out=python proto/kvsidecar/v1/*.proto
 
-verify: generate ## generated code and go.mod are up to date; builds without cgo
-	git diff --exit-code -- proto go.mod go.sum
+verify: generate ## generated code (Go and Python) and go.mod are up to date; builds without cgo
+	git diff --exit-code -- proto python/kvsidecar/v1 go.mod go.sum
+	@out=$$(git ls-files --others --exclude-standard -- proto python/kvsidecar/v1); \
+	  if [ -n "$$out" ]; then echo "generated files not checked in:"; echo "$$out"; exit 1; fi
 	$(GO) mod tidy -diff
 	CGO_ENABLED=0 $(GO) build ./...
 

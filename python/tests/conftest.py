@@ -1,0 +1,72 @@
+"""pytest fixtures: the kvsidecar binary (built once per session) and a
+Cluster of real ``kvsidecar serve`` processes per test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYTHON_DIR = os.path.dirname(HERE)
+REPO = os.path.dirname(PYTHON_DIR)
+sys.path.insert(0, PYTHON_DIR)
+
+from kvsidecar import devserve  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def binary() -> Iterator[str]:
+    """Path of a kvsidecar binary: $KVSIDECAR_BIN, or ./cmd/kvsidecar built
+    with `go build` into a temp dir for this session."""
+    given = os.environ.get("KVSIDECAR_BIN")
+    if given:
+        yield os.path.abspath(given)
+        return
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    d = tempfile.mkdtemp(prefix="kvsidecar-pytest-bin")
+    out = os.path.join(d, "kvsidecar")
+    r = subprocess.run([go, "build", "-o", out, "./cmd/kvsidecar"], cwd=REPO, capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(f"go build ./cmd/kvsidecar failed:\n{r.stderr}")
+    yield out
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(binary: str, request: pytest.FixtureRequest) -> Iterator[devserve.Cluster]:
+    """A Cluster whose sidecars are stopped at the end of the test; their
+    logs are printed when the test failed."""
+    if shutil.which("openssl") is None:
+        msg = "openssl is not installed (apt-get install openssl): it makes the dev TLS certificates"
+        if os.environ.get("KVSIDECAR_REQUIRE_PYTHON") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    cl = devserve.Cluster(binary)
+    yield cl
+    failed = getattr(request.node, "rep_call", None)
+    if failed is not None and failed.failed:
+        for s in cl.sidecars:
+            print(f"--- {s.name} (exit {s.proc.poll()}) ---\n{s.tail(40)}")
+    cl.close()
+
+
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)
+
+
+def require(module: str):
+    """Imports ``module``; when it is missing the test is skipped, or fails
+    under KVSIDECAR_REQUIRE_PYTHON=1 (CI installs every dependency, so a
+    missing one there is a failure, never a skip)."""
+    if os.environ.get("KVSIDECAR_REQUIRE_PYTHON") == "1":
+        return __import__(module)
+    return pytest.importorskip(module, reason=f"{module} is not installed (apt-get install python3-{module})")
