@@ -1,0 +1,847 @@
+"""A vLLM v1 KV connector that moves KV through kvsidecar: ``KVSidecarConnector``.
+
+Enable it with ``--kv-transfer-config`` (see the README's "Use with vLLM")::
+
+    {"kv_connector": "KVSidecarConnector", "kv_connector_module_path": "kvsidecar.vllm",
+     "kv_role": "kv_producer", "engine_id": "prefill-a",
+     "kv_connector_extra_config": {"socket_dir": "/run/kvsidecar"}}
+
+One ``kvsidecar serve --engine-id <engine_id> --tp-rank r`` runs beside every
+TP rank. vLLM builds the connector once in its scheduler process
+(role SCHEDULER) and once in each worker process (role WORKER, one TP rank
+each); facts about vLLM below are from vLLM's source (the base class at
+vllm-project/vllm@13f4ad0f55b08ca1d37d1459f50ce950feaeb547, the scheduler
+at @00024d314514900f361ad072af6931e403b7f589).
+
+**Staging.** vLLM keeps its own KV tensors; the connector copies a request's
+blocks between them and blocks of the sidecar's pages (host memory, the
+sidecar's default ``--backend host``), converting the layout, the way
+NixlConnector's host-buffer mode stages through host memory:
+
+- vLLM (FlashAttention backend, ``FlashAttentionBackend.get_kv_cache_shape``):
+  one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_size]``
+  (index 0 is K, 1 is V; ``num_kv_heads`` is this rank's share). Other
+  backends with the same logical shape work too: the copy goes through
+  torch indexing, so a physical HND stride order is fine.
+- kvsidecar: regions ``2*layer`` (K) and ``2*layer + 1`` (V); one block of one
+  region is ``[heads_per_rank, block_size, head_dim]`` (HND), ``block_len``
+  bytes, at ``block_offset(b)``.
+
+**Prefill** (``kv_role`` kv_producer or kv_both; the request carries
+``{"do_remote_decode": true}`` and runs with ``max_tokens=1``):
+``build_connector_meta`` allocates sidecar blocks on every rank (through the
+scheduler's own connection to each rank's socket) in the step whose tokens
+complete the prompt; each worker copies the prompt's blocks into its rank's
+sidecar blocks as each layer is saved (``save_kv_layer``, finished by
+``wait_for_save``); ``request_finished`` (after that step) calls
+RequestFinished on every rank and returns rank 0's ``kv_transfer_params``
+for the decode. vLLM's own blocks are free at once (``request_finished``
+returns False): the sidecar holds its copy under a lease until the decode
+notified or the lease ended.
+
+**Decode** (``kv_role`` kv_consumer or kv_both; the request carries the
+prefill's params): ``get_num_new_matched_tokens`` reports the prompt's tokens
+beyond the local prefix hit as loadable asynchronously;
+``update_state_after_alloc`` notes the blocks vLLM allocated for them;
+``start_load_kv`` on each worker allocates as many sidecar blocks on its rank
+and starts the load (StartLoad); ``get_finished`` polls the sidecar, copies
+a finished load into vLLM's blocks, frees the sidecar blocks and reports the
+request in ``finished_recving``; a failed load is reported there too, with
+its blocks in ``get_block_ids_with_load_errors`` (vLLM recomputes them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import re
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from kvsidecar import errors
+from kvsidecar.local import LocalClient, default_socket_dir, local_socket_path, params_from_json, params_to_json
+from kvsidecar.v1 import common_pb2, local_pb2, params_pb2
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["KVSidecarConnector", "KVSidecarConnectorMetadata", "LoadSpec", "SaveSpec", "HAVE_VLLM"]
+
+log = logging.getLogger("kvsidecar.vllm")
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
+        KVConnectorBase_V1 as _Base,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
+        KVConnectorMetadata as _MetadataBase,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
+        KVConnectorRole,
+    )
+
+    HAVE_VLLM = True
+except ImportError:
+    HAVE_VLLM = False
+
+    class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
+        """vLLM's KVConnectorRole, for use without vLLM."""
+
+        SCHEDULER = 0
+        WORKER = 1
+
+    class _MetadataBase:  # type: ignore[no-redef]
+        """Stands in for vLLM's KVConnectorMetadata without vLLM."""
+
+    class _Base:  # type: ignore[no-redef]
+        """Without vLLM: what KVConnectorBase_V1 does for its subclasses
+        (keep the config and role, bind and clear the step's metadata)."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+            if getattr(vllm_config, "kv_transfer_config", None) is None:
+                raise ValueError("kv_transfer_config must be set for KVConnectorBase_V1")
+            self._connector_metadata = None
+            self._vllm_config = vllm_config
+            self._kv_transfer_config = vllm_config.kv_transfer_config
+            self._kv_cache_config = kv_cache_config
+            self._role = role
+
+        @property
+        def role(self) -> Any:
+            return self._role
+
+        def bind_connector_metadata(self, connector_metadata: Any) -> None:
+            self._connector_metadata = connector_metadata
+
+        def clear_connector_metadata(self) -> None:
+            self._connector_metadata = None
+
+        def _get_connector_metadata(self) -> Any:
+            assert self._connector_metadata is not None
+            return self._connector_metadata
+
+        def has_connector_metadata(self) -> bool:
+            return self._connector_metadata is not None
+
+
+# vLLM's RequestStatus (vllm/v1/request.py) by name -> why the sidecar is told
+# the request finished. FINISHED_LENGTH_CAPPED is the prefill's max_tokens=1
+# stop: the only status that keeps the KV for a decode.
+_FINISH_STATUS = {
+    "FINISHED_LENGTH_CAPPED": local_pb2.FINISH_STATUS_LENGTH,
+    "FINISHED_STOPPED": local_pb2.FINISH_STATUS_STOP,
+    "FINISHED_ABORTED": local_pb2.FINISH_STATUS_ABORTED,
+    "FINISHED_IGNORED": local_pb2.FINISH_STATUS_ERROR,
+    "FINISHED_ERROR": local_pb2.FINISH_STATUS_ERROR,
+}
+
+
+@dataclasses.dataclass
+class LoadSpec:
+    """One request a decode worker loads (scheduler -> worker).
+
+    Attributes:
+        req_id: the decode request id.
+        block_ids: vLLM block ids to fill, in token order: the blocks after
+            the local prefix hit, at most as many as the remote blocks left
+            after that hit (a further block vLLM allocated is computed
+            locally and not part of the load).
+        params: the request's kv_transfer_params (JSON form).
+        notify_only: nothing to read (a full local prefix hit, or a request
+            aborted before it was scheduled): the prefill ranks are only
+            notified so they free their blocks; vLLM is not told anything.
+    """
+
+    req_id: str
+    block_ids: list[int]
+    params: dict[str, Any]
+    notify_only: bool = False
+
+
+@dataclasses.dataclass
+class SaveSpec:
+    """One request whose prompt KV a prefill worker copies into its rank's
+    sidecar blocks in this step (scheduler -> worker).
+
+    Attributes:
+        req_id: the prefill request id.
+        block_ids: vLLM block ids holding the prompt, in token order.
+        staging: per TP rank, the sidecar block ids to copy them into (same
+            length as ``block_ids``).
+    """
+
+    req_id: str
+    block_ids: list[int]
+    staging: list[list[int]]
+
+
+@dataclasses.dataclass
+class KVSidecarConnectorMetadata(_MetadataBase):
+    """What the scheduler side tells every worker for one step."""
+
+    loads: list[LoadSpec] = dataclasses.field(default_factory=list)
+    saves: list[SaveSpec] = dataclasses.field(default_factory=list)
+    aborts: list[str] = dataclasses.field(default_factory=list)
+
+
+def _role_name(role: Any) -> str:
+    return getattr(role, "name", str(role))
+
+
+class _Config:
+    """The connector's settings, from vLLM's config objects."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        kt = vllm_config.kv_transfer_config
+        extra = dict(getattr(kt, "kv_connector_extra_config", None) or {})
+        self.engine_id: str = extra.get("engine_id") or getattr(kt, "engine_id", None) or ""
+        if not self.engine_id:
+            raise errors.InvalidArgument(
+                "KVSidecarConnector: kv_transfer_config.engine_id (or kv_connector_extra_config.engine_id) is "
+                "required: it must equal every sidecar's --engine-id"
+            )
+        self.socket_dir: str = extra.get("socket_dir") or default_socket_dir()
+        self.timeout: float = float(extra.get("call_timeout_seconds", 30.0))
+        self.num_blocks: int = int(extra.get("num_blocks", 0))
+        self.tp_rank_override: int | None = int(extra["tp_rank"]) if "tp_rank" in extra else None
+        role = getattr(kt, "kv_role", None) or "kv_both"
+        if role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise errors.InvalidArgument(
+                f"KVSidecarConnector: kv_role {role!r} must be kv_producer, kv_consumer or kv_both"
+            )
+        self.producer = role in ("kv_producer", "kv_both")
+        self.consumer = role in ("kv_consumer", "kv_both")
+        self.tp_size: int = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.block_size: int = int(vllm_config.cache_config.block_size)
+        self.vllm_config = vllm_config
+
+    def socket(self, rank: int) -> str:
+        return local_socket_path(self.socket_dir, self.engine_id, rank)
+
+    def geometry(self, dtype: Any | None = None) -> common_pb2.ModelGeometry:
+        """The model's KV geometry from vLLM's model config (for a sidecar
+        started without --model or explicit geometry flags). The KV dtype
+        is ``dtype`` (the KV tensors'), else cache_config.cache_dtype, else
+        the model's dtype."""
+        mc, pc = self.vllm_config.model_config, self.vllm_config.parallel_config
+        if dtype is None:
+            cd = str(getattr(self.vllm_config.cache_config, "cache_dtype", "auto"))
+            dtype = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}.get(cd)
+        return common_pb2.ModelGeometry(
+            model=str(getattr(mc, "model", "")),
+            num_layers=int(mc.get_num_layers(pc)),
+            num_kv_heads=int(mc.get_total_num_kv_heads()),
+            head_dim=int(mc.get_head_size()),
+            dtype=_dtype_code(dtype if dtype is not None else mc.dtype),
+            block_size=self.block_size,
+            layout=common_pb2.LAYOUT_HND,
+            attention=common_pb2.ATTENTION_GQA,
+        )
+
+
+def _dtype_code(dtype: Any) -> int:
+    name = str(dtype).removeprefix("torch.")
+    codes = {
+        "bfloat16": common_pb2.DTYPE_BFLOAT16,
+        "float16": common_pb2.DTYPE_FLOAT16,
+        "half": common_pb2.DTYPE_FLOAT16,
+        "float32": common_pb2.DTYPE_FLOAT32,
+        "float": common_pb2.DTYPE_FLOAT32,
+        "float8_e4m3fn": common_pb2.DTYPE_FP8_E4M3,
+        "float8_e5m2": common_pb2.DTYPE_FP8_E5M2,
+    }
+    if name not in codes:
+        raise errors.InvalidArgument(f"KVSidecarConnector: KV dtype {dtype} has no kvsidecar DType")
+    return codes[name]
+
+
+def _attach(client: LocalClient, cfg: _Config, rank: int, dtype: Any | None = None) -> local_pb2.KVCacheInfo:
+    """Attaches to rank's sidecar with the sidecar's own geometry (serve
+    --model or explicit flags), or with vLLM's when the sidecar has none,
+    and checks that the two agree (the model name aside)."""
+    try:
+        info = client.attach(tp_rank=rank, tp_size=cfg.tp_size, num_blocks=cfg.num_blocks)
+    except errors.InvalidArgument as e:
+        if "geometry is required" not in e.message:
+            raise
+        info = client.attach(geometry=cfg.geometry(dtype), tp_rank=rank, tp_size=cfg.tp_size, num_blocks=cfg.num_blocks)
+    want = cfg.geometry(dtype)
+    have = info.geometry
+    for field in ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size"):
+        if getattr(have, field) != getattr(want, field):
+            raise errors.IncompatibleModel(
+                f"KVSidecarConnector: sidecar {client.path} has {field}={getattr(have, field)}, "
+                f"vLLM's model has {getattr(want, field)}"
+            )
+    if have.attention != common_pb2.ATTENTION_GQA:
+        raise errors.Unsupported("KVSidecarConnector: only GQA/MHA layouts are staged (the sidecar holds MLA)")
+    if info.device_memory:
+        raise errors.Unsupported(
+            "KVSidecarConnector stages through host memory: run the sidecar with --backend host"
+        )
+    return info
+
+
+class _Scheduler:
+    """The scheduler-process half."""
+
+    def __init__(self, cfg: _Config) -> None:
+        self.cfg = cfg
+        self._clients: list[LocalClient] | None = None
+        # Decode: prefix hit tokens noted by get_num_new_matched_tokens.
+        self._hit_tokens: dict[str, int] = {}
+        self._loads: list[LoadSpec] = []
+        self._aborts: list[str] = []
+        self._loading: set[str] = set()
+        # Prefill: requests to export -> prompt length, vLLM block ids so far,
+        # tokens computed so far, and the staging blocks once allocated.
+        self._exports: dict[str, _Export] = {}
+
+    def clients(self) -> list[LocalClient]:
+        if self._clients is None:
+            cs = []
+            try:
+                for r in range(self.cfg.tp_size):
+                    c = LocalClient(self.cfg.socket(r), timeout=self.cfg.timeout)
+                    cs.append(c)
+                    _attach(c, self.cfg, r)
+            except Exception:
+                for c in cs:
+                    c.close()
+                raise
+            self._clients = cs
+        return self._clients
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if not (self.cfg.consumer and params.get("do_remote_prefill")):
+            return 0, False
+        self._hit_tokens[request.request_id] = num_computed_tokens
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        return count, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if self.cfg.producer and params.get("do_remote_decode") and rid not in self._exports:
+            self._exports[rid] = _Export(prompt_len=len(request.prompt_token_ids or ()))
+        if not (self.cfg.consumer and params.get("do_remote_prefill")):
+            return
+        spec = dict(params)
+        # Consumed: a second update_state_after_alloc (after the load) must
+        # not load again.
+        params["do_remote_prefill"] = False
+        if num_external_tokens <= 0:
+            self._loads.append(LoadSpec(rid, [], spec, notify_only=True))
+            return
+        remote = list(spec.get("remote_block_ids") or ())
+        hit_blocks = self._hit_tokens.pop(rid, 0) // self.cfg.block_size
+        # vLLM allocates the blocks after the local prefix hit (the unhashed
+        # ones); the first len(remote) - hit of them take the remote blocks
+        # after the hit, in order. A further block (vLLM can allocate one
+        # more than the prompt fills) is computed locally.
+        local = list(blocks.get_unhashed_block_ids())
+        want = max(len(remote) - hit_blocks, 0)
+        if len(local) < want:
+            log.warning(
+                "request %s: %d local blocks for %d remote blocks after a hit of %d; loading the first %d",
+                rid, len(local), len(remote), hit_blocks, len(local),
+            )
+            want = len(local)
+        self._loads.append(LoadSpec(rid, local[:want], spec))
+        self._loading.add(rid)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVSidecarConnectorMetadata:
+        saves = self._saves(scheduler_output) if self._exports else []
+        meta = KVSidecarConnectorMetadata(loads=self._loads, saves=saves, aborts=self._aborts)
+        self._loads, self._aborts = [], []
+        return meta
+
+    def _saves(self, so: Any) -> list[SaveSpec]:
+        bs = self.cfg.block_size
+        for nr in getattr(so, "scheduled_new_reqs", ()):
+            exp = self._exports.get(nr.req_id)
+            if exp is not None:
+                exp.blocks = list(nr.block_ids[0])
+                exp.computed = nr.num_computed_tokens
+        cr = getattr(so, "scheduled_cached_reqs", None)
+        if cr is not None:
+            resumed = getattr(cr, "resumed_req_ids", set()) or set()
+            for i, rid in enumerate(cr.req_ids):
+                exp = self._exports.get(rid)
+                if exp is None:
+                    continue
+                new = cr.new_block_ids[i]
+                if new is not None:
+                    exp.blocks = list(new[0]) if rid in resumed else exp.blocks + list(new[0])
+                exp.computed = cr.num_computed_tokens[i]
+        out = []
+        for rid, exp in self._exports.items():
+            n = so.num_scheduled_tokens.get(rid, 0)
+            if exp.staging is not None or n == 0 or exp.computed + n < exp.prompt_len:
+                continue
+            nblocks = -(-exp.prompt_len // bs)
+            vblocks = exp.blocks[:nblocks]
+            if len(vblocks) < nblocks:
+                log.error("request %s: %d vLLM blocks for a prompt of %d tokens; not exported", rid, len(vblocks),
+                          exp.prompt_len)
+                exp.staging = []
+                continue
+            staging: list[list[int]] = []
+            try:
+                for c in self.clients():
+                    staging.append(c.alloc(nblocks))
+            except errors.KVSidecarError as e:
+                log.warning("request %s: sidecar blocks for the export refused (%s); it will not be exported", rid, e)
+                for c, ids in zip(self.clients(), staging):
+                    c.free(ids)
+                exp.staging = []
+                continue
+            exp.staging = staging
+            out.append(SaveSpec(rid, vblocks, staging))
+        return out
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._hit_tokens.pop(rid, None)
+        exp = self._exports.pop(rid, None)
+        if exp is not None and exp.staging:
+            return False, self._finish_export(request, exp)
+        if rid in self._loading:
+            # Aborted while loading: vLLM keeps the blocks of a request in
+            # WAITING_FOR_REMOTE_KVS until a worker reports it in
+            # finished_recving (Scheduler.finish_requests); the workers
+            # abort the load and report it.
+            self._loading.discard(rid)
+            self._aborts.append(rid)
+            return False, None
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if self.cfg.consumer and params.get("do_remote_prefill"):
+            # Finished before it was scheduled: notify the prefill so it
+            # frees its blocks now, not at lease expiry.
+            self._loads.append(LoadSpec(rid, [], dict(params), notify_only=True))
+            params["do_remote_prefill"] = False
+        return False, None
+
+    def _finish_export(self, request: Any, exp: _Export) -> dict[str, Any] | None:
+        rid = request.request_id
+        status = _FINISH_STATUS.get(_role_name(request.status), local_pb2.FINISH_STATUS_ERROR)
+        ids0 = exp.staging[0]
+        if any(ids != ids0 for ids in exp.staging[1:]):
+            # Every prefill rank serves the decode the blocks named in the
+            # params: ranks whose ids differ cannot be exported together.
+            log.error("request %s: sidecar block ids differ across TP ranks (%s); not exported", rid,
+                      [ids[:4] for ids in exp.staging])
+            status = local_pb2.FINISH_STATUS_ERROR
+        keep = params_pb2.KVTransferParams(do_remote_decode=True)
+        out: params_pb2.KVTransferParams | None = None
+        for r, c in enumerate(self.clients()):
+            try:
+                p = c.request_finished(rid, exp.staging[r], status, keep)
+            except errors.KVSidecarError as e:
+                log.error("request %s: RequestFinished on rank %d failed: %s", rid, r, e)
+                p, status = None, local_pb2.FINISH_STATUS_ERROR
+            if r == 0:
+                out = p
+        if status != local_pb2.FINISH_STATUS_LENGTH or out is None:
+            return None
+        return params_to_json(out)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            self._loading.discard(rid)
+
+    def shutdown(self) -> None:
+        for c in self._clients or ():
+            c.close()
+        self._clients = None
+
+
+@dataclasses.dataclass
+class _Export:
+    prompt_len: int
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0
+    staging: list[list[int]] | None = None
+
+
+@dataclasses.dataclass
+class _Load:
+    spec: LoadSpec
+    staging: list[int]
+    aborted: bool = False
+
+
+class _Staging:
+    """Copies between vLLM's per-layer KV tensors and the sidecar's blocks
+    of one rank (see the module doc for both layouts)."""
+
+    def __init__(self, client: LocalClient, info: local_pb2.KVCacheInfo, torch_mod: Any) -> None:
+        self.torch = torch_mod
+        self.client = client
+        self.info = info
+        self.per_page = info.page_size // info.block_len
+        self.pages = info.region_len // info.page_size
+        self._regions: dict[int, Any] = {}
+
+    def region(self, r: int) -> Any:
+        """Region r as a uint8 tensor [pages, blocks_per_page, block_len]
+        over this process's mapping (no copy)."""
+        t = self._regions.get(r)
+        if t is None:
+            flat = self.torch.frombuffer(self.client.region(r), dtype=self.torch.uint8)
+            t = flat.as_strided((self.pages, self.per_page, self.info.block_len), (self.info.page_size, self.info.block_len, 1))
+            self._regions[r] = t
+        return t
+
+    def index(self, ids: list[int]) -> tuple[Any, Any]:
+        for b in ids:
+            if not self.client.is_mapped(b):
+                raise errors.InvalidArgument(f"KVSidecarConnector: sidecar block {b} is not mapped here (not allocated)")
+        t = self.torch
+        return (t.tensor([b // self.per_page for b in ids], dtype=t.long),
+                t.tensor([b % self.per_page for b in ids], dtype=t.long))
+
+    def save(self, layer: int, kv: Any, vllm_ids: list[int], staging: list[int]) -> None:
+        """vLLM blocks of one layer -> sidecar blocks (regions 2l, 2l+1)."""
+        t = self.torch
+        pi, si = self.index(staging)
+        vidx = t.tensor(vllm_ids, dtype=t.long, device=kv.device)
+        n = len(vllm_ids)
+        for kvi in (0, 1):
+            src = kv[kvi].index_select(0, vidx)  # [n, block_size, heads, head_size]
+            blob = src.permute(0, 2, 1, 3).contiguous().cpu().view(t.uint8).reshape(n, -1)
+            self.region(2 * layer + kvi)[pi, si] = blob
+
+    def load(self, layer: int, kv: Any, vllm_ids: list[int], staging: list[int]) -> None:
+        """Sidecar blocks (regions 2l, 2l+1) -> vLLM blocks of one layer."""
+        t = self.torch
+        pi, si = self.index(staging)
+        vidx = t.tensor(vllm_ids, dtype=t.long, device=kv.device)
+        n, (_, _, bs, heads, hd) = len(vllm_ids), kv.shape
+        for kvi in (0, 1):
+            blob = self.region(2 * layer + kvi)[pi, si]  # [n, block_len] copy
+            data = blob.view(kv.dtype).reshape(n, heads, bs, hd).permute(0, 2, 1, 3)
+            kv[kvi].index_copy_(0, vidx, data.to(kv.device))
+
+
+_LAYER_INDEX = re.compile(r"\d+")
+
+
+def _layer_index(name: str) -> int:
+    # vLLM names attention layers "model.layers.<i>.self_attn.attn"; the
+    # first integer in the name is the layer (vllm's extract_layer_index).
+    m = _LAYER_INDEX.search(name)
+    if m is None:
+        raise errors.InvalidArgument(f"KVSidecarConnector: KV cache layer name {name!r} holds no layer index")
+    return int(m.group())
+
+
+class _Worker:
+    """The half in each worker process: one TP rank's KV."""
+
+    def __init__(self, cfg: _Config) -> None:
+        self.cfg = cfg
+        if cfg.tp_rank_override is not None:
+            self.rank = cfg.tp_rank_override
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # type: ignore[import-not-found]
+
+            self.rank = int(get_tensor_model_parallel_rank())
+        self.client: LocalClient | None = None
+        self.staging: _Staging | None = None
+        self.layers: dict[str, int] = {}
+        self.kv: list[Any] = []
+        self._loads: dict[str, _Load] = {}
+        self._silent: set[str] = set()
+        self._recving: set[str] = set()
+        self._sending: set[str] = set()
+        self._invalid: set[int] = set()
+        self._saves: list[SaveSpec] = []
+        self._saved: set[int] = set()
+        self._lock = threading.Lock()
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        import torch
+
+        names = sorted(kv_caches, key=_layer_index)
+        first = kv_caches[names[0]]
+        if first.dim() != 5 or first.shape[0] != 2:
+            raise errors.Unsupported(
+                f"KVSidecarConnector: KV cache of shape {tuple(first.shape)}; the staged layout is "
+                "[2, num_blocks, block_size, num_kv_heads, head_size] (FlashAttention)"
+            )
+        c = LocalClient(self.cfg.socket(self.rank), timeout=self.cfg.timeout)
+        try:
+            info = _attach(c, self.cfg, self.rank, first.dtype)
+            _, _, bs, heads, hd = first.shape
+            layers = info.num_regions // 2
+            elem = first.element_size()
+            if len(names) != layers or bs != info.geometry.block_size or heads != info.heads_per_rank \
+                    or hd != info.geometry.head_dim or bs * heads * hd * elem != info.block_len:
+                raise errors.IncompatibleModel(
+                    f"KVSidecarConnector: vLLM's KV cache ({len(names)} layers of {tuple(first.shape)}, "
+                    f"{first.dtype}) does not match sidecar rank {self.rank} ({layers} layers, "
+                    f"{info.heads_per_rank} heads of {info.geometry.head_dim}, block_size "
+                    f"{info.geometry.block_size}, block_len {info.block_len} bytes)"
+                )
+        except Exception:
+            c.close()
+            raise
+        self.client = c
+        self.staging = _Staging(c, info, torch)
+        self.layers = {n: i for i, n in enumerate(names)}
+        self.kv = [kv_caches[n] for n in names]
+
+    # -- decode --------------------------------------------------------------
+
+    def start_load_kv(self, meta: KVSidecarConnectorMetadata) -> None:
+        assert self.client is not None, "register_kv_caches first"
+        for rid in meta.aborts:
+            self._abort(rid)
+        for spec in meta.loads:
+            self._start(spec)
+        self._saves = list(meta.saves)
+        self._saved = set()
+
+    def _start(self, spec: LoadSpec) -> None:
+        c = self.client
+        rid = spec.req_id
+        try:
+            params = params_from_json(spec.params)
+        except errors.KVSidecarError as e:
+            self._fail(spec, e)
+            return
+        staging: list[int] = []
+        try:
+            if spec.block_ids:
+                staging = c.alloc(len(spec.block_ids))
+            c.start_load(params_pb2.ReqMeta(request_id=rid, local_block_ids=staging, params=params))
+        except errors.KVSidecarError as e:
+            if staging:
+                c.free(staging)
+            self._fail(spec, e)
+            return
+        if spec.notify_only:
+            self._silent.add(rid)
+        self._loads[rid] = _Load(spec, staging)
+
+    def _fail(self, spec: LoadSpec, err: Exception | str) -> None:
+        """A load that cannot complete: its blocks are reported for
+        recompute and the request as received (vLLM requires both)."""
+        if spec.notify_only:
+            log.warning("request %s: notifying the prefill failed: %s", spec.req_id, err)
+            return
+        log.warning("request %s: load failed, %d blocks to recompute: %s", spec.req_id, len(spec.block_ids), err)
+        self._invalid.update(spec.block_ids)
+        self._recving.add(spec.req_id)
+
+    def _abort(self, rid: str) -> None:
+        ld = self._loads.get(rid)
+        if ld is None:
+            return  # finished (and reported) already, or never started here
+        try:
+            self.client.abort(rid)
+        except errors.KVSidecarError as e:
+            log.error("request %s: abort failed: %s", rid, e)
+        ld.aborted = True
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        c = self.client
+        if c is not None:
+            f = c.get_finished()
+            for rid in f.done_recving:
+                self._done(rid, None)
+            for fl in f.failed:
+                self._done(fl.request_id, fl)
+        sending, recving = self._sending, self._recving
+        self._sending, self._recving = set(), set()
+        return (sending or None), (recving or None)
+
+    def _done(self, rid: str, failed: Any) -> None:
+        ld = self._loads.pop(rid, None)
+        if ld is None:
+            return
+        silent = rid in self._silent
+        self._silent.discard(rid)
+        try:
+            if failed is None and not ld.aborted and not silent:
+                for layer, kv in enumerate(self.kv):
+                    self.staging.load(layer, kv, ld.spec.block_ids, ld.staging)
+        finally:
+            if ld.staging:
+                self.client.free(ld.staging)
+        if silent:
+            if failed is not None:
+                log.info("request %s: prefill notification failed: %s", rid, failed.error.message)
+            return
+        if ld.aborted:
+            self._recving.add(rid)
+            return
+        if failed is not None:
+            # The sidecar names the staging blocks not fully received (all
+            # of the request's, today); their vLLM blocks are recomputed.
+            bad = set(failed.block_ids)
+            vblocks = [v for v, s in zip(ld.spec.block_ids, ld.staging) if s in bad] or ld.spec.block_ids
+            why = f"{common_pb2.Code.Name(failed.error.code)}: {failed.error.message}"
+            self._fail(dataclasses.replace(ld.spec, block_ids=vblocks), why)
+            return
+        self._recving.add(rid)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    # -- prefill -------------------------------------------------------------
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any) -> None:
+        if not self._saves:
+            return
+        layer = self.layers.get(layer_name)
+        if layer is None:
+            return
+        if not self._saved:
+            self.client.sync()  # the scheduler allocated the staging blocks
+        for sv in self._saves:
+            self.staging.save(layer, kv_layer, sv.block_ids, sv.staging[self.rank])
+        self._saved.add(layer)
+
+    def wait_for_save(self) -> None:
+        if not self._saves:
+            return
+        if not self._saved:
+            self.client.sync()
+        for layer, kv in enumerate(self.kv):
+            if layer in self._saved:
+                continue
+            for sv in self._saves:
+                self.staging.save(layer, kv, sv.block_ids, sv.staging[self.rank])
+        self._saves, self._saved = [], set()
+
+    def shutdown(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+class KVSidecarConnector(_Base):
+    """vLLM v1 KV connector over kvsidecar (see the module doc).
+
+    Args:
+        vllm_config: vLLM's VllmConfig. Read: ``kv_transfer_config``
+            (``engine_id``, ``kv_role``, ``kv_connector_extra_config``:
+            ``socket_dir``, ``engine_id``, ``call_timeout_seconds``,
+            ``num_blocks``, ``tp_rank`` for engines that are not vLLM),
+            ``parallel_config.tensor_parallel_size``,
+            ``cache_config.block_size`` and ``model_config`` (layers, KV
+            heads, head size, dtype).
+        role: KVConnectorRole.SCHEDULER or WORKER.
+        kv_cache_config: vLLM's KVCacheConfig (unused).
+
+    Raises:
+        InvalidArgument: no engine id, an unknown kv_role.
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        cfg = _Config(vllm_config)
+        self._scheduler: _Scheduler | None = None
+        self._worker: _Worker | None = None
+        if _role_name(role) == "SCHEDULER":
+            self._scheduler = _Scheduler(cfg)
+        else:
+            self._worker = _Worker(cfg)
+
+    # -- scheduler side ------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Decode: the prompt tokens beyond ``num_computed_tokens`` (the local
+        prefix hit) when the request's params ask for a remote prefill,
+        loaded asynchronously; otherwise (0, False). Side-effect free but
+        for noting the hit."""
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Notes a decode request's allocated blocks for loading, and a
+        prefill request (``do_remote_decode``) for export."""
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVSidecarConnectorMetadata:
+        """This step's loads, saves (sidecar blocks allocated here) and
+        aborts for the workers."""
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Forgets loads the workers reported received."""
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Prefill: RequestFinished on every rank; returns (False, the
+        decode's kv_transfer_params) when the request stopped at its length
+        cap, (False, None) otherwise. Decode: a request aborted while
+        loading is aborted on the workers. vLLM's blocks are never held:
+        the sidecar keeps its own copy."""
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    # -- worker side ---------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Attaches to this rank's sidecar and checks vLLM's KV tensors
+        (``[2, num_blocks, block_size, heads, head_size]`` per layer)
+        against its geometry."""
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Aborts, then starts this step's loads on this rank's sidecar."""
+        assert self._worker is not None
+        self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing: loads complete between steps (reported by get_finished)."""
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Copies this layer's KV of the step's exports into the sidecar."""
+        assert self._worker is not None
+        self._worker.save_kv_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        """Copies the layers save_kv_layer did not see; returns when every
+        export of the step is in the sidecar's blocks."""
+        assert self._worker is not None
+        self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Polls the sidecar: loads that finished are copied into vLLM's
+        blocks and reported in the second set (failed and aborted ones too,
+        failed ones with their blocks in get_block_ids_with_load_errors).
+        The first set is always None: no request's vLLM blocks are held."""
+        assert self._worker is not None
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM block ids of loads that failed since the last call."""
+        if self._worker is None:
+            return set()
+        return self._worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        """Closes the sidecar connections (the sidecar aborts this engine's
+        loads and frees its blocks when the last one closes)."""
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

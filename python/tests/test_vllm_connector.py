@@ -1,0 +1,208 @@
+"""KVSidecarConnector in a vLLM-ordered engine loop against real `kvsidecar
+serve` processes: prefill TP 2 -> decode TP 4 of llama-3.2-1b's geometry."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from conftest import require
+
+torch = require("torch")
+
+from engine_loop import BLOCK_SIZE, LAYERS, Engine, RequestStatus, pattern  # noqa: E402
+from kvsidecar.devserve import time_scale  # noqa: E402
+from kvsidecar.local import LocalClient  # noqa: E402
+
+MODEL = ["--model", "llama-3.2-1b"]
+REGIONS = 2 * LAYERS
+
+
+def start(cluster, engine: str, tp: int, role: str, num_blocks: int, *extra: str):
+    return cluster.start_group(engine, tp_size=tp, role=role, args=[*MODEL, "--num-blocks", str(num_blocks), *extra])
+
+
+def stats(sidecar) -> dict[str, int]:
+    with LocalClient(sidecar.socket) as c:
+        s = c.stats()
+    return {"blocks_used": s.blocks_used, "leases_held": s.leases_held, "loads_in_flight": s.loads_in_flight}
+
+
+def wait_for(what: str, cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout * time_scale()
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout}s")
+        time.sleep(0.01)
+
+
+def check_decode(dec: Engine, pre: Engine, rid_seed: int, dec_blocks: list[int], pre_blocks: list[int],
+                 prompt_len: int, first_block: int = 0) -> int:
+    """Every byte of the decode's blocks [first_block:] on every rank equals
+    the prefill's blocks for the decode rank's heads, and every prompt
+    token holds its pattern. Returns the bytes checked."""
+    checked = 0
+    hd = dec.heads
+    pos = torch.arange(first_block * BLOCK_SIZE, prompt_len)
+    for r in range(dec.tp_size):
+        p, off = divmod(r * hd, pre.heads)
+        heads = torch.arange(r * hd, (r + 1) * hd)
+        for i, (name, dkv) in enumerate(dec.kv[r].items()):
+            pkv = pre.kv[p][name]
+            got = dkv[:, dec_blocks[first_block:]]
+            want = pkv[:, pre_blocks[first_block:], :, off:off + hd]
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"rank {r} layer {i}: bytes differ"
+            for kvi in (0, 1):
+                tok = dkv[kvi][torch.tensor([dec_blocks[q // BLOCK_SIZE] for q in pos.tolist()]), pos % BLOCK_SIZE]
+                assert torch.equal(tok.view(torch.int16), pattern(rid_seed, i, kvi, pos, heads).view(torch.int16)), \
+                    f"rank {r} layer {i} kv {kvi}: a prompt token's KV is wrong"
+            checked += got.numel() * got.element_size()
+    return checked
+
+
+@pytest.fixture
+def p2d4(cluster):
+    """Prefill TP 2 and decode TP 4 sidecars with one engine each."""
+    pre_sc = start(cluster, "prefill-a", 2, "prefill", 1024)
+    dec_sc = start(cluster, "decode-a", 4, "decode", 1024)
+    pre = Engine("prefill-a", "kv_producer", 2, cluster.socket_dir, num_blocks=512)
+    dec = Engine("decode-a", "kv_consumer", 4, cluster.socket_dir, num_blocks=512)
+    yield pre_sc, dec_sc, pre, dec
+    pre.close()
+    dec.close()
+
+
+def test_prefill_tp2_to_decode_tp4_every_byte(p2d4):
+    pre_sc, dec_sc, pre, dec = p2d4
+    # One request prefilled at once, one in chunks of 100 tokens (the
+    # cached-request path of the scheduler output); both end mid-block.
+    reqs = {"r-short": (37, 11, None), "r-long": (517, 12, 100)}
+    params, pblocks = {}, {}
+    for rid, (n, seed, chunk) in reqs.items():
+        params[rid], pblocks[rid] = pre.prefill(rid, n, seed, chunk=chunk)
+        p = params[rid]
+        assert p["do_remote_prefill"] is True and p["tp_size"] == 2 and p["remote_engine_id"] == "prefill-a"
+        assert len(p["remote_block_ids"]) == -(-n // BLOCK_SIZE) and len(p["remote_rank_addrs"]) == 2
+    for s in pre_sc:
+        assert stats(s)["leases_held"] == 2, "each prefill rank holds both exports under a lease"
+
+    dblocks = {}
+    for rid, (n, _, _) in reqs.items():
+        _, dblocks[rid] = dec.start_decode(rid, n, params[rid])
+    got, invalid = dec.run_until(set(reqs))
+    assert got == set(reqs) and invalid == set()
+
+    total = 0
+    for rid, (n, seed, _) in reqs.items():
+        total += check_decode(dec, pre, seed, dblocks[rid], pblocks[rid], n)
+    blocks = sum(-(-n // BLOCK_SIZE) for n, _, _ in reqs.values())
+    assert total == blocks * REGIONS * BLOCK_SIZE * 8 * 64 * 2  # all 8 heads of every block, bf16
+    # Every sidecar block is free again: the decode's staging after the copy,
+    # the prefill's when its lease was notified.
+    for s in dec_sc:
+        assert stats(s)["blocks_used"] == 0
+    for s in pre_sc:
+        wait_for(f"{s.name} freed its exports", lambda s=s: stats(s) == {"blocks_used": 0, "leases_held": 0, "loads_in_flight": 0})
+
+
+def test_partial_prefix_hit_reads_only_the_tail(p2d4):
+    pre_sc, dec_sc, pre, dec = p2d4
+    n, seed, hit = 10 * BLOCK_SIZE, 21, 4
+    params, pblocks = pre.prefill("r-hit", n, seed)
+    # The decode already holds the first 4 blocks (computed locally); mark
+    # them so an overwrite shows.
+    hit_blocks = dec.alloc(hit)
+    for r in range(dec.tp_size):
+        for kv in dec.kv[r].values():
+            kv[:, hit_blocks] = torch.full((1,), 7, dtype=torch.int16).view(torch.bfloat16)
+    _, dblocks = dec.start_decode("r-hit", n, params, hit_blocks=hit_blocks)
+    got, invalid = dec.run_until({"r-hit"})
+    assert got == {"r-hit"} and invalid == set()
+    check_decode(dec, pre, seed, dblocks, pblocks, n, first_block=hit)
+    for r in range(dec.tp_size):
+        for kv in dec.kv[r].values():
+            assert bool((kv[:, hit_blocks].view(torch.int16) == 7).all()), "a prefix-hit block was overwritten"
+    # Each decode rank read 6 blocks of its 2 heads in 32 regions, no more.
+    per_rank = (10 - hit) * REGIONS * BLOCK_SIZE * 2 * 64 * 2
+    for s in dec_sc:
+        assert s.metric("kvsidecar_transfer_bytes_total") == per_rank, s.name
+
+
+def test_aborted_requests_free_their_blocks(cluster):
+    pre_sc = start(cluster, "prefill-a", 2, "prefill", 1024, "--lease-ttl", "2s")
+    dec_sc = start(cluster, "decode-a", 4, "decode", 1024)
+    pre = Engine("prefill-a", "kv_producer", 2, cluster.socket_dir, num_blocks=256)
+    dec = Engine("decode-a", "kv_consumer", 4, cluster.socket_dir, num_blocks=256)
+    try:
+        # Prefill side: a request aborted at its end gives no params and its
+        # sidecar blocks are freed at once.
+        params, _ = pre.prefill("r-gone", 64, 1, status=RequestStatus.FINISHED_ABORTED)
+        assert params is None
+        for s in pre_sc:
+            assert stats(s) == {"blocks_used": 0, "leases_held": 0, "loads_in_flight": 0}
+
+        # Decode side: abort while the load cannot progress (both prefill
+        # sidecars stopped).
+        params, _ = pre.prefill("r-abort", 20 * BLOCK_SIZE, 2)
+        for s in pre_sc:
+            s.signal(signal.SIGSTOP)
+        req, dblocks = dec.start_decode("r-abort", 20 * BLOCK_SIZE, params)
+        dec.step(__import__("engine_loop").empty_output())  # start_load_kv: the loads start
+        for s in dec_sc:
+            assert stats(s)["loads_in_flight"] == 1 and stats(s)["blocks_used"] == 20
+        req.status = RequestStatus.FINISHED_ABORTED
+        assert dec.sched.request_finished(req, dblocks) == (False, None)
+        dec.finished_req_ids.add("r-abort")
+        # vLLM holds the blocks of a request aborted in WAITING_FOR_REMOTE_KVS
+        # until the workers report it received; they do once the load stopped.
+        got, invalid = dec.run_until({"r-abort"})
+        assert got == {"r-abort"} and invalid == set()
+        for s in dec_sc:
+            assert stats(s) == {"blocks_used": 0, "leases_held": 0, "loads_in_flight": 0}
+        for s in pre_sc:
+            s.signal(signal.SIGCONT)
+        for s in pre_sc:
+            wait_for(f"{s.name} freed the aborted export", lambda s=s: stats(s)["blocks_used"] == 0)
+    finally:
+        for s in pre_sc:
+            s.signal(signal.SIGCONT)
+        pre.close()
+        dec.close()
+
+
+def test_prefill_killed_mid_read_fails_only_that_request(cluster):
+    # Prefill A serves a large request, prefill B a small one; both load at
+    # once into decode TP 4. A's rank 1 (serving decode ranks 2 and 3) is
+    # killed once it has served bytes.
+    a_sc = start(cluster, "prefill-a", 2, "prefill", 1024)
+    b_sc = start(cluster, "prefill-b", 2, "prefill", 256)
+    dec_sc = start(cluster, "decode-a", 4, "decode", 2048, "--progress-timeout", "2s")
+    a = Engine("prefill-a", "kv_producer", 2, cluster.socket_dir, num_blocks=700)
+    b = Engine("prefill-b", "kv_producer", 2, cluster.socket_dir, num_blocks=64)
+    dec = Engine("decode-a", "kv_consumer", 4, cluster.socket_dir, num_blocks=800)
+    try:
+        # r-x: 600 blocks, 75 MiB per prefill rank to read.
+        nx, ny = 600 * BLOCK_SIZE, 30 * BLOCK_SIZE
+        px, _ = a.prefill("r-x", nx, 31)
+        py, pyb = b.prefill("r-y", ny, 32)
+        _, xb = dec.start_decode("r-x", nx, px)
+        _, yb = dec.start_decode("r-y", ny, py)
+        assert not set(xb) & set(yb)
+        dec.step(__import__("engine_loop").empty_output())
+        wait_for("prefill-a rank 1 serving", lambda: a_sc[1].metric("kvsidecar_transfer_bytes_total") > 0, timeout=60)
+        a_sc[1].signal(signal.SIGSTOP)  # no byte more; then the crash
+        a_sc[1].kill()
+        got, invalid = dec.run_until({"r-x", "r-y"}, timeout=120)
+        assert got == {"r-x", "r-y"}
+        # Decode ranks 2 and 3 lost r-x: every block of r-x is reported (the
+        # decode's blocks are the same on every rank), none of r-y.
+        assert invalid == set(xb)
+        check_decode(dec, b, 32, yb, pyb, ny)
+        for s in dec_sc:
+            wait_for(f"{s.name} freed its staging", lambda s=s: stats(s)["blocks_used"] == 0)
+    finally:
+        a.close()
+        b.close()
+        dec.close()
