@@ -1,0 +1,36 @@
+package main
+
+import (
+	"context"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/kvsidecar/kvsidecar/internal/testutil"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// TestExample runs the example against a freshly built kvsidecar: one
+// request of 1000 tokens, prefill TP 2 -> decode TP 4, every byte checked.
+func TestExample(t *testing.T) {
+	bin := filepath.Join(t.TempDir(), "kvsidecar")
+	out, err := exec.Command(filepath.Join(runtime.GOROOT(), "bin", "go"), "build", "-o", bin, "../../cmd/kvsidecar").CombinedOutput()
+	require.NoError(t, err, "go build: %s", out)
+
+	ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(2*time.Minute))
+	defer cancel()
+	var report strings.Builder
+	require.NoError(t, run(ctx, bin, 1000, &report))
+	t.Log(report.String())
+	// 63 blocks × 32 regions × 16 KiB (8 heads × 16 tokens × 128 bytes),
+	// over the four decode ranks.
+	require.Contains(t, report.String(), "prefill TP 2 -> decode TP 4: 33030144 bytes verified, 0 mismatches")
+	require.Regexp(t, `"tp_size":\s*2,`, report.String(), "the params carry the prefill TP size")
+}
