@@ -24,7 +24,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 
 from kvsidecar import devserve  # noqa: E402
-from kvsidecar.local import LocalClient, params_from_json, params_to_json  # noqa: E402
+from kvsidecar.local import LocalClient, merge_exports, params_from_json, params_to_json, req_meta  # noqa: E402
 from kvsidecar.v1 import local_pb2, params_pb2  # noqa: E402
 
 # llama-3.2-1b: 16 layers (32 regions, K and V of each), 8 KV heads of 64
@@ -74,8 +74,8 @@ def run(binary: str, tokens: int) -> int:
 
             # Prefill: every rank allocates the request's blocks (the same
             # ids: the ranks make the same calls in the same order), writes
-            # its heads of every layer, then calls RequestFinished; rank
-            # 0's kv_transfer_params go to the decode.
+            # its heads of every layer, then calls RequestFinished; the
+            # ranks' kv_transfer_params, merged, go to the decode.
             heads = KV_HEADS // PREFILL_TP
             src: list[int] = []
             for p, c in enumerate(prefill):
@@ -87,12 +87,9 @@ def run(binary: str, tokens: int) -> int:
                 for r in range(c.info.num_regions):
                     for k, b in enumerate(ids):
                         c.block(r, b)[:] = block_bytes(key, r, p * heads, heads, k * BLOCK_SIZE)
-            params = None
-            for p, c in enumerate(prefill):
-                got = c.request_finished("req-1", src, local_pb2.FINISH_STATUS_LENGTH,
-                                         params_pb2.KVTransferParams(do_remote_decode=True))
-                if p == 0:
-                    params = got
+            parts = [c.request_finished("req-1", src, local_pb2.FINISH_STATUS_LENGTH,
+                                        params_pb2.KVTransferParams(do_remote_decode=True)) for c in prefill]
+            params = merge_exports(parts)
             # The proxy carries the params as JSON to the decode's request.
             js = json.dumps(params_to_json(params))
             print(f"kv_transfer_params: {js}")
@@ -103,7 +100,8 @@ def run(binary: str, tokens: int) -> int:
             dst = []
             for d, c in enumerate(decode):
                 dst.append(c.alloc(nblocks))
-                c.start_load(params_pb2.ReqMeta(request_id="req-1", local_block_ids=dst[d], params=params))
+                # No local prefix hit: remote block i lands in dst[d][i].
+                c.start_load(req_meta("req-1", dst[d], params, remote_hit_blocks=0))
             for d, c in enumerate(decode):
                 f = wait_finished(c, lambda f: f.done_recving or f.failed)
                 if f.failed:

@@ -61,7 +61,15 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvsidecar import errors
-from kvsidecar.local import LocalClient, default_socket_dir, local_socket_path, params_from_json, params_to_json
+from kvsidecar.local import (
+    LocalClient,
+    default_socket_dir,
+    local_socket_path,
+    merge_exports,
+    params_from_json,
+    params_to_json,
+    req_meta,
+)
 from kvsidecar.v1 import common_pb2, local_pb2, params_pb2
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -152,12 +160,16 @@ class LoadSpec:
         notify_only: nothing to read (a full local prefix hit, or a request
             aborted before it was scheduled): the prefill ranks are only
             notified so they free their blocks; vLLM is not told anything.
+        hit_blocks: leading remote blocks the decode holds already (its
+            local prefix hit): remote block ``hit_blocks + i`` lands in
+            ``block_ids[i]``.
     """
 
     req_id: str
     block_ids: list[int]
     params: dict[str, Any]
     notify_only: bool = False
+    hit_blocks: int = 0
 
 
 @dataclasses.dataclass
@@ -352,7 +364,7 @@ class _Scheduler:
                 rid, len(local), len(remote), hit_blocks, len(local),
             )
             want = len(local)
-        self._loads.append(LoadSpec(rid, local[:want], spec))
+        self._loads.append(LoadSpec(rid, local[:want], spec, hit_blocks=min(hit_blocks, len(remote))))
         self._loading.add(rid)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVSidecarConnectorMetadata:
@@ -430,26 +442,32 @@ class _Scheduler:
     def _finish_export(self, request: Any, exp: _Export) -> dict[str, Any] | None:
         rid = request.request_id
         status = _FINISH_STATUS.get(_role_name(request.status), local_pb2.FINISH_STATUS_ERROR)
-        ids0 = exp.staging[0]
-        if any(ids != ids0 for ids in exp.staging[1:]):
-            # Every prefill rank serves the decode the blocks named in the
-            # params: ranks whose ids differ cannot be exported together.
+        per_rank = "rank_exports" in params_pb2.KVTransferParams.DESCRIPTOR.fields_by_name
+        if not per_rank and any(ids != exp.staging[0] for ids in exp.staging[1:]):
+            # This sidecar's params name one list of block ids that every
+            # prefill rank serves: ranks whose ids differ cannot be exported.
             log.error("request %s: sidecar block ids differ across TP ranks (%s); not exported", rid,
                       [ids[:4] for ids in exp.staging])
             status = local_pb2.FINISH_STATUS_ERROR
         keep = params_pb2.KVTransferParams(do_remote_decode=True)
-        out: params_pb2.KVTransferParams | None = None
+        parts: list[params_pb2.KVTransferParams] = []
         for r, c in enumerate(self.clients()):
             try:
                 p = c.request_finished(rid, exp.staging[r], status, keep)
             except errors.KVSidecarError as e:
+                # The others still take their blocks over (and free them at
+                # once with this status); this rank's stay the engine's.
                 log.error("request %s: RequestFinished on rank %d failed: %s", rid, r, e)
+                try:
+                    c.free(exp.staging[r])
+                except errors.KVSidecarError as fe:
+                    log.error("request %s: freeing rank %d's blocks failed: %s", rid, r, fe)
                 p, status = None, local_pb2.FINISH_STATUS_ERROR
-            if r == 0:
-                out = p
-        if status != local_pb2.FINISH_STATUS_LENGTH or out is None:
+            if p is not None:
+                parts.append(p)
+        if status != local_pb2.FINISH_STATUS_LENGTH or len(parts) != len(exp.staging):
             return None
-        return params_to_json(out)
+        return params_to_json(merge_exports(parts))
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in getattr(connector_output, "finished_recving", None) or ():
@@ -620,7 +638,7 @@ class _Worker:
         try:
             if spec.block_ids:
                 staging = c.alloc(len(spec.block_ids))
-            c.start_load(params_pb2.ReqMeta(request_id=rid, local_block_ids=staging, params=params))
+            c.start_load(req_meta(rid, staging, params, remote_hit_blocks=spec.hit_blocks))
         except errors.KVSidecarError as e:
             if staging:
                 c.free(staging)

@@ -321,3 +321,34 @@ def test_wrong_call_id_breaks_the_connection(tmp_path):
 def test_unreachable_socket(tmp_path):
     with pytest.raises(errors.Unavailable, match="connect"):
         LocalClient(str(tmp_path / "nobody.sock"))
+
+
+def test_merge_exports_and_req_meta():
+    from kvsidecar.local import merge_exports, req_meta
+
+    with pytest.raises(errors.InvalidArgument, match="at least one part"):
+        merge_exports([])
+    fields = params_pb2.KVTransferParams.DESCRIPTOR.fields_by_name
+    if "rank_exports" not in fields:
+        one = params_pb2.KVTransferParams(remote_request_id="r", tp_size=2, remote_block_ids=[1, 2])
+        assert merge_exports([one, params_pb2.KVTransferParams()]) is one
+        assert list(req_meta("r", [5, 6], one, remote_hit_blocks=0).local_block_ids) == [5, 6]
+        return
+    base = dict(remote_engine_id="p", remote_request_id="r", tp_size=2, remote_host="127.0.0.1", remote_port=5600)
+    r0 = params_pb2.KVTransferParams(remote_block_ids=[1, 2, 3], lease_expires_unix_ms=2000, **base)
+    r0.rank_exports.add(tp_rank=0, export_id=10, capability=b"c0")
+    r1 = params_pb2.KVTransferParams(remote_block_ids=[7, 8, 9], lease_expires_unix_ms=1500, **base)
+    r1.rank_exports.add(tp_rank=1, export_id=11, capability=b"c1")
+    m = merge_exports([r1, r0])
+    assert list(m.remote_block_ids) == [1, 2, 3], "rank 0's ids are remote_block_ids"
+    assert m.lease_expires_unix_ms == 1500, "the earliest expiry"
+    assert [(e.tp_rank, e.export_id, list(e.block_ids)) for e in m.rank_exports] == [(0, 10, []), (1, 11, [7, 8, 9])]
+    with pytest.raises(errors.InvalidArgument, match="rank 0: part 0 exports the same rank"):
+        merge_exports([r0, r0])
+    other = params_pb2.KVTransferParams()
+    other.CopyFrom(r1)
+    other.remote_request_id = "s"
+    with pytest.raises(errors.InvalidArgument, match="remote_request_id='s' differs"):
+        merge_exports([r0, other])
+    meta = req_meta("r", [5, 6], m, remote_hit_blocks=1)
+    assert meta.remote_hit_blocks == 1 and meta.local_surplus_blocks == 0
