@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/quic-go/quic-go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvsidecar/kvsidecar/connector"
@@ -52,6 +53,8 @@ type instOpts struct {
 	addrs     []string // fixed listen addresses (restart on the same ports)
 	secret    []byte
 	reg       prometheus.Registerer
+	resetKey  *quic.StatelessResetKey // the agents' stateless-reset key (a restart keeps it)
+	sim       *testutil.SimNet        // listen on this in-memory network (addrs required) instead of UDP
 }
 
 // instance is one engine instance: tp ranks, each with its pool and Rank.
@@ -60,6 +63,7 @@ type instance struct {
 	pools []*vmm.Pool
 	ranks []*connector.Rank
 	addrs []string
+	pcs   []*testutil.PacketConn
 }
 
 func newInstance(t testing.TB, o instOpts) *instance {
@@ -76,16 +80,21 @@ func newInstance(t testing.TB, o instOpts) *instance {
 	require.NoError(t, err)
 	in := &instance{opts: o}
 	// Listen first so every rank knows every rank's address.
-	pcs := make([]net.PacketConn, o.tp)
 	for r := range o.tp {
 		addr := "127.0.0.1:0"
 		if o.addrs != nil {
 			addr = o.addrs[r]
 		}
-		udp, err := net.ListenPacket("udp", addr)
-		require.NoError(t, err)
-		pcs[r] = testutil.NewPacketConn(udp, o.delay)
-		in.addrs = append(in.addrs, udp.LocalAddr().String())
+		var pc *testutil.PacketConn
+		if o.sim != nil {
+			pc = o.sim.Listen(t, addr)
+		} else {
+			udp, err := net.ListenPacket("udp", addr)
+			require.NoError(t, err)
+			pc = testutil.NewPacketConn(udp, o.delay)
+		}
+		in.pcs = append(in.pcs, pc)
+		in.addrs = append(in.addrs, pc.LocalAddr().String())
 	}
 	for r := range o.tp {
 		layout, err := vmm.LayoutFor(o.geom, r, o.tp)
@@ -95,7 +104,8 @@ func newInstance(t testing.TB, o instOpts) *instance {
 		t.Cleanup(func() { require.NoError(t, pool.Close()) })
 		rank, err := connector.NewRank(t.Context(), &connector.Config{
 			EngineID: o.engine, TPRank: r, TPSize: o.tp, Geometry: o.geom, Pool: pool,
-			Transfer:  &transfer.Config{PacketConn: pcs[r], ServerTLS: srv, ClientTLS: cli, ProgressTimeout: testutil.Scaled(5 * time.Second)},
+			Transfer: &transfer.Config{PacketConn: in.pcs[r], ServerTLS: srv, ClientTLS: cli, ProgressTimeout: testutil.Scaled(5 * time.Second),
+				StatelessResetKey: o.resetKey},
 			RankAddrs: in.addrs, CapabilitySecret: o.secret, LeaseTTL: o.leaseTTL, HandshakeMode: o.mode, Registerer: o.reg,
 		})
 		require.NoError(t, err)
@@ -110,6 +120,15 @@ func (in *instance) close() {
 	for _, r := range in.ranks {
 		_ = r.Close()
 	}
+}
+
+// kill ends the instance as a killed process ends: its sockets go dark
+// before the ranks close, so its peers hear nothing.
+func (in *instance) kill() {
+	for _, pc := range in.pcs {
+		pc.Kill()
+	}
+	in.close()
 }
 
 // heads returns the head span of rank r.

@@ -191,11 +191,9 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 	ts := r.targets(l)
 	mds := make([]*handshake.Metadata, len(ts))
 	errs := make([]error, len(ts))
-	dials := make([]int, len(ts))
 	var wg sync.WaitGroup
 	for i := range ts {
 		wg.Go(func() {
-			dials[i] = r.agent.DialCount(ts[i].Addr)
 			mds[i], errs[i] = r.hs.Get(ctx, ts[i])
 			if errs[i] != nil {
 				// Name the params the expectation came from: a wrong
@@ -225,7 +223,7 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 		if s.NotifyOnly {
 			continue
 		}
-		wg.Go(func() { errs[i] = r.readSourceOnce(ctx, l, s, ts[i], mds[i], remote, dials[i]) })
+		wg.Go(func() { errs[i] = r.readSource(ctx, l, s, ts[i], mds[i], remote) })
 	}
 	wg.Wait()
 	if err := errors.Join(errs...); err != nil {
@@ -250,44 +248,55 @@ func checkRemoteBlocks(ids []uint32, mds []*handshake.Metadata) error {
 	return nil
 }
 
-// readSourceOnce is readSource, retried once with fresh metadata when the
-// first READ moved no byte and the connection it used was not the one the
-// metadata came from (it died, or was replaced): a prefill restarted on the
-// same address is reached through its predecessor's connection, or with
-// its predecessor's cached region addresses, until that connection's close
-// arrives. A READ moves bytes only into this load's own blocks, so reading
-// again is safe. dials is the agent's dial count to the source before its
-// metadata was fetched.
-func (r *Rank) readSourceOnce(ctx context.Context, l *load, s Source, t handshake.Target, md *handshake.Metadata, remote []uint32, dials int) error {
-	err := r.readSource(ctx, l, s, t.Addr, md, remote)
-	var xe *transfer.XferError
-	if err == nil || ctx.Err() != nil || !errors.As(err, &xe) || xe.Bytes != 0 ||
-		(r.agent.Alive(t.Addr) && r.agent.DialCount(t.Addr) == dials) {
-		return err
+// readSource READs source s's slice of every tail block with the region
+// addresses of md. When a READ's connection died under it, the agent
+// redials and sends it again (transfer's redial rule), but first the
+// source is asked for its metadata on the new connection: a prefill
+// restarted on the same address is another incarnation whose regions lie
+// elsewhere, so the READ is not sent with its predecessor's addresses but
+// planned again from the new metadata, once. A READ moves bytes only into
+// this load's own blocks, so reading again is safe.
+func (r *Rank) readSource(ctx context.Context, l *load, s Source, t handshake.Target, md *handshake.Metadata, remote []uint32) error {
+	for again := false; ; again = true {
+		var next *handshake.Metadata
+		onRedial := func(ctx context.Context) error {
+			r.hs.Forget(t.Addr)
+			md2, err := r.hs.Get(ctx, t)
+			if err != nil {
+				return err
+			}
+			if md2.Incarnation == md.Incarnation {
+				return nil
+			}
+			next = md2
+			return fmt.Errorf("%w: prefill rank %d at %s restarted during the READ (incarnation %#x, now %#x)",
+				transfer.ErrUnavailable, md.TPRank, t.Addr, md.Incarnation, md2.Incarnation)
+		}
+		err := r.readRegions(ctx, l, s, t.Addr, md, remote, onRedial)
+		if next == nil || again {
+			return err
+		}
+		r.cfg.Logger.Info("prefill restarted during a READ; reading again with its new metadata", "request_id", l.id, "peer", t.Addr, "err", err)
+		if err := checkRemoteBlocks(l.params.GetRemoteBlockIds(), []*handshake.Metadata{next}); err != nil {
+			return err
+		}
+		md = next
 	}
-	r.cfg.Logger.Info("READ found a dead connection; handshaking again", "request_id", l.id, "peer", t.Addr, "err", err)
-	r.hs.Forget(t.Addr)
-	md2, herr := r.hs.Get(ctx, t)
-	if herr != nil {
-		return errors.Join(err, herr)
-	}
-	if err := checkRemoteBlocks(l.params.GetRemoteBlockIds(), []*handshake.Metadata{md2}); err != nil {
-		return err
-	}
-	return r.readSource(ctx, l, s, t.Addr, md2, remote)
 }
 
-// readSource READs source s's slice of every tail block, region by region,
+// readRegions READs source s's slice of every tail block, region by region,
 // in batches of at most MaxDescsPerXfer descriptors; adjacent blocks that
-// are contiguous on both sides travel as one descriptor.
-func (r *Rank) readSource(ctx context.Context, l *load, s Source, addr string, md *handshake.Metadata, remote []uint32) error {
+// are contiguous on both sides travel as one descriptor. onRedial is each
+// READ's Xfer.OnRedial.
+func (r *Rank) readRegions(ctx context.Context, l *load, s Source, addr string, md *handshake.Metadata, remote []uint32, onRedial func(context.Context) error) error {
 	var loc, rem []transfer.Desc
 	flush := func() error {
 		if len(loc) == 0 {
 			return nil
 		}
 		_, err := r.agent.Transfer(ctx, &transfer.Xfer{Op: transfer.OpRead, Peer: addr,
-			RequestID: l.params.GetRemoteRequestId(), Capability: l.params.GetCapability(), Local: loc, Remote: rem})
+			RequestID: l.params.GetRemoteRequestId(), Capability: l.params.GetCapability(), Local: loc, Remote: rem,
+			OnRedial: onRedial})
 		if err == nil {
 			var n uint64
 			for _, d := range loc {

@@ -88,6 +88,7 @@ type peer struct {
 	err      error
 	notifMu  sync.Mutex // serializes notifications so they arrive in order
 	attempt0 bool       // dialed with a session ticket available
+	gone     sync.Once  // OnPeerGone runs once per connection
 }
 
 // PeerInfo describes the current connection to a remote agent.
@@ -289,17 +290,32 @@ func (a *Agent) peerFor(ctx context.Context, addr string) (*peer, error) {
 		if p.err == nil && p.conn.Context().Err() == nil {
 			return p, nil
 		}
-		a.dropPeer(p)
 		if p.err != nil {
+			a.dropPeer(p)
 			return nil, p.err
 		}
 		// The connection died and its watcher may not have said so yet:
 		// tell OnPeerGone before a new connection to addr is used, so what
 		// was learned on the old one (agent metadata) is dropped first.
-		if a.cfg.OnPeerGone != nil && !a.isClosed() {
-			a.cfg.OnPeerGone(addr, context.Cause(p.conn.Context()))
-		}
+		a.peerGone(p)
 	}
+}
+
+// peerGone drops p's connection, which has ended, from the cache and tells
+// OnPeerGone, once per connection, whoever notices first: the watcher, a
+// caller finding it dead, or the redial rule.
+func (a *Agent) peerGone(p *peer) {
+	a.dropPeer(p)
+	p.gone.Do(func() {
+		if a.isClosed() {
+			return
+		}
+		cause := context.Cause(p.conn.Context())
+		a.log.Info("transfer: peer connection lost", "peer", p.addr, "err", cause)
+		if a.cfg.OnPeerGone != nil {
+			a.cfg.OnPeerGone(p.addr, cause)
+		}
+	})
 }
 
 func (a *Agent) dropPeer(p *peer) {
@@ -420,15 +436,7 @@ func (a *Agent) watch(p *peer) {
 	case <-conn.Context().Done():
 	}
 	<-conn.Context().Done()
-	a.dropPeer(p)
-	cause := context.Cause(conn.Context())
-	if a.isClosed() {
-		return
-	}
-	a.log.Info("transfer: peer connection lost", "peer", p.addr, "err", cause)
-	if a.cfg.OnPeerGone != nil {
-		a.cfg.OnPeerGone(p.addr, cause)
-	}
+	a.peerGone(p)
 }
 
 // PeerInfo waits for the current connection to addr to finish its handshake

@@ -38,6 +38,13 @@ type Xfer struct {
 	// Checksum asks the sender of the bytes for a CRC-32C per descriptor,
 	// checked by the receiver (ErrDataLoss on mismatch).
 	Checksum bool
+	// OnRedial, when set, is called when the connection the transfer ran on
+	// died under it and a new connection to Peer is up, before the transfer
+	// is sent again (the redial rule of the package doc). The peer may now
+	// be another process whose memory lies elsewhere: a non-nil error stops
+	// the transfer, which then fails with that error. Default nil: the
+	// transfer is sent again as it is.
+	OnRedial func(ctx context.Context) error
 }
 
 // Result reports a finished transfer.
@@ -72,16 +79,12 @@ func (l *DescList) Len() int { return len(l.descs) }
 // Prepare registers descs (the peer's memory) with the peer, which validates
 // them once; transfers then name entries by index. Errors carry the peer's
 // class (ErrOutOfRange, ErrInvalidArgument, ...).
-func (a *Agent) Prepare(ctx context.Context, peer string, descs []Desc) (*DescList, error) {
+func (a *Agent) Prepare(ctx context.Context, addr string, descs []Desc) (*DescList, error) {
 	if len(descs) == 0 || len(descs) > a.cfg.MaxDescsPerTransfer {
 		return nil, errorf(v1.Code_CODE_INVALID_ARGUMENT, "descriptor list of %d entries, want 1..%d", len(descs), a.cfg.MaxDescsPerTransfer)
 	}
-	l := &DescList{a: a, peer: peer, id: a.nextList.Add(1), descs: append([]Desc(nil), descs...)}
-	p, err := a.peerFor(ctx, peer)
-	if err != nil {
-		return nil, err
-	}
-	if err := a.ensurePrepared(ctx, p, l); err != nil {
+	l := &DescList{a: a, peer: addr, id: a.nextList.Add(1), descs: append([]Desc(nil), descs...)}
+	if err := a.withConn(ctx, addr, func(p *peer, _ bool) error { return a.ensurePrepared(ctx, p, l) }); err != nil {
 		return nil, err
 	}
 	return l, nil
@@ -187,14 +190,15 @@ func (a *Agent) Heartbeat(ctx context.Context, addr string, hb *v1.Heartbeat) (*
 // request is unknown or expired (the data read for it may be stale).
 // Notifications to one peer are delivered in call order; never in 0-RTT.
 func (a *Agent) Notify(ctx context.Context, addr string, n *v1.Notification) error {
-	p, err := a.peerFor(ctx, addr)
-	if err != nil {
+	req := &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1, Body: &v1.PeerRequest_Notification{Notification: n}}
+	var resp *v1.PeerResponse
+	err := a.withConn(ctx, addr, func(p *peer, _ bool) error {
+		p.notifMu.Lock()
+		defer p.notifMu.Unlock()
+		var err error
+		resp, err = a.roundTrip(ctx, p, req, false)
 		return err
-	}
-	p.notifMu.Lock()
-	defer p.notifMu.Unlock()
-	resp, err := a.roundTrip(ctx, p, &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1,
-		Body: &v1.PeerRequest_Notification{Notification: n}}, false)
+	})
 	if err != nil {
 		return err
 	}
@@ -205,42 +209,27 @@ func (a *Agent) Notify(ctx context.Context, addr string, n *v1.Notification) err
 	return codes.FromProto(addr, b.Notification.GetError())
 }
 
-// call runs one request/response exchange with addr; early requests may
-// travel in 0-RTT. An idempotent request (every request call sends) that
-// fails because the cached connection died under it, e.g. the peer restarted
-// and closed it just now, is sent once more on a new connection.
+// call runs one request/response exchange with addr under the redial rule;
+// early requests may travel in 0-RTT.
 func (a *Agent) call(ctx context.Context, addr string, req *v1.PeerRequest, early bool) (*v1.PeerResponse, error) {
-	for attempt := 0; ; attempt++ {
-		p, err := a.peerFor(ctx, addr)
-		if err != nil {
-			return nil, err
-		}
-		resp, err := a.roundTrip(ctx, p, req, early)
-		if err != nil && attempt == 0 && ctx.Err() == nil && p.conn.Context().Err() != nil && !a.isClosed() {
-			a.dropPeer(p)
-			continue
-		}
-		return resp, err
-	}
+	var resp *v1.PeerResponse
+	err := a.withConn(ctx, addr, func(p *peer, _ bool) error {
+		var err error
+		resp, err = a.roundTrip(ctx, p, req, early)
+		return err
+	})
+	return resp, err
 }
 
-// roundTrip opens a stream on p, sends req, reads one response. early
-// requests may travel in 0-RTT; if the server rejects 0-RTT they are resent
-// once the handshake completes.
+// roundTrip opens a stream on p, sends req, reads one response; early
+// requests may travel in 0-RTT (withConn sends them again when the server
+// rejected 0-RTT).
 func (a *Agent) roundTrip(ctx context.Context, p *peer, req *v1.PeerRequest, early bool) (*v1.PeerResponse, error) {
-	for attempt := 0; ; attempt++ {
-		resp, err := a.exchange(ctx, p.conn, req, early)
-		if errors.Is(err, quic.Err0RTTRejected) && attempt == 0 {
-			if _, nerr := p.conn.NextConnection(ctx); nerr != nil {
-				return nil, fmt.Errorf("%w: transfer: %s after 0-RTT rejection: %w", ErrUnavailable, p.addr, nerr)
-			}
-			continue
-		}
-		if err != nil {
-			return nil, a.streamErr(ctx, p.addr, err)
-		}
-		return resp, nil
+	resp, err := a.exchange(ctx, p.conn, req, early)
+	if err != nil {
+		return nil, a.streamErr(ctx, p.addr, err)
 	}
+	return resp, nil
 }
 
 func (a *Agent) exchange(ctx context.Context, conn *quic.Conn, req *v1.PeerRequest, early bool) (*v1.PeerResponse, error) {
@@ -333,10 +322,6 @@ func (a *Agent) Transfer(ctx context.Context, x *Xfer) (Result, error) {
 	if err != nil {
 		return fail(err)
 	}
-	p, err := a.peerFor(ctx, x.Peer)
-	if err != nil {
-		return fail(err)
-	}
 	b := a.budgetFor(x.Peer)
 	if err := b.acquire(ctx.Done(), func() error { return context.Cause(ctx) }, total); err != nil {
 		return fail(a.streamErr(ctx, x.Peer, err))
@@ -349,19 +334,45 @@ func (a *Agent) Transfer(ctx context.Context, x *Xfer) (Result, error) {
 	req := &v1.XferRequest{Op: v1.XferOp(x.Op), RequestId: x.RequestID, Capability: x.Capability,
 		Checksum: x.Checksum, XferId: id, TotalLen: total}
 	if x.RemoteList != nil {
-		if err := a.ensurePrepared(ctx, p, x.RemoteList); err != nil {
-			return fail(err)
-		}
 		req.Descs = &v1.XferRequest_Indexed{Indexed: &v1.IndexedDescs{DlistId: x.RemoteList.id, Indices: x.Indices}}
 	} else {
 		req.Descs = &v1.XferRequest_List{List: descsToProto(remote)}
 	}
+	err = a.withConn(ctx, x.Peer, func(p *peer, redialed bool) error {
+		if redialed {
+			xe.Bytes, xe.Sent = 0, 0
+			if x.OnRedial != nil {
+				if err := x.OnRedial(ctx); err != nil {
+					return err
+				}
+			}
+		}
+		return a.transferOn(ctx, p, x, req, local, xe, start)
+	})
+	if err != nil {
+		return fail(err)
+	}
+	res.Bytes, res.Duration = total, time.Since(start)
+	a.m.xferSecs.WithLabelValues(x.Op.label()).Observe(res.Duration.Seconds())
+	a.m.xfers.WithLabelValues(x.Op.label(), "client", "ok").Inc()
+	return res, nil
+}
+
+// transferOn runs one attempt of x on p's connection; xe records the bytes
+// moved. It returns only after the stream was reset or drained.
+func (a *Agent) transferOn(ctx context.Context, p *peer, x *Xfer, req *v1.XferRequest, local []span, xe *XferError, start time.Time) error {
+	id := xe.XferID
+	if x.RemoteList != nil {
+		if err := a.ensurePrepared(ctx, p, x.RemoteList); err != nil {
+			return err
+		}
+	}
 	if err := waitConn(ctx, p.conn); err != nil {
-		return fail(a.streamErr(ctx, x.Peer, err))
+		return a.streamErr(ctx, x.Peer, err)
 	}
 	str, err := p.conn.OpenStreamSync(ctx)
 	if err != nil {
-		return fail(a.streamErr(ctx, x.Peer, err))
+		return a.streamErr(ctx, x.Peer, err)
 	}
 
 	// Abort machinery: the watchdog and ctx reset the stream; the I/O below
@@ -410,20 +421,15 @@ func (a *Agent) Transfer(ctx context.Context, x *Xfer) (Result, error) {
 		moved = xe.Sent
 	}
 	a.m.bytes.WithLabelValues(x.Op.label(), "client").Add(float64(moved))
-	if ioErr != nil {
-		if abortCause != nil {
-			ioErr = abortCause
-		} else {
-			str.CancelRead(quic.StreamErrorCode(codes.Of(ioErr)))
-			str.CancelWrite(quic.StreamErrorCode(codes.Of(ioErr)))
-			ioErr = a.streamErr(ctx, x.Peer, ioErr)
-		}
-		return fail(ioErr)
+	if ioErr == nil {
+		return nil
 	}
-	res.Bytes, res.Duration = total, time.Since(start)
-	a.m.xferSecs.WithLabelValues(x.Op.label()).Observe(res.Duration.Seconds())
-	a.m.xfers.WithLabelValues(x.Op.label(), "client", "ok").Inc()
-	return res, nil
+	if abortCause != nil {
+		return abortCause
+	}
+	str.CancelRead(quic.StreamErrorCode(codes.Of(ioErr)))
+	str.CancelWrite(quic.StreamErrorCode(codes.Of(ioErr)))
+	return a.streamErr(ctx, x.Peer, ioErr)
 }
 
 // checkXfer validates x locally and resolves its local descriptors.

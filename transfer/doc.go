@@ -41,7 +41,30 @@
 // 0-RTT data can never move bytes, extend a lease, pile up prepared lists or
 // count a consumer; a READ loses nothing by waiting since it follows the
 // handshake exchange anyway. When the server rejects 0-RTT the request is
-// resent on the completed connection.
+// resent on the completed connection (the redial rule below).
+//
+// # Redial rule
+//
+// Every call that uses the cached connection to a peer (Handshake, READ and
+// WRITE through Transfer, Notify, Heartbeat, Prepare) follows one rule,
+// implemented in one place: when the connection died under the call, the
+// agent dials once more and runs the call again on the new connection; if
+// that dial fails too, the call fails with the original cause. A connection
+// died when it ended without refusing anything: a stateless reset (the
+// peer's address is now served by a process that does not know the
+// connection, typically a restarted peer), an idle timeout, 0-RTT data the
+// server rejected (the request is sent again once the handshake completes),
+// or a clean close (application code 0: a peer going away). A refusal is
+// never retried: a TLS alert (unknown or missing certificate), a stream reset
+// or a reply with a code (ErrCapabilityDenied, ErrLeaseExpired,
+// ErrIncompatible, a draining peer's ErrUnavailable, ...), a dial that does
+// not complete, and the caller's own deadline. Before the new connection is
+// used, OnPeerGone is told about the old one, prepared lists are prepared
+// again on the new one, and Xfer.OnRedial may check that the memory the
+// transfer names is still the peer's (a restarted peer lays it out anew).
+// Every call is safe to send twice: handshakes and heartbeats are
+// idempotent, a READ or WRITE moves the same bytes to the same place again,
+// and a notification names its consumer, which the receiver counts once.
 //
 // # Checks on the serving side
 //

@@ -1,0 +1,58 @@
+package testutil
+
+import (
+	"net"
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/quic-go/quic-go/testutils/simnet"
+)
+
+// SimNet is an in-memory UDP network (quic-go's testutils/simnet) for tests
+// that run under testing/synctest: a datagram takes a fixed one-way delay of
+// virtual time, so timeouts, keep-alives and RTTs are exact however loaded
+// the machine is. A full receive buffer holds the sender back instead of
+// dropping datagrams.
+type SimNet struct {
+	router simnet.PerfectRouter
+	delay  time.Duration
+}
+
+// NewSimNet returns a network whose datagrams take oneWay to arrive.
+func NewSimNet(oneWay time.Duration) *SimNet { return &SimNet{delay: oneWay} }
+
+// Listen opens a socket at addr ("10.0.0.1:5600") and closes it when the
+// test ends. A later Listen on the same address takes its datagrams over,
+// as a process restarted on the address would: Kill the old socket first so
+// the old process says nothing more. The socket can go dark like one from
+// ListenUDP.
+func (n *SimNet) Listen(t testing.TB, addr string) *PacketConn {
+	t.Helper()
+	ap, err := netip.ParseAddrPort(addr)
+	if err != nil {
+		t.Fatalf("testutil: sim address %q: %v", addr, err)
+	}
+	// The 4-byte form of an IPv4 address, as the agents' resolver gives it:
+	// simnet routes by the address's bytes.
+	ua := net.UDPAddrFromAddrPort(netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()))
+	sc := simnet.NewBlockingSimConn(ua, &n.router)
+	n.router.AddNode(ua, delayed{sc, n.delay})
+	pc := NewPacketConn(sc, 0)
+	t.Cleanup(func() { _ = pc.Close() })
+	return pc
+}
+
+// delayed delivers each datagram to its socket after a fixed delay.
+type delayed struct {
+	to    simnet.PacketReceiver
+	delay time.Duration
+}
+
+func (d delayed) RecvPacket(p simnet.Packet) {
+	if d.delay <= 0 {
+		d.to.RecvPacket(p)
+		return
+	}
+	time.AfterFunc(d.delay, func() { d.to.RecvPacket(p) })
+}

@@ -1,0 +1,76 @@
+package transfer
+
+import (
+	"context"
+	"errors"
+
+	"github.com/quic-go/quic-go"
+)
+
+// withConn runs op on the cached connection to addr (dialing one when there
+// is none) and applies the redial rule of the package doc: when op fails
+// because that connection died under it, op runs once more on a new one;
+// when the new one cannot be had, the original error is returned. A refusal
+// is returned as it is. op learns whether it runs on a redialed connection.
+//
+// Every call that uses a cached connection goes through here: Handshake,
+// Heartbeat, Notify, Prepare and Transfer.
+func (a *Agent) withConn(ctx context.Context, addr string, op func(p *peer, redialed bool) error) error {
+	p, err := a.peerFor(ctx, addr)
+	if err != nil {
+		return err
+	}
+	err = op(p, false)
+	if err == nil || ctx.Err() != nil || a.isClosed() {
+		return err
+	}
+	switch {
+	case errors.Is(err, quic.Err0RTTRejected):
+		// The server refused the early data but the handshake goes on:
+		// quic-go's NextConnection is the connection to send on again.
+		if nerr := waitConn(ctx, p.conn); nerr != nil {
+			return err
+		}
+	case connDied(err):
+		// quic-go fails the streams before it cancels the connection's
+		// context: wait for the latter so OnPeerGone runs, and what was
+		// learned on the old connection is dropped, before a new one to
+		// addr is used.
+		select {
+		case <-p.conn.Context().Done():
+		case <-ctx.Done():
+			return err
+		}
+		a.peerGone(p)
+		a.log.Info("transfer: connection died under a call; redialing once", "peer", addr, "err", err)
+		np, derr := a.peerFor(ctx, addr)
+		if derr != nil {
+			a.log.Info("transfer: redial failed", "peer", addr, "err", derr)
+			return err
+		}
+		p = np
+	default:
+		return err
+	}
+	return op(p, true)
+}
+
+// connDied reports whether err says that the connection it happened on
+// ended without refusing anything: a stateless reset (the peer's address
+// is served by a process that does not know the connection, typically a
+// restarted one), an idle timeout, or a close with application code 0 (the
+// agent's "agent closing" or "disconnect": a peer going away, or this side
+// dropping the connection). TLS alerts and other transport errors, stream
+// resets with a code and coded replies are refusals.
+func connDied(err error) bool {
+	if _, ok := errors.AsType[*quic.StatelessResetError](err); ok {
+		return true
+	}
+	if _, ok := errors.AsType[*quic.IdleTimeoutError](err); ok {
+		return true
+	}
+	if ae, ok := errors.AsType[*quic.ApplicationError](err); ok {
+		return ae.ErrorCode == 0
+	}
+	return false
+}

@@ -1,0 +1,253 @@
+package transfer
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/quic-go/quic-go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvsidecar/kvsidecar/internal/devtls"
+	"github.com/kvsidecar/kvsidecar/internal/testutil"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+// simTLS returns mutual-TLS configs of a fresh dev CA. Under synctest it
+// must be called inside the bubble: the certificates' validity starts at
+// the bubble's clock.
+func simTLS(t testing.TB) (srv, cli *tls.Config) {
+	t.Helper()
+	ca, err := devtls.NewCA()
+	require.NoError(t, err)
+	srv, err = ca.ServerConfig()
+	require.NoError(t, err)
+	cli, err = ca.ClientConfig()
+	require.NoError(t, err)
+	return srv, cli
+}
+
+// simPeer is one process serving memory at a fixed address of a SimNet.
+type simPeer struct {
+	a   *Agent
+	pc  *testutil.PacketConn
+	mem []byte
+	reg Region
+}
+
+const simServer = "127.0.0.1:5600"
+
+// startSimPeer starts a serving agent at simServer that answers every call
+// and serves 64 KiB of memory filled from seed.
+func startSimPeer(t *testing.T, n *testutil.SimNet, srvTLS *tls.Config, key *quic.StatelessResetKey, seed byte) *simPeer {
+	t.Helper()
+	mem := make([]byte, 64<<10)
+	fill(mem, seed)
+	p := &simPeer{pc: n.Listen(t, simServer), mem: mem, reg: SliceRegion(mem, 0, 0)}
+	a, err := New(&Config{PacketConn: p.pc, ServerTLS: srvTLS, StatelessResetKey: key, Regions: []Region{p.reg},
+		Authorize: allowAll,
+		OnHandshake: func(context.Context, *v1.HandshakeRequest) *v1.HandshakeResponse {
+			return &v1.HandshakeResponse{Metadata: &v1.AgentMetadata{EngineId: fmt.Sprint(seed)}}
+		},
+		OnHeartbeat: func(context.Context, string, *v1.Heartbeat) *v1.HeartbeatAck { return &v1.HeartbeatAck{} },
+		OnNotification: func(context.Context, string, *v1.Notification) error {
+			return nil
+		}})
+	require.NoError(t, err)
+	p.a = a
+	t.Cleanup(func() { _ = a.Close() })
+	return p
+}
+
+// kill ends the process without a word: its socket goes dark first, so
+// the CONNECTION_CLOSE of Close never leaves.
+func (p *simPeer) kill(t *testing.T) {
+	t.Helper()
+	p.pc.Kill()
+	require.NoError(t, p.a.Close())
+}
+
+// restartedPeer starts a peer on a SimNet and a dialer (serving mem) that
+// handshakes with it, then kills the peer and starts another process on its
+// address with the same stateless-reset key, which it returns: the dialer
+// still holds its connection to the dead one.
+func restartedPeer(t *testing.T, mem []byte, onGone func(string, error)) (*Agent, *simPeer) {
+	t.Helper()
+	key := &quic.StatelessResetKey{7}
+	n := testutil.NewSimNet(time.Millisecond)
+	srvTLS, cliTLS := simTLS(t)
+	first := startSimPeer(t, n, srvTLS, key, 1)
+	cli, err := New(&Config{PacketConn: n.Listen(t, "127.0.0.2:1"), ClientTLS: cliTLS, Regions: []Region{SliceRegion(mem, 0, 0)},
+		OnPeerGone: onGone})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = cli.Close() })
+	_, err = cli.Handshake(t.Context(), simServer, &v1.HandshakeRequest{})
+	require.NoError(t, err)
+	first.kill(t)
+	return cli, startSimPeer(t, n, srvTLS, key, 2)
+}
+
+// TestRedialRule: every call on a cached connection to a peer that
+// restarted on its address (same stateless-reset key) meets the reset,
+// redials once and succeeds on the new process; the race is deterministic
+// because the reset is the new process's answer to the call's own packet.
+func TestRedialRule(t *testing.T) {
+	var mem []byte
+	ops := []struct {
+		name string
+		run  func(ctx context.Context, a *Agent, srv *simPeer, onRedial func(context.Context) error) error
+	}{
+		{"handshake", func(ctx context.Context, a *Agent, srv *simPeer, _ func(context.Context) error) error {
+			resp, err := a.Handshake(ctx, simServer, &v1.HandshakeRequest{})
+			if err == nil && resp.GetMetadata().GetEngineId() != "2" {
+				err = fmt.Errorf("answered by %q, want the new process", resp.GetMetadata().GetEngineId())
+			}
+			return err
+		}},
+		{"heartbeat", func(ctx context.Context, a *Agent, _ *simPeer, _ func(context.Context) error) error {
+			_, err := a.Heartbeat(ctx, simServer, &v1.Heartbeat{})
+			return err
+		}},
+		{"notification", func(ctx context.Context, a *Agent, _ *simPeer, _ func(context.Context) error) error {
+			return a.Notify(ctx, simServer, &v1.Notification{RequestId: "r"})
+		}},
+		{"prepare", func(ctx context.Context, a *Agent, srv *simPeer, _ func(context.Context) error) error {
+			_, err := a.Prepare(ctx, simServer, []Desc{{Addr: srv.reg.Base, Len: 4096}})
+			return err
+		}},
+		{"read", func(ctx context.Context, a *Agent, srv *simPeer, onRedial func(context.Context) error) error {
+			clear(mem)
+			_, err := a.Transfer(ctx, &Xfer{Op: OpRead, Peer: simServer, OnRedial: onRedial,
+				Local: []Desc{{Addr: SliceRegion(mem, 0, 0).Base, Len: 8192}}, Remote: []Desc{{Addr: srv.reg.Base, Len: 8192}}})
+			if err == nil && !bytes.Equal(mem[:8192], srv.mem[:8192]) {
+				err = errors.New("READ bytes differ from the new process's memory")
+			}
+			return err
+		}},
+		{"write", func(ctx context.Context, a *Agent, srv *simPeer, onRedial func(context.Context) error) error {
+			fill(mem, 9)
+			_, err := a.Transfer(ctx, &Xfer{Op: OpWrite, Peer: simServer, OnRedial: onRedial,
+				Local: []Desc{{Addr: SliceRegion(mem, 0, 0).Base, Len: 8192}}, Remote: []Desc{{Addr: srv.reg.Base, Len: 8192}}})
+			if err == nil && !bytes.Equal(mem[:8192], srv.mem[:8192]) {
+				err = errors.New("WRITE bytes did not land in the new process's memory")
+			}
+			return err
+		}},
+	}
+	for _, op := range ops {
+		t.Run(op.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				mem = make([]byte, 64<<10)
+				var gone atomic.Int32
+				cli, second := restartedPeer(t, mem, func(string, error) { gone.Add(1) })
+				var redials atomic.Int32
+				onRedial := func(context.Context) error {
+					redials.Add(1)
+					require.Equal(t, int32(1), gone.Load(), "OnPeerGone ran before the new connection was used")
+					return nil
+				}
+				require.NoError(t, op.run(t.Context(), cli, second, onRedial))
+				require.Equal(t, 2, cli.DialCount(simServer), "one redial")
+				require.Equal(t, int32(1), gone.Load())
+				if op.name == "read" || op.name == "write" {
+					require.Equal(t, int32(1), redials.Load(), "Xfer.OnRedial ran before the transfer was sent again")
+				}
+			})
+		})
+	}
+}
+
+// TestRedialStoppedByOnRedial: a transfer whose OnRedial refuses the new
+// connection fails with that error and is not sent.
+func TestRedialStoppedByOnRedial(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mem := make([]byte, 8192)
+		cli, second := restartedPeer(t, mem, nil)
+		errMoved := errors.New("the peer is another process now")
+		_, err := cli.Transfer(t.Context(), &Xfer{Op: OpRead, Peer: simServer,
+			OnRedial: func(context.Context) error { return errMoved },
+			Local:    []Desc{{Addr: SliceRegion(mem, 0, 0).Base, Len: 8192}}, Remote: []Desc{{Addr: second.reg.Base, Len: 8192}}})
+		require.ErrorIs(t, err, errMoved)
+		require.Equal(t, make([]byte, 8192), mem, "nothing was read")
+		require.Equal(t, 2, cli.DialCount(simServer))
+	})
+}
+
+// TestRedialFailsWithTheOriginalCause: a peer that died and did not come
+// back leaves the call on a silent connection until the idle timeout; the
+// one redial finds nobody either, and the call fails with the idle
+// timeout, not the redial's error.
+func TestRedialFailsWithTheOriginalCause(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		n := testutil.NewSimNet(time.Millisecond)
+		srvTLS, cliTLS := simTLS(t)
+		first := startSimPeer(t, n, srvTLS, nil, 1)
+		cli, err := New(&Config{PacketConn: n.Listen(t, "127.0.0.2:1"), ClientTLS: cliTLS})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = cli.Close() })
+		_, err = cli.Handshake(t.Context(), simServer, &v1.HandshakeRequest{})
+		require.NoError(t, err)
+		first.kill(t)
+		start := time.Now()
+		_, err = cli.Handshake(t.Context(), simServer, &v1.HandshakeRequest{})
+		require.ErrorIs(t, err, ErrTimeout)
+		_, idle := errors.AsType[*quic.IdleTimeoutError](err)
+		require.True(t, idle, "the original cause: %v", err)
+		require.Equal(t, 2, cli.DialCount(simServer), "one redial")
+		require.Equal(t, DefaultMaxIdleTimeout+DefaultHandshakeTimeout, time.Since(start).Round(time.Second),
+			"idle timeout, then one dial bounded by HandshakeTimeout")
+	})
+}
+
+// TestRefusalNotRedialed: a peer that refuses the TLS handshake, on either
+// side, is dialed once per call, never twice.
+func TestRefusalNotRedialed(t *testing.T) {
+	tests := []struct {
+		name string
+		// cfgs returns the server's and the client's TLS configs.
+		cfgs func(t *testing.T) (srv, cli *tls.Config)
+	}{
+		{"server certificate from an unknown CA", func(t *testing.T) (*tls.Config, *tls.Config) {
+			srv, _ := simTLS(t)
+			_, cli := simTLS(t)
+			return srv, cli
+		}},
+		{"client certificate from an unknown CA", func(t *testing.T) (*tls.Config, *tls.Config) {
+			srv, cli := simTLS(t)
+			_, other := simTLS(t)
+			cli.Certificates = other.Certificates
+			return srv, cli
+		}},
+		{"no client certificate", func(t *testing.T) (*tls.Config, *tls.Config) {
+			srv, cli := simTLS(t)
+			cli.Certificates = nil
+			return srv, cli
+		}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				n := testutil.NewSimNet(time.Millisecond)
+				srvTLS, cliTLS := tc.cfgs(t)
+				startSimPeer(t, n, srvTLS, &quic.StatelessResetKey{7}, 1)
+				cli, err := New(&Config{PacketConn: n.Listen(t, "127.0.0.2:1"), ClientTLS: cliTLS})
+				require.NoError(t, err)
+				t.Cleanup(func() { _ = cli.Close() })
+				for call := 1; call <= 2; call++ {
+					_, err = cli.Handshake(t.Context(), simServer, &v1.HandshakeRequest{})
+					require.Error(t, err)
+					var te *quic.TransportError
+					require.ErrorAs(t, err, &te, "a TLS alert")
+					require.True(t, te.ErrorCode.IsCryptoError(), "a TLS alert: %v", err)
+					require.Equal(t, call, cli.DialCount(simServer), "dialed once per call")
+				}
+			})
+		})
+	}
+}
