@@ -20,39 +20,54 @@ func (a *Agent) withConn(ctx context.Context, addr string, op func(p *peer, redi
 	if err != nil {
 		return err
 	}
-	err = op(p, false)
-	if err == nil || ctx.Err() != nil || a.isClosed() {
-		return err
+	redialed, resent := false, false
+	var orig error // the error that made the call redial
+	for {
+		err = op(p, redialed)
+		if err == nil {
+			return nil
+		}
+		if redialed && p.conn.Context().Err() != nil && !handshakeDone(p.conn) {
+			// The new connection ended without completing its handshake
+			// (a dial in 0-RTT returns before that): the redial failed.
+			a.log.Info("transfer: redial failed", "peer", addr, "err", err)
+			return orig
+		}
+		if ctx.Err() != nil || a.isClosed() {
+			return err
+		}
+		switch {
+		case errors.Is(err, quic.Err0RTTRejected) && !resent:
+			// The server refused the early data but the handshake goes on
+			// (a peer that restarted has new ticket keys): quic-go's
+			// NextConnection is the connection to send on again. This is
+			// part of the dial, so a redialed call may meet it too.
+			if nerr := waitConn(ctx, p.conn); nerr != nil {
+				return err
+			}
+			resent = true
+		case connDied(err) && !redialed:
+			// quic-go fails the streams before it cancels the connection's
+			// context: wait for the latter so OnPeerGone runs, and what was
+			// learned on the old connection is dropped, before a new one to
+			// addr is used.
+			select {
+			case <-p.conn.Context().Done():
+			case <-ctx.Done():
+				return err
+			}
+			a.peerGone(p)
+			a.log.Info("transfer: connection died under a call; redialing once", "peer", addr, "err", err)
+			np, derr := a.peerFor(ctx, addr)
+			if derr != nil {
+				a.log.Info("transfer: redial failed", "peer", addr, "err", derr)
+				return err
+			}
+			p, redialed, resent, orig = np, true, false, err
+		default:
+			return err
+		}
 	}
-	switch {
-	case errors.Is(err, quic.Err0RTTRejected):
-		// The server refused the early data but the handshake goes on:
-		// quic-go's NextConnection is the connection to send on again.
-		if nerr := waitConn(ctx, p.conn); nerr != nil {
-			return err
-		}
-	case connDied(err):
-		// quic-go fails the streams before it cancels the connection's
-		// context: wait for the latter so OnPeerGone runs, and what was
-		// learned on the old connection is dropped, before a new one to
-		// addr is used.
-		select {
-		case <-p.conn.Context().Done():
-		case <-ctx.Done():
-			return err
-		}
-		a.peerGone(p)
-		a.log.Info("transfer: connection died under a call; redialing once", "peer", addr, "err", err)
-		np, derr := a.peerFor(ctx, addr)
-		if derr != nil {
-			a.log.Info("transfer: redial failed", "peer", addr, "err", derr)
-			return err
-		}
-		p = np
-	default:
-		return err
-	}
-	return op(p, true)
 }
 
 // connDied reports whether err says that the connection it happened on
@@ -73,4 +88,14 @@ func connDied(err error) bool {
 		return ae.ErrorCode == 0
 	}
 	return false
+}
+
+// handshakeDone reports whether conn completed its handshake.
+func handshakeDone(conn *quic.Conn) bool {
+	select {
+	case <-conn.HandshakeComplete():
+		return true
+	default:
+		return false
+	}
 }
