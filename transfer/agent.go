@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/quic-go/quic-go"
 	"github.com/quic-go/quic-go/qlog"
@@ -422,8 +423,8 @@ func resolveUDP(ctx context.Context, addr string) (*net.UDPAddr, error) {
 }
 
 // watch follows one dialed connection: it records whether 0-RTT was
-// accepted, re-enables streams after a 0-RTT rejection, and reports the peer
-// gone when the connection ends.
+// accepted, re-enables streams after a 0-RTT rejection, probes it while it
+// lasts, and reports the peer gone when it ends.
 func (a *Agent) watch(p *peer) {
 	defer a.wg.Done()
 	conn := p.conn
@@ -435,8 +436,37 @@ func (a *Agent) watch(p *peer) {
 		}
 	case <-conn.Context().Done():
 	}
-	<-conn.Context().Done()
+	a.probe(conn)
 	a.peerGone(p)
+}
+
+// probeBytes is the payload of a keep-alive probe. quic-go answers a packet
+// of a connection it does not know with a stateless reset only when the
+// packet is larger than 42 bytes (protocol.MinStatelessResetSize, quic-go
+// v0.65), and its keep-alive PINGs are about 25: a probe carries enough to
+// draw the reset, whatever the header sizes.
+const probeBytes = 48
+
+// probe sends a QUIC datagram of probeBytes on conn every KeepAlivePeriod
+// until conn ends, so an idle connection to a peer that restarted on its
+// address learns of it from the new process's stateless reset within one
+// period. The serving agent discards the probes (serveConn).
+func (a *Agent) probe(conn *quic.Conn) {
+	if !conn.ConnectionState().SupportsDatagrams.Remote {
+		<-conn.Context().Done() // a peer without datagrams: quic-go's PINGs only
+		return
+	}
+	t := time.NewTicker(a.cfg.KeepAlivePeriod)
+	defer t.Stop()
+	payload := make([]byte, probeBytes)
+	for {
+		select {
+		case <-conn.Context().Done():
+			return
+		case <-t.C:
+			_ = conn.SendDatagram(payload) // fails only once conn ended
+		}
+	}
 }
 
 // PeerInfo waits for the current connection to addr to finish its handshake

@@ -126,7 +126,11 @@ type Config struct {
 	// (96 MiB).
 	MaxStreamWindow uint64
 	MaxConnWindow   uint64
-	// KeepAlivePeriod is the QUIC keep-alive period. Default 5 s.
+	// KeepAlivePeriod is the QUIC keep-alive period; a dialed connection
+	// also sends a probe datagram this often, large enough to draw a
+	// stateless reset, so an idle connection to a peer restarted on its
+	// address (with the same StatelessResetKey) ends within one period.
+	// Default 5 s.
 	KeepAlivePeriod time.Duration
 	// MaxIdleTimeout closes a silent connection. Default 30 s.
 	MaxIdleTimeout time.Duration
@@ -246,5 +250,7 @@ func QUICConfig(c *Config) *quic.Config {
 		MaxIncomingStreams:             DefaultMaxIncomingStreams,
 		MaxIncomingUniStreams:          -1,
 		Allow0RTT:                      true,
+		// Datagrams carry the keep-alive probes (Agent.probe).
+		EnableDatagrams: true,
 	}
 }

@@ -277,3 +277,26 @@ func TestRefusalNotRedialed(t *testing.T) {
 		})
 	}
 }
+
+// TestIdleDialerNoticesRestart: a dialer that sends nothing learns that its
+// peer restarted on the same address (same stateless-reset key) within two
+// keep-alive periods, from the reset its keep-alive probe draws; with
+// quic-go's PINGs alone (too small for a reset) it took until the idle
+// timeout.
+func TestIdleDialerNoticesRestart(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		gone := make(chan time.Time, 8)
+		cli, _ := restartedPeer(t, make([]byte, 4096), func(string, error) { gone <- time.Now() })
+		restarted, dials := time.Now(), cli.DialCount(simServer)
+		for range dials - 1 {
+			<-gone // the connections restartedPeer closed itself
+		}
+		synctest.Wait()
+		require.True(t, cli.Alive(simServer), "nothing noticed the restart yet")
+		at := <-gone
+		t.Logf("noticed %v after the restart", at.Sub(restarted))
+		require.LessOrEqual(t, at.Sub(restarted), 2*DefaultKeepAlivePeriod, "noticed %v after the restart", at.Sub(restarted))
+		require.False(t, cli.Alive(simServer))
+		require.Equal(t, dials, cli.DialCount(simServer), "dropped the connection, dialed nothing")
+	})
+}

@@ -63,6 +63,14 @@ func (a *Agent) serveConn(sc *servedConn) {
 		delete(a.servConns, sc.conn)
 		a.mu.Unlock()
 	}()
+	// Datagrams carry only the dialer's keep-alive probes: discard them.
+	wg.Go(func() {
+		for {
+			if _, err := sc.conn.ReceiveDatagram(sc.conn.Context()); err != nil {
+				return
+			}
+		}
+	})
 	for {
 		str, err := sc.conn.AcceptStream(sc.conn.Context())
 		if err != nil {
