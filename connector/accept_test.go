@@ -1,8 +1,8 @@
 package connector_test
 
 import (
-	"context"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -257,16 +257,20 @@ func TestPrefillKilledAndRestarted(t *testing.T) {
 	}
 }
 
-// TestHandshakeRTTs is acceptance 7 at an injected RTT of 20 ms (10 ms
-// one-way on every socket of both instances). Round trips are counted as
-// (latency with the delay - latency of the same exchange without it) / RTT,
-// so the CPU cost of TLS and QUIC on a loaded 2-core machine, which the
-// race detector multiplies, is not mistaken for round trips.
+// TestHandshakeRTTs is acceptance 7 at an RTT of 20 ms on an in-memory
+// network under synctest: virtual time moves only with the network's
+// delays, so the CPU cost of TLS and QUIC (on a loaded machine, under the
+// race detector) is no round trip, and the figures are exact.
 func TestHandshakeRTTs(t *testing.T) {
 	const rtt = 20 * time.Millisecond
-	measure := func(t *testing.T, p, d int, mode handshake.Mode, dr int, delay time.Duration) (first, cached time.Duration, targets []int) {
-		pre := newInstance(t, instOpts{engine: "prefill", tp: p, geom: gqa8, delay: delay})
-		dec := newInstance(t, instOpts{engine: "decode", tp: d, geom: gqa8, delay: delay, mode: mode})
+	// rtts returns the round trips of the first contact and of the cached
+	// lookup of decode rank dr with its targets.
+	rtts := func(t *testing.T, p, d int, mode handshake.Mode, dr int) (first, cached float64, targets []int) {
+		o := simOpts(t, rtt/2)
+		o.engine, o.tp, o.geom = "prefill", p, gqa8
+		pre := newInstance(t, o)
+		o.engine, o.tp, o.mode = "decode", d, mode
+		dec := newInstance(t, o)
 		plan, err := connector.PlanRank(connector.TPShape{NumKVHeads: 8, HeadBlockBytes: 64 * 16 * 2}, p, d, dr)
 		require.NoError(t, err)
 		var ts []handshake.Target
@@ -276,77 +280,40 @@ func TestHandshakeRTTs(t *testing.T) {
 				Addr: pre.addrs[s.PrefillRank], Rank0Addr: pre.addrs[0]})
 		}
 		hs := dec.ranks[dr].Handshakes()
-		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-		defer cancel()
 		start := time.Now()
-		_, err = hs.GetAll(ctx, ts)
+		_, err = hs.GetAll(t.Context(), ts)
 		require.NoError(t, err)
-		first = time.Since(start)
+		first = float64(time.Since(start)) / float64(rtt)
 		start = time.Now()
-		_, err = hs.GetAll(ctx, ts)
+		_, err = hs.GetAll(t.Context(), ts)
 		require.NoError(t, err)
-		return first, time.Since(start), targets
-	}
-	// rtts returns the round trips of the first contact and of the cached
-	// lookup of decode rank dr.
-	// Each latency is the minimum over five fresh pairs, with and without
-	// the delay measured alternately so both see the same load: CPU
-	// contention only ever adds time, so the minimum is the structural
-	// latency.
-	rtts := func(t *testing.T, p, d int, mode handshake.Mode, dr int) (first, cached float64, targets []int) {
-		var f1, c1, f0, c0 time.Duration
-		for i := range 5 {
-			f, c, tg := measure(t, p, d, mode, dr, rtt/2)
-			g, e, _ := measure(t, p, d, mode, dr, 0)
-			if i == 0 {
-				f1, c1, f0, c0 = f, c, g, e
-			}
-			f1, c1, f0, c0 = min(f1, f), min(c1, c), min(f0, g), min(c0, e)
-			targets = tg
-		}
-		first = float64(f1-f0) / float64(rtt)
-		cached = float64(c1-c0) / float64(rtt)
-		t.Logf("decode rank %d of %s %s, targets %v: first contact %.2f RTT (%v with delay, %v without), cached %.2f RTT",
-			dr, name(p, d), mode, targets, first, f1, f0, cached)
+		cached = float64(time.Since(start)) / float64(rtt)
+		t.Logf("decode rank %d of %s %s, targets %v: first contact %.2f RTT, cached %.2f RTT", dr, name(p, d), mode, targets, first, cached)
 		return first, cached, targets
 	}
 	t.Run("piggyback first contact and cached", func(t *testing.T) {
 		for dr := range 4 {
-			first, cached, _ := rtts(t, 2, 4, handshake.ModePiggyback, dr)
-			first, cached = settle(t, first, cached, 2.5, func() (float64, float64) {
-				f, c, _ := rtts(t, 2, 4, handshake.ModePiggyback, dr)
-				return f, c
+			synctest.Test(t, func(t *testing.T) {
+				first, cached, _ := rtts(t, 2, 4, handshake.ModePiggyback, dr)
+				require.LessOrEqual(t, first, 2.5, "QUIC and TLS in one round trip, the metadata exchange in another")
+				require.Zero(t, cached, "a cached peer costs no round trip")
 			})
-			require.LessOrEqual(t, first, 2.5)
-			require.Less(t, cached, 0.5, "a cached peer costs no round trip")
 		}
 	})
 	t.Run("legacy asks rank 0 first", func(t *testing.T) {
-		first, _, targets := rtts(t, 2, 4, handshake.ModeLegacy, 3)
-		require.Equal(t, []int{1}, targets)
-		require.GreaterOrEqual(t, first, 3.5)
+		synctest.Test(t, func(t *testing.T) {
+			first, _, targets := rtts(t, 2, 4, handshake.ModeLegacy, 3)
+			require.Equal(t, []int{1}, targets)
+			require.GreaterOrEqual(t, first, 3.5)
+		})
 	})
 	t.Run("P>D sources in parallel", func(t *testing.T) {
-		first, _, targets := rtts(t, 4, 1, handshake.ModePiggyback, 0)
-		require.Equal(t, []int{0, 1, 2, 3}, targets)
-		first, _ = settle(t, first, 0, 2.5, func() (float64, float64) {
-			f, _, _ := rtts(t, 4, 1, handshake.ModePiggyback, 0)
-			return f, 0
+		synctest.Test(t, func(t *testing.T) {
+			first, _, targets := rtts(t, 4, 1, handshake.ModePiggyback, 0)
+			require.Equal(t, []int{0, 1, 2, 3}, targets)
+			require.LessOrEqual(t, first, 2.5, "four handshakes in parallel, not serial (8 RTT)")
 		})
-		require.LessOrEqual(t, first, 2.5, "four handshakes in parallel, not serial (8 RTT)")
 	})
-}
-
-// settle repeats a latency measurement (up to two more times) while it is
-// over the bound and keeps the minimum: a loaded machine (other packages'
-// tests, CI neighbours) only ever adds time, never takes round trips away.
-func settle(t *testing.T, first, cached, bound float64, again func() (float64, float64)) (float64, float64) {
-	for i := 0; i < 2 && first > bound; i++ {
-		t.Logf("%.2f RTT is over %.1f on a loaded machine; measuring again", first, bound)
-		f, c := again()
-		first, cached = min(first, f), min(cached, c)
-	}
-	return first, cached
 }
 
 // TestFreeRefusedWhileLoading: an engine that frees (or loads again into)

@@ -54,7 +54,18 @@ type instOpts struct {
 	secret    []byte
 	reg       prometheus.Registerer
 	resetKey  *quic.StatelessResetKey // the agents' stateless-reset key (a restart keeps it)
-	sim       *testutil.SimNet        // listen on this in-memory network (addrs required) instead of UDP
+	sim       *testutil.SimNet        // listen on this in-memory network instead of UDP (see simOpts)
+	ca        *devtls.CA              // the TLS CA; default testCA
+}
+
+// simOpts returns options for instances on one in-memory network with the
+// given one-way delay, for tests under testing/synctest: their certificates
+// come from a CA made inside the bubble (its clock starts in 2000).
+func simOpts(t testing.TB, oneWay time.Duration) instOpts {
+	t.Helper()
+	ca, err := devtls.NewCA()
+	require.NoError(t, err)
+	return instOpts{sim: testutil.NewSimNet(oneWay), ca: ca}
 }
 
 // instance is one engine instance: tp ranks, each with its pool and Rank.
@@ -74,9 +85,13 @@ func newInstance(t testing.TB, o instOpts) *instance {
 	if o.secret == nil {
 		o.secret = []byte("0123456789abcdef-" + o.engine)
 	}
-	srv, err := testCA.ServerConfig()
+	ca := o.ca
+	if ca == nil {
+		ca = testCA
+	}
+	srv, err := ca.ServerConfig()
 	require.NoError(t, err)
-	cli, err := testCA.ClientConfig()
+	cli, err := ca.ClientConfig()
 	require.NoError(t, err)
 	in := &instance{opts: o}
 	// Listen first so every rank knows every rank's address.

@@ -10,6 +10,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -254,39 +255,46 @@ func TestWriteFailsWithoutAck(t *testing.T) {
 }
 
 func TestKillServerMidRead(t *testing.T) {
-	pc := testutil.ListenUDP(t, 0)
-	const size = 64 << 20
-	srvMem, cliMem := mmapRegion(t, size), mmapRegion(t, size)
-	srvReg, cliReg := SliceRegion(srvMem, 0, 0), SliceRegion(cliMem, 0, 0)
-	srv := startAgent(t, Config{PacketConn: pc, Regions: []Region{srvReg}, Authorize: allowAll,
-		ProgressTimeout: testutil.Scaled(300 * time.Millisecond)})
-	var released atomic.Bool
-	cli := startAgent(t, Config{Regions: []Region{cliReg}, ProgressTimeout: testutil.Scaled(300 * time.Millisecond),
-		testHook: func(ev string, _ uint64) {
-			if ev == "released" {
-				released.Store(true)
-			}
-		}})
-	peer := srv.Addr().String()
-	_, err := cli.Handshake(ctxT(t, 10*time.Second), peer, &v1.HandshakeRequest{})
-	require.NoError(t, err)
-	pc.KillAfter(size / 4)
-	_, err = cli.Transfer(ctxT(t, 30*time.Second), &Xfer{Op: OpRead, Peer: peer,
-		Local: []Desc{{Addr: cliReg.Base, Len: size}}, Remote: []Desc{{Addr: srvReg.Base, Len: size}}})
-	require.ErrorIs(t, err, ErrTimeout)
-	var xe *XferError
-	require.ErrorAs(t, err, &xe)
-	require.Greater(t, xe.Bytes, uint64(0))
-	require.Less(t, xe.Bytes, uint64(size))
-	// Either side's watchdog may fire first (the client's "no progress", or
-	// the server's reset with CODE_TIMEOUT): both are the promised class.
-	require.Equal(t, v1.Code_CODE_TIMEOUT, xe.Code())
-	require.True(t, released.Load(), "local pages handed back")
-	select {
-	case <-pc.Dead():
-	default:
-		t.Fatal("the serving socket never went dark")
-	}
+	synctest.Test(t, func(t *testing.T) {
+		n := testutil.NewSimNet(time.Millisecond)
+		srvTLS, cliTLS := simTLS(t)
+		pc := n.Listen(t, simServer)
+		const size = 16 << 20
+		srvMem, cliMem := mmapRegion(t, size), mmapRegion(t, size)
+		srvReg, cliReg := SliceRegion(srvMem, 0, 0), SliceRegion(cliMem, 0, 0)
+		const progress = 300 * time.Millisecond
+		srv := startAgent(t, Config{PacketConn: pc, ServerTLS: srvTLS, Regions: []Region{srvReg}, Authorize: allowAll, ProgressTimeout: progress})
+		var released atomic.Bool
+		cli := startAgent(t, Config{PacketConn: n.Listen(t, "127.0.0.2:1"), ServerTLS: srvTLS, ClientTLS: cliTLS,
+			Regions: []Region{cliReg}, ProgressTimeout: progress,
+			testHook: func(ev string, _ uint64) {
+				if ev == "released" {
+					released.Store(true)
+				}
+			}})
+		peer := srv.Addr().String()
+		_, err := cli.Handshake(t.Context(), peer, &v1.HandshakeRequest{})
+		require.NoError(t, err)
+		pc.KillAfter(size / 4)
+		start := time.Now()
+		_, err = cli.Transfer(t.Context(), &Xfer{Op: OpRead, Peer: peer,
+			Local: []Desc{{Addr: cliReg.Base, Len: size}}, Remote: []Desc{{Addr: srvReg.Base, Len: size}}})
+		require.ErrorIs(t, err, ErrTimeout)
+		var xe *XferError
+		require.ErrorAs(t, err, &xe)
+		require.Greater(t, xe.Bytes, uint64(0))
+		require.Less(t, xe.Bytes, uint64(size))
+		// Either side's watchdog may fire first (the client's "no progress", or
+		// the server's reset with CODE_TIMEOUT): both are the promised class.
+		require.Equal(t, v1.Code_CODE_TIMEOUT, xe.Code())
+		require.LessOrEqual(t, time.Since(start), progress+100*time.Millisecond, "reported within the progress deadline")
+		require.True(t, released.Load(), "local pages handed back")
+		select {
+		case <-pc.Dead():
+		default:
+			t.Fatal("the serving socket never went dark")
+		}
+	})
 }
 
 // stallMemory is host memory that cannot be mapped, so the agent stages

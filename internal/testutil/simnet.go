@@ -3,6 +3,7 @@ package testutil
 import (
 	"net"
 	"net/netip"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -17,13 +18,14 @@ import (
 type SimNet struct {
 	router simnet.PerfectRouter
 	delay  time.Duration
+	port   atomic.Uint32 // the last port Listen gave out for port 0
 }
 
 // NewSimNet returns a network whose datagrams take oneWay to arrive.
 func NewSimNet(oneWay time.Duration) *SimNet { return &SimNet{delay: oneWay} }
 
-// Listen opens a socket at addr ("10.0.0.1:5600") and closes it when the
-// test ends. A later Listen on the same address takes its datagrams over,
+// Listen opens a socket at addr ("10.0.0.1:5600"; port 0 picks one not
+// given out before, from 20000 up) and closes it when the test ends. A later Listen on the same address takes its datagrams over,
 // as a process restarted on the address would: Kill the old socket first so
 // the old process says nothing more. The socket can go dark like one from
 // ListenUDP.
@@ -35,7 +37,11 @@ func (n *SimNet) Listen(t testing.TB, addr string) *PacketConn {
 	}
 	// The 4-byte form of an IPv4 address, as the agents' resolver gives it:
 	// simnet routes by the address's bytes.
-	ua := net.UDPAddrFromAddrPort(netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()))
+	port := ap.Port()
+	if port == 0 {
+		port = uint16(20000 + n.port.Add(1))
+	}
+	ua := net.UDPAddrFromAddrPort(netip.AddrPortFrom(ap.Addr().Unmap(), port))
 	sc := simnet.NewBlockingSimConn(ua, &n.router)
 	n.router.AddNode(ua, delayed{sc, n.delay})
 	pc := NewPacketConn(sc, 0)
