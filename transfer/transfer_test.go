@@ -232,26 +232,31 @@ func TestBlockBoundBeforeAuthorize(t *testing.T) {
 }
 
 func TestWriteFailsWithoutAck(t *testing.T) {
-	pc := testutil.ListenUDP(t, 0)
-	const size = 4 << 20
-	srvMem, cliMem := mmapRegion(t, size), mmapRegion(t, size)
-	fill(cliMem, 9)
-	srvReg, cliReg := SliceRegion(srvMem, 0, 0), SliceRegion(cliMem, 0, 0)
-	srv := startAgent(t, Config{PacketConn: pc, Regions: []Region{srvReg}, Authorize: allowAll,
-		testHook: func(ev string, _ uint64) {
-			if ev == "before-ack" {
-				pc.Kill() // every byte landed; the receiver dies before acking
-			}
-		}})
-	cli := startAgent(t, Config{Regions: []Region{cliReg}, ProgressTimeout: testutil.Scaled(300 * time.Millisecond)})
-	_, err := cli.Transfer(ctxT(t, 30*time.Second), &Xfer{Op: OpWrite, Peer: srv.Addr().String(),
-		Local: []Desc{{Addr: cliReg.Base, Len: size}}, Remote: []Desc{{Addr: srvReg.Base, Len: size}}})
-	require.ErrorIs(t, err, ErrTimeout)
-	var xe *XferError
-	require.ErrorAs(t, err, &xe)
-	require.Zero(t, xe.Bytes, "no bytes may count as landed without an ack")
-	require.Equal(t, uint64(size), xe.Sent)
-	require.True(t, bytes.Equal(cliMem, srvMem), "the receiver did read every byte before dying")
+	synctest.Test(t, func(t *testing.T) {
+		n := testutil.NewSimNet(time.Millisecond)
+		srvTLS, cliTLS := simTLS(t)
+		pc := n.Listen(t, simServer)
+		const size = 4 << 20
+		srvMem, cliMem := mmapRegion(t, size), mmapRegion(t, size)
+		fill(cliMem, 9)
+		srvReg, cliReg := SliceRegion(srvMem, 0, 0), SliceRegion(cliMem, 0, 0)
+		srv := startAgent(t, Config{PacketConn: pc, ServerTLS: srvTLS, Regions: []Region{srvReg}, Authorize: allowAll,
+			testHook: func(ev string, _ uint64) {
+				if ev == "before-ack" {
+					pc.Kill() // every byte landed; the receiver dies before acking
+				}
+			}})
+		cli := startAgent(t, Config{PacketConn: n.Listen(t, "127.0.0.2:1"), ServerTLS: srvTLS, ClientTLS: cliTLS,
+			Regions: []Region{cliReg}, ProgressTimeout: 300 * time.Millisecond})
+		_, err := cli.Transfer(t.Context(), &Xfer{Op: OpWrite, Peer: srv.Addr().String(),
+			Local: []Desc{{Addr: cliReg.Base, Len: size}}, Remote: []Desc{{Addr: srvReg.Base, Len: size}}})
+		require.ErrorIs(t, err, ErrTimeout)
+		var xe *XferError
+		require.ErrorAs(t, err, &xe)
+		require.Zero(t, xe.Bytes, "no bytes may count as landed without an ack")
+		require.Equal(t, uint64(size), xe.Sent)
+		require.True(t, bytes.Equal(cliMem, srvMem), "the receiver did read every byte before dying")
+	})
 }
 
 func TestKillServerMidRead(t *testing.T) {
@@ -524,37 +529,45 @@ func TestReleaseAfterServedTransfer(t *testing.T) {
 // gives up at once; a second caller waiting on the same peer still gets the
 // connection, and only one dial was made.
 func TestSharedDialOutlivesFirstCaller(t *testing.T) {
-	pc := testutil.ListenUDP(t, 20*time.Millisecond) // the dial takes a few round trips of 40 ms
-	var handshakes atomic.Int32
-	srv := startAgent(t, Config{PacketConn: pc, OnHandshake: func(context.Context, *v1.HandshakeRequest) *v1.HandshakeResponse {
-		handshakes.Add(1)
-		return &v1.HandshakeResponse{}
-	}})
-	cli := startAgent(t, Config{})
-	peer := srv.Addr().String()
+	synctest.Test(t, func(t *testing.T) {
+		n := testutil.NewSimNet(20 * time.Millisecond) // the dial takes a few round trips of 40 ms
+		srvTLS, cliTLS := simTLS(t)
+		var handshakes atomic.Int32
+		srv := startAgent(t, Config{PacketConn: n.Listen(t, simServer), ServerTLS: srvTLS,
+			OnHandshake: func(context.Context, *v1.HandshakeRequest) *v1.HandshakeResponse {
+				handshakes.Add(1)
+				return &v1.HandshakeResponse{}
+			}})
+		cli := startAgent(t, Config{PacketConn: n.Listen(t, "127.0.0.2:1"), ServerTLS: srvTLS, ClientTLS: cliTLS})
+		peer := srv.Addr().String()
 
-	gone := errors.New("first caller gave up")
-	ctx, cancel := context.WithCancelCause(context.Background())
-	cancel(gone)
-	_, err := cli.Handshake(ctx, peer, &v1.HandshakeRequest{})
-	require.ErrorIs(t, err, gone, "the aborted caller returns its own cause")
-	require.Equal(t, 1, cli.DialCount(peer), "the aborted call started the dial")
+		gone := errors.New("first caller gave up")
+		ctx, cancel := context.WithCancelCause(context.Background())
+		cancel(gone)
+		_, err := cli.Handshake(ctx, peer, &v1.HandshakeRequest{})
+		require.ErrorIs(t, err, gone, "the aborted caller returns its own cause")
+		require.Equal(t, 1, cli.DialCount(peer), "the aborted call started the dial")
 
-	_, err = cli.Handshake(ctxT(t, 10*time.Second), peer, &v1.HandshakeRequest{})
-	require.NoError(t, err, "the dial kept going for the second caller")
-	require.Equal(t, 1, cli.DialCount(peer), "the second caller shared the first dial")
-	require.Equal(t, int32(1), handshakes.Load())
+		_, err = cli.Handshake(t.Context(), peer, &v1.HandshakeRequest{})
+		require.NoError(t, err, "the dial kept going for the second caller")
+		require.Equal(t, 1, cli.DialCount(peer), "the second caller shared the first dial")
+		require.Equal(t, int32(1), handshakes.Load())
+	})
 }
 
 // TestDialBoundedByHandshakeTimeout dials a socket that never answers: the
 // dial ends after Config.HandshakeTimeout, not at the caller's deadline.
 func TestDialBoundedByHandshakeTimeout(t *testing.T) {
-	silent := testutil.ListenUDP(t, 0)
-	cli := startAgent(t, Config{HandshakeTimeout: testutil.Scaled(300 * time.Millisecond)})
-	ctx := ctxT(t, 60*time.Second)
-	_, err := cli.Handshake(ctx, silent.LocalAddr().String(), &v1.HandshakeRequest{})
-	require.ErrorIs(t, err, ErrUnavailable)
-	require.NoError(t, ctx.Err(), "the caller's deadline was not what ended the dial")
+	synctest.Test(t, func(t *testing.T) {
+		n := testutil.NewSimNet(time.Millisecond)
+		_, cliTLS := simTLS(t)
+		silent := n.Listen(t, simServer)
+		cli := startAgent(t, Config{PacketConn: n.Listen(t, "127.0.0.2:1"), ClientTLS: cliTLS, HandshakeTimeout: 300 * time.Millisecond})
+		start := time.Now()
+		_, err := cli.Handshake(t.Context(), silent.LocalAddr().String(), &v1.HandshakeRequest{})
+		require.ErrorIs(t, err, ErrUnavailable)
+		require.Equal(t, 300*time.Millisecond, time.Since(start), "the dial ended at Config.HandshakeTimeout")
+	})
 }
 
 // TestPreparedListsBoundedAndReleased: a connection may hold at most
