@@ -9,7 +9,7 @@ PROTOC    ?= protoc
 # python3-protobuf and python3-torch serve.
 PYTHON    ?= /usr/bin/python3
 
-.PHONY: help build test test-go test-python e2e bench bench-once fuzz-short lint generate verify ci demo gpu-check clean
+.PHONY: help build test test-go test-python flake-check e2e bench bench-once fuzz-short lint generate verify ci demo gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
@@ -29,6 +29,9 @@ test-python: build ## run the Python tests (pytest, against bin/kvsidecar); skip
 	  echo "test-python: SKIPPED: $$msg"; exit 0; \
 	fi; \
 	cd python && KVSIDECAR_BIN=$(CURDIR)/$(BIN) $(PYTHON) -m pytest -q -p no:cacheprovider
+
+flake-check: ## every Go test (-race -shuffle=on -count=3) while a CPU burner keeps every core busy
+	GO=$(GO) PKGS='$(PKGS)' .ci/flake-check
 
 e2e: ## run the black-box tests of the built binary
 	$(GO) test -race -count=1 ./e2e/...
