@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/quic-go/quic-go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvsidecar/kvsidecar/connector"
@@ -224,36 +223,6 @@ func TestPrefillRestart(t *testing.T) {
 	dec.check(t, 2, local, 0)
 	for r, rank := range dec.ranks {
 		require.Equal(t, 2, rank.Handshakes().Exchanges(addrs[r]), "decode rank %d handshaked again", r)
-	}
-}
-
-// TestPrefillKilledAndRestarted: a prefill killed without a word and
-// restarted on the same addresses with the same stateless-reset key. The
-// decode still holds connections to the old process and, for prefill rank
-// 1 (whose incarnation the params do not carry), its cached metadata: the
-// handshake with rank 0 and the READ from rank 1 meet the reset, redial,
-// and the READ is planned again from the new process's metadata (its
-// regions lie elsewhere; the old addresses would be refused).
-func TestPrefillKilledAndRestarted(t *testing.T) {
-	key := &quic.StatelessResetKey{1, 2, 3}
-	pre := newInstance(t, instOpts{engine: "prefill", tp: 2, geom: gqa8, resetKey: key})
-	dec := newInstance(t, instOpts{engine: "decode", tp: 2, geom: gqa8})
-	blocks := pre.alloc(t, 2)
-	pre.fill(t, 1, blocks)
-	dec.startLoad(t, "a", dec.alloc(t, 2), pre.finish(t, "a", blocks))
-	requireAllDone(t, dec.wait(t, "a"))
-	pre.kill()
-
-	pre2 := newInstance(t, instOpts{engine: "prefill", tp: 2, geom: gqa8, addrs: pre.addrs, resetKey: key})
-	blocks = pre2.alloc(t, 2)
-	pre2.fill(t, 2, blocks)
-	local := dec.alloc(t, 2)
-	dec.startLoad(t, "b", local, pre2.finish(t, "b", blocks))
-	requireAllDone(t, dec.wait(t, "b"))
-	dec.check(t, 2, local, 0)
-	for r, rank := range dec.ranks {
-		require.Equal(t, 2, rank.Handshakes().Exchanges(pre.addrs[r]), "decode rank %d handshaked again", r)
-		require.Equal(t, 2, rank.Agent().DialCount(pre.addrs[r]), "decode rank %d redialed once", r)
 	}
 }
 
