@@ -1,16 +1,18 @@
 package connector
 
 import (
-	"errors"
 	"fmt"
 
+	"github.com/kvsidecar/kvsidecar/internal/codes"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
 
 // ErrTPMapping is wrapped by every error of PlanRank: TP sizes that do not
-// divide each other or the head count, or block lengths that disagree.
-var ErrTPMapping = errors.New("connector: no TP mapping")
+// divide each other or the head count, or block lengths that disagree. It is
+// a configuration error of the two instances, CODE_TP_MISMATCH, never
+// CODE_INTERNAL.
+var ErrTPMapping = codes.New(v1.Code_CODE_TP_MISMATCH, "connector: no TP mapping")
 
 // HeadSpan is the KV heads a rank holds: [First, First+Count).
 type HeadSpan struct {

@@ -7,6 +7,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvsidecar/kvsidecar/connector"
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
 // TestPlanRankCoversEveryHead simulates heterogeneous TP: every decode
@@ -97,6 +99,7 @@ func TestPlanRankErrors(t *testing.T) {
 			_, err := connector.PlanRank(connector.TPShape{NumKVHeads: tc.h, HeadBlockBytes: 1}, tc.p, tc.d, 0)
 			require.ErrorIs(t, err, connector.ErrTPMapping)
 			require.ErrorContains(t, err, tc.wantError)
+			require.Equal(t, v1.Code_CODE_TP_MISMATCH, codes.Of(err), "a configuration error, not CODE_INTERNAL")
 		})
 	}
 }

@@ -93,33 +93,75 @@ func DTypeBytes(d v1.DType) (int, error) {
 	return 0, configError("ModelGeometry.dtype", "%v has no known element size", d)
 }
 
+// Limits of a geometry LayoutFor accepts. They are far above any published
+// model (the largest in the table has 80 layers, 8 KV heads, head_dim 576)
+// and keep the block arithmetic far inside 64 bits: 65,536 tokens × 4,096
+// heads × 65,536 elements × 4 bytes is 2^46.
+const (
+	MaxLayers    = 4096
+	MaxKVHeads   = 4096
+	MaxHeadDim   = 65536
+	MaxBlockSize = 65536
+)
+
+// GeometryError reports a geometry LayoutFor refuses: Fields are the
+// ModelGeometry field names involved (num_layers, num_kv_heads, head_dim,
+// block_size, dtype, layout, attention) plus "tp_size" and "tp_rank" where
+// the rule involves the TP group, so a caller can name its own flags or
+// fields; Rule says what was wrong with which values. It wraps
+// ErrInvalidConfig (CODE_INVALID_ARGUMENT).
+type GeometryError struct {
+	Fields []string
+	Rule   string
+}
+
+func (e *GeometryError) Error() string { return "vmm: geometry: " + e.Rule }
+
+// Unwrap returns ErrInvalidConfig.
+func (e *GeometryError) Unwrap() error { return ErrInvalidConfig }
+
+func geometryError(fields []string, format string, a ...any) error {
+	return &GeometryError{Fields: fields, Rule: fmt.Sprintf(format, a...)}
+}
+
 // LayoutFor derives the layout of rank tpRank of a TP group of tpSize ranks
 // (DESIGN.md section 5). GQA: each rank holds num_kv_heads / tpSize heads,
 // which must divide; when tpSize > num_kv_heads the heads are replicated, one
 // per rank, and tpSize must be a multiple of num_kv_heads. MLA: every rank
-// holds the whole latent, one compound region per layer. Errors wrap
-// ErrInvalidConfig and name the field and the rule.
+// holds the whole latent, one "head" of head_dim elements (kv_lora_rank +
+// qk_rope_head_dim), so num_kv_heads must be 1. num_layers, num_kv_heads,
+// head_dim and block_size must be positive and at most MaxLayers,
+// MaxKVHeads, MaxHeadDim and MaxBlockSize. A rule a geometry breaks is a
+// *GeometryError naming the fields and both values; other errors wrap
+// ErrInvalidConfig and name the field.
 func LayoutFor(g *v1.ModelGeometry, tpRank, tpSize int) (Layout, error) {
 	if g == nil {
 		return Layout{}, configError("ModelGeometry", "nil")
 	}
 	if tpSize <= 0 {
-		return Layout{}, configError("tp_size", "%d must be > 0", tpSize)
+		return Layout{}, geometryError([]string{"tp_size"}, "tp_size=%d must be > 0", tpSize)
 	}
 	if tpRank < 0 || tpRank >= tpSize {
-		return Layout{}, configError("tp_rank", "%d must be in [0, tp_size %d)", tpRank, tpSize)
+		return Layout{}, geometryError([]string{"tp_rank"}, "tp_rank=%d must be in [0, tp_size=%d)", tpRank, tpSize)
 	}
 	if g.GetLayout() != v1.Layout_LAYOUT_HND && g.GetLayout() != v1.Layout_LAYOUT_UNSPECIFIED {
-		return Layout{}, configError("ModelGeometry.layout", "%v is not supported; only HND", g.GetLayout())
+		return Layout{}, geometryError([]string{"layout"}, "layout %v is not supported; only HND", g.GetLayout())
 	}
 	db, err := DTypeBytes(g.GetDtype())
 	if err != nil {
-		return Layout{}, err
+		return Layout{}, geometryError([]string{"dtype"}, "dtype %v has no known element size", g.GetDtype())
+	}
+	for _, f := range []struct {
+		name string
+		v    uint32
+		max  int
+	}{{"num_layers", g.GetNumLayers(), MaxLayers}, {"num_kv_heads", g.GetNumKvHeads(), MaxKVHeads},
+		{"head_dim", g.GetHeadDim(), MaxHeadDim}, {"block_size", g.GetBlockSize(), MaxBlockSize}} {
+		if f.v < 1 || int64(f.v) > int64(f.max) {
+			return Layout{}, geometryError([]string{f.name}, "%s=%d must be in [1, %d]", f.name, f.v, f.max)
+		}
 	}
 	kv := int(g.GetNumKvHeads())
-	if kv <= 0 {
-		return Layout{}, configError("ModelGeometry.num_kv_heads", "%d must be > 0", kv)
-	}
 	l := Layout{
 		Layers:     int(g.GetNumLayers()),
 		BlockSize:  int(g.GetBlockSize()),
@@ -130,7 +172,11 @@ func LayoutFor(g *v1.ModelGeometry, tpRank, tpSize int) (Layout, error) {
 	}
 	switch g.GetAttention() {
 	case v1.Attention_ATTENTION_MLA:
-		l.MLA, l.Compound, l.HeadsPerRank = true, true, kv
+		if kv != 1 {
+			return Layout{}, geometryError([]string{"attention", "num_kv_heads"},
+				"num_kv_heads=%d with attention MLA: MLA caches one latent per token and layer, so num_kv_heads must be 1 (head_dim holds kv_lora_rank + qk_rope_head_dim)", kv)
+		}
+		l.MLA, l.Compound, l.HeadsPerRank = true, true, 1
 	case v1.Attention_ATTENTION_GQA, v1.Attention_ATTENTION_UNSPECIFIED:
 		switch {
 		case tpSize <= kv && kv%tpSize == 0:
@@ -138,10 +184,11 @@ func LayoutFor(g *v1.ModelGeometry, tpRank, tpSize int) (Layout, error) {
 		case tpSize > kv && tpSize%kv == 0:
 			l.HeadsPerRank = 1 // replicated: each head on tpSize/kv ranks
 		default:
-			return Layout{}, configError("tp_size", "%d and num_kv_heads %d: one must divide the other", tpSize, kv)
+			return Layout{}, geometryError([]string{"num_kv_heads", "tp_size"},
+				"tp_size=%d and num_kv_heads=%d: one must divide the other (num_kv_heads %% tp_size == 0, or tp_size %% num_kv_heads == 0 to replicate heads)", tpSize, kv)
 		}
 	default:
-		return Layout{}, configError("ModelGeometry.attention", "unknown %v", g.GetAttention())
+		return Layout{}, geometryError([]string{"attention"}, "attention %v is unknown", g.GetAttention())
 	}
 	if err := l.Validate(); err != nil {
 		return Layout{}, err

@@ -48,24 +48,49 @@ func TestLayoutForRejects(t *testing.T) {
 	require.NoError(t, err)
 	noDtype := proto.Clone(g).(*v1.ModelGeometry)
 	noDtype.Dtype = v1.DType_DTYPE_UNSPECIFIED
+	with := func(f func(g *v1.ModelGeometry)) *v1.ModelGeometry {
+		c := proto.Clone(g).(*v1.ModelGeometry)
+		f(c)
+		return c
+	}
 	tests := []struct {
 		name       string
 		g          *v1.ModelGeometry
 		rank, size int
 		msg        string
+		fields     []string // of the *GeometryError; nil: another error
 	}{
-		{"nil geometry", nil, 0, 1, "ModelGeometry"},
-		{"tp 3 of 8 heads", g, 0, 3, "tp_size: 3 and num_kv_heads 8"},
-		{"tp 12 of 8 heads", g, 0, 12, "tp_size: 12"},
-		{"rank beyond size", g, 4, 4, "tp_rank: 4"},
-		{"zero size", g, 0, 0, "tp_size: 0"},
-		{"no dtype", noDtype, 0, 1, "dtype"},
+		{"nil geometry", nil, 0, 1, "ModelGeometry", nil},
+		{"tp 3 of 8 heads", g, 0, 3, "tp_size=3 and num_kv_heads=8: one must divide the other", []string{"num_kv_heads", "tp_size"}},
+		{"tp 12 of 8 heads", g, 0, 12, "tp_size=12", []string{"num_kv_heads", "tp_size"}},
+		{"rank beyond size", g, 4, 4, "tp_rank=4", []string{"tp_rank"}},
+		{"zero size", g, 0, 0, "tp_size=0", []string{"tp_size"}},
+		{"no dtype", noDtype, 0, 1, "dtype", []string{"dtype"}},
+		// The input: a DeepSeek-style latent declared with 16 heads
+		// made blocks 16 times too large and failed every load later.
+		{"mla with 16 heads", with(func(g *v1.ModelGeometry) {
+			g.Attention, g.NumKvHeads, g.HeadDim, g.NumLayers = v1.Attention_ATTENTION_MLA, 16, 576, 2
+		}), 0, 1, "num_kv_heads=16 with attention MLA", []string{"attention", "num_kv_heads"}},
+		{"no layers", with(func(g *v1.ModelGeometry) { g.NumLayers = 0 }), 0, 1, "num_layers=0 must be in [1, 4096]", []string{"num_layers"}},
+		{"too many layers", with(func(g *v1.ModelGeometry) { g.NumLayers = MaxLayers + 1 }), 0, 1, "num_layers=4097", []string{"num_layers"}},
+		{"no heads", with(func(g *v1.ModelGeometry) { g.NumKvHeads = 0 }), 0, 1, "num_kv_heads=0", []string{"num_kv_heads"}},
+		{"head dim 0", with(func(g *v1.ModelGeometry) { g.HeadDim = 0 }), 0, 1, "head_dim=0 must be in [1, 65536]", []string{"head_dim"}},
+		{"block size 0", with(func(g *v1.ModelGeometry) { g.BlockSize = 0 }), 0, 1, "block_size=0", []string{"block_size"}},
+		{"block size too large", with(func(g *v1.ModelGeometry) { g.BlockSize = MaxBlockSize + 1 }), 0, 1, "block_size=65537", []string{"block_size"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := LayoutFor(tc.g, tc.rank, tc.size)
 			require.ErrorIs(t, err, ErrInvalidConfig)
+			require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, CodeOf(err))
 			require.Contains(t, err.Error(), tc.msg)
+			var ge *GeometryError
+			if tc.fields == nil {
+				require.False(t, errors.As(err, &ge), "%v", err)
+				return
+			}
+			require.ErrorAs(t, err, &ge)
+			require.Equal(t, tc.fields, ge.Fields)
 		})
 	}
 }
