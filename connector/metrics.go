@@ -1,9 +1,14 @@
 package connector
 
 import (
+	"errors"
+
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvsidecar/kvsidecar/handshake"
 	"github.com/kvsidecar/kvsidecar/internal/promutil"
+	"github.com/kvsidecar/kvsidecar/transfer"
+	"github.com/kvsidecar/kvsidecar/vmm"
 )
 
 type metrics struct {
@@ -13,6 +18,19 @@ type metrics struct {
 	loadsInFlight prometheus.Gauge
 	loadSeconds   prometheus.Histogram
 	bytesRead     prometheus.Counter
+}
+
+// RegisterMetrics registers the metric families of the connector (its
+// outcomes that are not failure codes at 0) and of the packages a Rank
+// drives (transfer, handshake, vmm) on reg, so a scrape shows them before
+// the first engine attaches; the Ranks, agents, clients and pools later
+// created with reg count into them. Errors: another collector of the same
+// name on reg.
+func RegisterMetrics(reg prometheus.Registerer) error {
+	if _, err := newMetrics(reg); err != nil {
+		return err
+	}
+	return errors.Join(transfer.RegisterMetrics(reg), handshake.RegisterMetrics(reg), vmm.RegisterMetrics(reg))
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -42,6 +60,11 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "kvsidecar_connector_read_bytes_total",
 			Help: "KV bytes read into local pages by decode loads.",
 		}),
+	}
+	for _, o := range []struct{ side, outcome string }{
+		{"prefill", "sent"}, {"prefill", "freed_at_once"}, {"prefill", "lease_expired"}, {"decode", "done"},
+	} {
+		m.requests.WithLabelValues(o.side, o.outcome)
 	}
 	for _, err := range []error{
 		promutil.Register(reg, &m.requests), promutil.Register(reg, &m.leasesExpired),

@@ -11,6 +11,15 @@ type metrics struct {
 	cacheHits prometheus.Counter
 }
 
+// RegisterMetrics registers the package's metric families on reg (the
+// "ok" result of each mode at 0), so a scrape shows them before the first
+// Client exists; Clients later created with reg count into them. Errors:
+// another collector of the same name on reg.
+func RegisterMetrics(reg prometheus.Registerer) error {
+	_, err := newMetrics(reg)
+	return err
+}
+
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
 		seconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -22,6 +31,9 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "kvsidecar_handshake_cache_hits_total",
 			Help: "Handshakes answered from the metadata cache.",
 		}),
+	}
+	for _, mode := range []Mode{ModePiggyback, ModeLegacy} {
+		m.seconds.WithLabelValues(mode.String(), "ok")
 	}
 	// Several clients in one process (one per rank) share the collectors.
 	if err := promutil.Register(reg, &m.seconds); err != nil {

@@ -79,7 +79,26 @@ type Agent struct {
 
 	nextXfer atomic.Uint64
 	nextList atomic.Uint64
+	moved    atomic.Uint64 // payload bytes, counted as they move (meter)
 }
+
+// meter returns the counter of payload bytes of transfers of op in role
+// ("client": dialed, "server": served), counted as they move rather than
+// when a transfer ends, so kvsidecar_transfer_bytes_total and BytesMoved
+// advance during a long transfer.
+func (a *Agent) meter(op Op, role string) func(int) {
+	c := a.m.bytes.WithLabelValues(op.label(), role)
+	return func(n int) {
+		c.Add(float64(n))
+		a.moved.Add(uint64(n))
+	}
+}
+
+// BytesMoved is the payload bytes this agent's transfers moved so far, both
+// ops and roles, transfers in flight included: for a READ it dialed, the
+// bytes that landed in local memory; for one it served, the bytes written
+// to the stream (WRITE the mirror).
+func (a *Agent) BytesMoved() uint64 { return a.moved.Load() }
 
 // peer is one dialed connection (or a dial in progress).
 type peer struct {
@@ -350,7 +369,10 @@ func (a *Agent) dial(p *peer) {
 	// agents sharing an IP do not try each other's tickets.
 	tc.ClientSessionCache = keyedCache{a.sessions, p.addr}
 	if tc.ServerName == "" {
-		tc.ServerName = udp.IP.String()
+		// Verify the name dialled: an IP address against the certificate's
+		// IP SANs, a DNS name against its DNS SANs (what serve checks its
+		// own certificate against at start).
+		tc.ServerName, _, _ = net.SplitHostPort(p.addr)
 	}
 	a.m.dials.Inc()
 	conn, err := a.tr.DialEarly(ctx, udp, tc, a.qconf)

@@ -395,6 +395,7 @@ func (a *Agent) transferOn(ctx context.Context, p *peer, x *Xfer, req *v1.XferRe
 	wd := startWatchdog(a.cfg.ProgressTimeout, func() {
 		abort(v1.Code_CODE_TIMEOUT, errorf(v1.Code_CODE_TIMEOUT, "no progress from %s for %v", x.Peer, a.cfg.ProgressTimeout))
 	})
+	wd.count = a.meter(x.Op, "client")
 	stopCtx := context.AfterFunc(ctx, func() {
 		cause := context.Cause(ctx)
 		if errors.Is(cause, context.DeadlineExceeded) {
@@ -416,11 +417,6 @@ func (a *Agent) transferOn(ctx context.Context, p *peer, x *Xfer, req *v1.XferRe
 	if a.cfg.testHook != nil {
 		a.cfg.testHook("released", id)
 	}
-	moved := xe.Bytes
-	if x.Op == OpWrite {
-		moved = xe.Sent
-	}
-	a.m.bytes.WithLabelValues(x.Op.label(), "client").Add(float64(moved))
 	if ioErr == nil {
 		return nil
 	}
@@ -485,7 +481,7 @@ func (a *Agent) runRead(str *quic.Stream, req *v1.XferRequest, local []span, che
 	if err := r.ReadMsg(&hdr); err != nil {
 		return err
 	}
-	wd.progress()
+	wd.progress(0)
 	st, ok := hdr.GetBody().(*v1.PeerResponse_Xfer)
 	if !ok {
 		return errorf(v1.Code_CODE_INTERNAL, "peer answered a READ with %T", hdr.GetBody())

@@ -6,6 +6,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvsidecar/kvsidecar/internal/promutil"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
 // metrics are the agent's Prometheus collectors. Labels are bounded: op is
@@ -21,6 +22,15 @@ type metrics struct {
 	dials      prometheus.Counter
 	zeroRTT    prometheus.Counter
 	notifs     *prometheus.CounterVec
+}
+
+// RegisterMetrics registers the package's metric families on reg, every
+// bounded label value (op, role, result, code) at 0, so a scrape shows them
+// before the first Agent exists; Agents later created with reg count into
+// them. Errors: another collector of the same name on reg.
+func RegisterMetrics(reg prometheus.Registerer) error {
+	_, err := newMetrics(reg)
+	return err
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -67,6 +77,22 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "kvsidecar_transfer_notifications_total",
 			Help: "Notifications served, by result code.",
 		}, []string{"code"}),
+	}
+	for _, op := range []Op{OpRead, OpWrite} {
+		m.xferSecs.WithLabelValues(op.label())
+		m.postSecs.WithLabelValues(op.label())
+		for _, role := range []string{"client", "server"} {
+			m.bytes.WithLabelValues(op.label(), role)
+			for _, result := range []string{"ok", "error"} {
+				m.xfers.WithLabelValues(op.label(), role, result)
+			}
+		}
+	}
+	for c := range v1.Code_name {
+		if code := v1.Code(c); code != v1.Code_CODE_OK {
+			m.failures.WithLabelValues(code.String())
+		}
+		m.notifs.WithLabelValues(v1.Code(c).String())
 	}
 	// Several agents in one process (one per rank) share one registry.
 	for _, err := range []error{

@@ -346,13 +346,13 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 		})
 	})
 	defer wd.stop()
+	wd.count = a.meter(op, "server")
 	var n uint64
 	if op == OpRead {
 		n, err = a.serveRead(str, spans, x.GetChecksum(), wd)
 	} else {
 		n, err = a.serveWrite(str, r, spans, x.GetChecksum(), wd, x.GetXferId())
 	}
-	a.m.bytes.WithLabelValues(op.label(), "server").Add(float64(n))
 	result := "ok"
 	if err != nil {
 		result = "error"
@@ -452,7 +452,7 @@ func writeChunks(w io.Writer, b []byte, sent *uint64, wd *watchdog) error {
 		}
 		b = b[k:]
 		*sent += uint64(k)
-		wd.progress()
+		wd.progress(k)
 	}
 	return nil
 }
@@ -468,7 +468,7 @@ func readFull(r io.Reader, b []byte, got *uint64, wd *watchdog) error {
 		off += k
 		*got += uint64(k)
 		if k > 0 {
-			wd.progress()
+			wd.progress(k)
 		}
 		if err != nil && off < len(b) {
 			if errors.Is(err, io.EOF) {

@@ -471,7 +471,8 @@ func TestMetricsAndHeartbeat(t *testing.T) {
 	require.Equal(t, 1.0, promtest.ToFloat64(cli.m.dials))
 	n, err := promtest.GatherAndCount(reg, "kvsidecar_transfer_xfer_seconds")
 	require.NoError(t, err)
-	require.Equal(t, 1, n)
+	require.Equal(t, 2, n, "read and write, both present from the start")
+	require.Equal(t, uint64(size), cli.BytesMoved(), "the payload, counted as it landed")
 
 	ack, err := cli.Heartbeat(ctxT(t, 10*time.Second), peer, &v1.Heartbeat{RequestIds: []string{"a", "b"}})
 	require.NoError(t, err)

@@ -76,7 +76,7 @@ func TestWatchdog(t *testing.T) {
 				w := startWatchdog(time.Second, func() { stalledAt = time.Since(start) })
 				for _, d := range tt.steps {
 					time.Sleep(d)
-					w.progress()
+					w.progress(1)
 				}
 				if tt.wantStall == 0 {
 					w.stop()

@@ -18,6 +18,9 @@ type watchdog struct {
 	stopc    chan struct{}
 	done     chan struct{}
 	once     sync.Once
+	// count, when set before the transfer starts, receives the payload
+	// bytes progress reports (Agent.meter).
+	count func(n int)
 }
 
 // startWatchdog starts a watchdog; interval <= 0 disables it (stop still works).
@@ -48,8 +51,14 @@ func startWatchdog(interval time.Duration, onStall func()) *watchdog {
 	return w
 }
 
-// progress records that bytes moved now.
-func (w *watchdog) progress() { w.last.Store(int64(time.Since(w.start))) }
+// progress records that n bytes (n may be 0: a frame, not payload) moved
+// now, and hands n to count when set.
+func (w *watchdog) progress(n int) {
+	w.last.Store(int64(time.Since(w.start)))
+	if w.count != nil && n > 0 {
+		w.count(n)
+	}
+}
 
 // stop ends the watchdog and waits for its goroutine; safe to call twice.
 func (w *watchdog) stop() {

@@ -17,6 +17,15 @@ type metrics struct {
 	allocRefused prometheus.Counter
 }
 
+// RegisterMetrics registers the package's metric families on reg, every
+// bounded label value at 0, so a scrape shows them (as 0) before the first
+// Pool exists; the Pools later created with reg count into them. Errors:
+// another collector of the same name on reg.
+func RegisterMetrics(reg prometheus.Registerer) error {
+	_, err := newMetrics(reg)
+	return err
+}
+
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
 		pagesMapped: prometheus.NewGauge(prometheus.GaugeOpts{
@@ -48,6 +57,12 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "kvsidecar_vmm_alloc_refused_total",
 			Help: "Alloc calls refused because the limit or the reservation had no room.",
 		}),
+	}
+	for _, op := range []string{"map", "unmap"} {
+		m.mapSeconds.WithLabelValues(op)
+	}
+	for _, op := range []string{"map", "unmap", "hook_map", "hook_unmap"} {
+		m.failures.WithLabelValues(op)
 	}
 	// Several pools in one process share one registry's collectors.
 	for _, err := range []error{

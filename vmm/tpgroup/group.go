@@ -108,7 +108,7 @@ func newGroup(ctx context.Context, m Member, pool PagePool, cfg *Config, ln net.
 	if pool == nil && c.Ownership == OwnershipCoordinated && m.TPRank != 0 {
 		return nil, fmt.Errorf("%w: pool is nil: rank %d of a coordinated group serves rank 0's page ops with its pool", ErrInvalidConfig, m.TPRank)
 	}
-	met, err := newMetrics(c.Registerer)
+	met, err := newMetrics(c.Registerer, m.TPSize)
 	if err != nil {
 		return nil, err
 	}
@@ -128,7 +128,6 @@ func newGroup(ctx context.Context, m Member, pool PagePool, cfg *Config, ln net.
 	}
 	if g.ln == nil {
 		if err := g.listen(ctx); err != nil {
-			met.unregister(c.Registerer)
 			return nil, err
 		}
 	}
@@ -209,7 +208,6 @@ func (g *Group) Close() error {
 			p.drop()
 		}
 	}
-	g.met.unregister(g.cfg.Registerer)
 	g.log.Info("tpgroup closed")
 	if err != nil && !errors.Is(err, net.ErrClosed) {
 		return fmt.Errorf("tpgroup: close listener: %w", err)

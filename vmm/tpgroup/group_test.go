@@ -314,6 +314,34 @@ func TestDefaultsAndMetrics(t *testing.T) {
 
 	err = g0.Ping(t.Context(), 0)
 	require.ErrorIs(t, err, ErrInvalidArgument)
-	_, err = New(t.Context(), Member{EngineID: "eng2", TPSize: 1}, nil, &Config{Registerer: reg})
-	require.ErrorContains(t, err, "register metrics")
+	// A second group on the registry (an engine's retried create) counts
+	// into the same collectors instead of failing to register.
+	g2, err := New(t.Context(), Member{EngineID: "eng2", TPSize: 1}, nil, &Config{Registerer: reg})
+	require.NoError(t, err)
+	require.Same(t, g0.met.sent, g2.met.sent)
+	require.NoError(t, g2.Close())
+}
+
+// TestRegisterMetricsBeforeGroup: the families exist, at 0, before any
+// group starts, and a group started later counts into them.
+func TestRegisterMetricsBeforeGroup(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	require.NoError(t, RegisterMetrics(reg, 4))
+	for name, series := range map[string]int{"kvsidecar_tpgroup_messages_sent_total": 3, "kvsidecar_tpgroup_requests_served_total": 2,
+		"kvsidecar_tpgroup_rollbacks_total": 1, "kvsidecar_tpgroup_op_seconds": 2} {
+		n, err := promtest.GatherAndCount(reg, name)
+		require.NoError(t, err)
+		require.Equal(t, series, n, name)
+	}
+	t.Setenv("XDG_RUNTIME_DIR", sockDir(t))
+	g0 := startGroup(t, Member{EngineID: "eng", TPSize: 2}, nil, &Config{Ownership: OwnershipLocal, Registerer: reg})
+	startGroup(t, Member{EngineID: "eng", TPSize: 2, TPRank: 1}, nil, &Config{Ownership: OwnershipLocal})
+	require.NoError(t, g0.Ping(t.Context(), 1))
+	require.NoError(t, promtest.GatherAndCompare(reg, strings.NewReader(`
+# HELP kvsidecar_tpgroup_messages_sent_total Group messages this member sent, by target tp_rank.
+# TYPE kvsidecar_tpgroup_messages_sent_total counter
+kvsidecar_tpgroup_messages_sent_total{to_rank="1"} 1
+kvsidecar_tpgroup_messages_sent_total{to_rank="2"} 0
+kvsidecar_tpgroup_messages_sent_total{to_rank="3"} 0
+`), "kvsidecar_tpgroup_messages_sent_total"), "the group counted into the series registered before it")
 }

@@ -5,6 +5,9 @@ import (
 	"strconv"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvsidecar/kvsidecar/internal/promutil"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
 // metrics are the group's Prometheus collectors. Labels are bounded: to_rank
@@ -17,7 +20,7 @@ type metrics struct {
 	opSeconds *prometheus.HistogramVec // kind
 }
 
-func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+func newMetrics(reg prometheus.Registerer, tpSize int) (*metrics, error) {
 	m := &metrics{
 		sent: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvsidecar_tpgroup_messages_sent_total",
@@ -37,24 +40,31 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Buckets: prometheus.ExponentialBuckets(50e-6, 4, 10),
 		}, []string{"kind"}),
 	}
-	if reg == nil {
-		return m, nil
+	for r := 1; r < tpSize; r++ {
+		m.sent.WithLabelValues(rankLabel(r))
 	}
-	for _, c := range []prometheus.Collector{m.sent, m.served, m.rollbacks, m.opSeconds} {
-		if err := reg.Register(c); err != nil {
+	for _, kind := range []string{"map", "unmap"} {
+		m.served.WithLabelValues(kind, v1.Code_CODE_OK.String())
+		m.opSeconds.WithLabelValues(kind)
+	}
+	// A group created again (an engine's retried create) counts into the
+	// collectors of its predecessor.
+	for _, err := range []error{promutil.Register(reg, &m.sent), promutil.Register(reg, &m.served),
+		promutil.Register(reg, &m.rollbacks), promutil.Register(reg, &m.opSeconds)} {
+		if err != nil {
 			return nil, fmt.Errorf("tpgroup: register metrics: %w", err)
 		}
 	}
 	return m, nil
 }
 
-func (m *metrics) unregister(reg prometheus.Registerer) {
-	if reg == nil {
-		return
-	}
-	for _, c := range []prometheus.Collector{m.sent, m.served, m.rollbacks, m.opSeconds} {
-		reg.Unregister(c)
-	}
+// RegisterMetrics registers the package's metric families on reg, the
+// messages to ranks 1..tpSize-1 and the successful map and unmap at 0, so a
+// scrape shows them before the group starts; a Group later created with reg
+// counts into them. Errors: another collector of the same name on reg.
+func RegisterMetrics(reg prometheus.Registerer, tpSize int) error {
+	_, err := newMetrics(reg, tpSize)
+	return err
 }
 
 func rankLabel(r int) string { return strconv.Itoa(r) }
