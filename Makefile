@@ -65,7 +65,9 @@ verify: generate ## generated code (Go and Python) and go.mod are up to date; bu
 ci: lint verify test demo bench-once fuzz-short ## everything CI runs: the README's two commands (make test, make demo) and the rest
 
 demo: ## the main job: prefill→decode on the host backend over a real trace
-	$(GO) run ./cmd/kvsidecar demo
+	@echo "make demo: building $(BIN) first (a cold build takes a minute or two)..."
+	$(GO) build -o $(BIN) ./cmd/kvsidecar
+	./$(BIN) demo
 
 gpu-check: ## conformance + device write/read-back on a real GPU (fails instead of skipping)
 	CGO_ENABLED=1 KVSIDECAR_REQUIRE_GPU=1 $(GO) test -count=1 -v ./vmm/cuda/...

@@ -89,11 +89,15 @@ func codeOf(err error) v1.Code { return codes.Of(err) }
 
 func TestLocalSharedMapping(t *testing.T) {
 	s := newLocalSidecar(t, "prefill-a", nil)
-	require.False(t, s.srv.Ready())
+	ok, why := s.srv.Ready()
+	require.False(t, ok)
+	require.Equal(t, "no KV cache yet (no engine has attached with a create call)", why)
 	c := dialLocal(t, s)
 	info, err := c.Attach(t.Context(), createReq(gqa8, 512))
 	require.NoError(t, err)
-	require.True(t, s.srv.Ready())
+	ok, why = s.srv.Ready()
+	require.True(t, ok)
+	require.Equal(t, "KV cache attached, QUIC listener up", why)
 	require.Equal(t, uint32(4), info.GetNumRegions(), "2 layers × K/V")
 	pool := s.srv.Cache().Pool
 

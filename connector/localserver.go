@@ -186,11 +186,22 @@ func (s *LocalServer) Cache() *LocalCache {
 }
 
 // Ready reports whether the KV cache exists (and so the rank's QUIC
-// listener is up) and the server is not draining.
-func (s *LocalServer) Ready() bool {
+// listener is up) and the server is not draining, and says which condition
+// holds: "KV cache attached, QUIC listener up", "no KV cache yet (no engine
+// has attached with a create call)", "draining: shutting down, new requests
+// are refused" or "stopped".
+func (s *LocalServer) Ready() (ok bool, why string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.cache != nil && !s.draining && !s.closed
+	switch {
+	case s.closed:
+		return false, "stopped"
+	case s.draining:
+		return false, "draining: shutting down, new requests are refused"
+	case s.cache == nil:
+		return false, "no KV cache yet (no engine has attached with a create call)"
+	}
+	return true, "KV cache attached, QUIC listener up"
 }
 
 func (s *LocalServer) acceptLoop() {
@@ -292,6 +303,11 @@ func errorReply(err error) *v1.LocalReply {
 	}
 	return &v1.LocalReply{Error: &v1.Error{Code: code, Message: err.Error()}}
 }
+
+// localCallNames are the calls callName names; their CODE_OK series start
+// at 0.
+var localCallNames = []string{"create", "alloc", "free", "available", "set_limit", "request_finished",
+	"start_load", "get_finished", "abort", "stats", "sync"}
 
 // callName is the bounded metric label of a request.
 func callName(req *v1.LocalRequest) string {
@@ -765,6 +781,9 @@ func newLocalMetrics(reg prometheus.Registerer) (*localMetrics, error) {
 			Name: "kvsidecar_local_connections",
 			Help: "Open local API connections.",
 		}),
+	}
+	for _, call := range localCallNames {
+		m.calls.WithLabelValues(call, v1.Code_CODE_OK.String())
 	}
 	for _, err := range []error{promutil.Register(reg, &m.calls), promutil.Register(reg, &m.conns)} {
 		if err != nil {

@@ -27,10 +27,11 @@ const maxBenchRTT = 2 * time.Second
 
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" {
-		stderr.Write([]byte("Usage: kvsidecar bench handshake|transfer [flags]\n"))
 		if len(args) == 0 {
-			return usageErrorf("missing benchmark name")
+			return usageErrorf("missing benchmark name: handshake or transfer")
 		}
+		fmt.Fprintln(stdout, "Usage: kvsidecar bench handshake|transfer [flags]\n\n"+
+			"Run 'kvsidecar bench handshake --help' or 'kvsidecar bench transfer --help' for the flags.")
 		return nil
 	}
 	// The benchmarks' delaying sockets are not *net.UDPConn; quic-go's
@@ -46,7 +47,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 }
 
 func benchHandshake(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("bench handshake", "Measure handshake latency in piggyback and legacy modes.", stderr)
+	fs := newFlagSet("bench handshake", "Measure handshake latency in piggyback and legacy modes.", stdout)
 	model := fs.String("model", demo.DefaultModel, "model geometry: "+strings.Join(vmm.ModelNames(), ", "))
 	prefillTP := fs.Int("prefill-tp", demo.DefaultPrefillTP, fmt.Sprintf("TP size of the prefill instance, 1..%d", connector.MaxTPSize))
 	decodeTP := fs.Int("decode-tp", demo.DefaultDecodeTP, fmt.Sprintf("TP size of the decode instance, 1..%d; one of the TP sizes must divide the other", connector.MaxTPSize))
@@ -105,7 +106,7 @@ func printJSON(w io.Writer, v any) error {
 }
 
 func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("bench transfer", "Measure transfer throughput against raw QUIC and TLS/TCP baselines.", stderr)
+	fs := newFlagSet("bench transfer", "Measure transfer throughput against raw QUIC and TLS/TCP baselines.", stdout)
 	blocks := fs.String("block-sizes", "4K,64K,1M,16M,64M", "descriptor sizes, comma-separated (K, M, G suffixes: KiB, MiB, GiB); at least one within --max-bytes")
 	batches := fs.String("batch-sizes", "1,16", fmt.Sprintf("descriptors per transfer, comma-separated, each 1..%d", transfer.DefaultMaxDescsPerTransfer))
 	maxBytes := fs.String("max-bytes", "128M", fmt.Sprintf("cap of block size × batch, 1..%s (two buffers of it are allocated); larger cells are skipped with a note", sizeString(maxMaxBytes)))
@@ -160,7 +161,7 @@ func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer)
 			mark = "*"
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%.3f\t%.1f\t%.1f%s\t%.1f\t%.1f%s\t%s\t\n", r.Op, sizeString(r.BlockSize), r.Batch,
-			r.Transfers, r.GBps, r.AvgPostUs, r.P99PostUs, mark, r.AvgTxUs, r.P99TxUs, mark, sizeString(int(r.CheckedBytes)))
+			r.Transfers, r.GBPerS, r.AvgPostUs, r.P99PostUs, mark, r.AvgTxUs, r.P99TxUs, mark, sizeString(int(r.CheckedBytes)))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -174,7 +175,7 @@ func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer)
 	}
 	fmt.Fprintf(table, "\nbulk, %s in %s descriptors, loopback, best of %d:\n", sizeString(res.BulkBytes), sizeString(res.BulkBlockSize), *rounds)
 	fmt.Fprintf(table, "  sidecar READ    %.3f GB/s\n  raw quic-go     %.3f GB/s  (sidecar/raw quic-go = %.3f)\n  TLS 1.3 over TCP %.3f GB/s (sidecar/TLS-TCP = %.3f)\n",
-		res.SidecarReadGBps, res.RawQUICGBps, res.RatioSidecarOverRawQUIC, res.TLSTCPGBps, res.RatioSidecarOverTLSTCP)
+		res.SidecarReadGBPerS, res.RawQUICGBPerS, res.RatioSidecarOverRawQUIC, res.TLSTCPGBPerS, res.RatioSidecarOverTLSTCP)
 	if *asJSON {
 		return printJSON(stdout, res)
 	}

@@ -2,8 +2,8 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"math"
@@ -75,32 +75,35 @@ func parseLimit(s string) (limitValue, error) {
 	return limitValue{set: true, abs: uint64(b)}, nil
 }
 
-// bytes resolves the limit against the reservation: a percent becomes bytes;
-// bytes above the reservation are refused with the range.
-func (l limitValue) bytes(reserved uint64) (uint64, error) {
+// bytes resolves the limit against a cache whose page of every region is
+// pageBytes and whose reservation is reserved: a percent becomes bytes; 0 is
+// "none"; a value outside [pageBytes, reserved] is refused with that one
+// range, whichever side it falls on.
+func (l limitValue) bytes(pageBytes, reserved uint64) (uint64, error) {
+	b := l.abs
 	switch {
 	case l.none:
 		return 0, nil
 	case l.percent > 0:
-		return uint64(math.Ceil(float64(reserved) * l.percent / 100)), nil
-	case l.abs > reserved:
-		return 0, fmt.Errorf("%d bytes is outside the accepted range (0, %d] (the reservation)", l.abs, reserved)
+		b = uint64(math.Ceil(float64(reserved) * l.percent / 100))
 	}
-	return l.abs, nil
+	if b < pageBytes || b > reserved {
+		return 0, fmt.Errorf("%d bytes is outside the accepted range [%d, %d] (one page of every region up to the reservation; none removes the limit)",
+			b, pageBytes, reserved)
+	}
+	return b, nil
 }
 
 func runCtl(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("ctl", "Show stats and set the memory limit of a running sidecar.\n\n"+
 		"  kvsidecar ctl --socket PATH stats\n"+
-		"  kvsidecar ctl --socket PATH limit VALUE [--strict]   VALUE: 8GiB, 512MiB, 1.5GB, 50%, none", stderr)
+		"  kvsidecar ctl --socket PATH limit VALUE [--strict]   VALUE: 8GiB, 512MiB, 1.5GB, 50%, none", stdout)
 	socket := fs.String("socket", "", "the sidecar's local API socket (required)")
 	strict := fs.Bool("strict", false, "limit: refuse a value below what is in use instead of shrinking as blocks are freed")
 	timeout := fs.Duration("timeout", 10*time.Second, "bound on the whole command")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return err
-		}
-		return usageErrorf("%v", err)
+	asJSON := fs.Bool("json", false, "stats: print one JSON object (the same keys as the text, numbers as numbers)")
+	if err := fs.parse(args); err != nil {
+		return err
 	}
 	// Flags may also follow the subcommand and its value. A value of limit
 	// that looks like a negative number is its value, not a flag, so that
@@ -112,8 +115,8 @@ func runCtl(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		if len(pos) == 1 && pos[0] == "limit" && len(rest) > 0 && negativeNumber(rest[0]) {
 			pos, rest = append(pos, rest[0]), rest[1:]
 		}
-		if err := fs.Parse(rest); err != nil {
-			return usageErrorf("%v", err)
+		if err := fs.parse(rest); err != nil {
+			return err
 		}
 	}
 	if len(pos) == 0 {
@@ -160,22 +163,16 @@ func runCtl(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		return timedOut(err)
 	}
 	if pos[0] == "stats" {
-		printStats(stdout, st)
-		return nil
+		return printStats(stdout, st, *asJSON)
 	}
 	if !st.GetCacheReady() {
 		return fmt.Errorf("limit: the sidecar has no KV cache yet (no engine attached)")
 	}
-	// The range depends on the sidecar's reservation: a value outside it is
-	// the sidecar's refusal (exit 1), not a command-line error.
-	b, err := lv.bytes(st.GetReservationBytes())
+	// The range depends on the sidecar's cache: a value outside it is the
+	// sidecar's refusal (exit 1), not a command-line error.
+	b, err := lv.bytes(st.GetPageSize()*st.GetNumRegions(), st.GetReservationBytes())
 	if err != nil {
 		return fmt.Errorf("limit: %w", err)
-	}
-	pageBytes := st.GetPageSize() * st.GetNumRegions()
-	if b != 0 && b < pageBytes {
-		return fmt.Errorf("limit: %d bytes is outside the accepted range [%d, %d] (one page of every region up to the reservation)",
-			b, pageBytes, st.GetReservationBytes())
 	}
 	if err := c.SetMemoryLimit(ctx, b, *strict); err != nil {
 		return timedOut(err)
@@ -194,13 +191,38 @@ func negativeNumber(a string) bool {
 	return len(a) > 1 && a[0] == '-' && (a[1] >= '0' && a[1] <= '9' || a[1] == '.')
 }
 
-func printStats(w io.Writer, st *v1.StatsReply) {
+// statsField is one line of ctl stats: its key and value.
+type statsField struct {
+	key string
+	v   any // bool or uint64
+}
+
+// statsFields are the lines of ctl stats in order: only cache_ready when
+// no engine attached yet.
+func statsFields(st *v1.StatsReply) []statsField {
 	if !st.GetCacheReady() {
-		fmt.Fprintln(w, "cache_ready: false")
-		return
+		return []statsField{{"cache_ready", false}}
 	}
-	fmt.Fprintf(w, "cache_ready: true\npages_mapped: %d\nbytes_mapped: %d\nreserve_pages: %d\nblocks_used: %d\nblocks_total: %d\n"+
-		"memory_limit_bytes: %d\nreservation_bytes: %d\npage_size: %d\nnum_regions: %d\nleases_held: %d\nloads_in_flight: %d\n",
-		st.GetPagesMapped(), st.GetBytesMapped(), st.GetReservePages(), st.GetBlocksUsed(), st.GetBlocksTotal(),
-		st.GetMemoryLimitBytes(), st.GetReservationBytes(), st.GetPageSize(), st.GetNumRegions(), st.GetLeasesHeld(), st.GetLoadsInFlight())
+	return []statsField{{"cache_ready", true}, {"pages_mapped", st.GetPagesMapped()}, {"bytes_mapped", st.GetBytesMapped()},
+		{"reserve_pages", st.GetReservePages()}, {"blocks_used", st.GetBlocksUsed()}, {"blocks_total", st.GetBlocksTotal()},
+		{"memory_limit_bytes", st.GetMemoryLimitBytes()}, {"reservation_bytes", st.GetReservationBytes()},
+		{"page_size", st.GetPageSize()}, {"num_regions", st.GetNumRegions()}, {"leases_held", st.GetLeasesHeld()},
+		{"loads_in_flight", st.GetLoadsInFlight()}}
+}
+
+// printStats writes st as "key: value" lines, or as one JSON object with the
+// same keys.
+func printStats(w io.Writer, st *v1.StatsReply, asJSON bool) error {
+	fields := statsFields(st)
+	if asJSON {
+		m := make(map[string]any, len(fields))
+		for _, f := range fields {
+			m[f.key] = f.v
+		}
+		return json.NewEncoder(w).Encode(m)
+	}
+	for _, f := range fields {
+		fmt.Fprintf(w, "%s: %v\n", f.key, f.v)
+	}
+	return nil
 }

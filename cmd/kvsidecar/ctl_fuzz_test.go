@@ -8,13 +8,14 @@ import (
 
 // FuzzParseLimit parses arbitrary `ctl limit` / --memory-limit values:
 // never a panic; an accepted value is exactly one of none, a percent in
-// (0, 100] or at least one byte, and resolves against a reservation to at
-// most the reservation (a percent) or to itself (bytes within it).
+// (0, 100] or at least one byte, and resolves against a cache to none, or to
+// a value inside its one accepted range [page of every region,
+// reservation], or to an error naming that range.
 func FuzzParseLimit(f *testing.F) {
 	for _, s := range []string{"8GiB", "512 MiB", "1.5GB", "1073741824", "50%", "none", "0%", "101%", "-1", "1e3kB", "NaN%", ".5 k"} {
 		f.Add(s)
 	}
-	const reserved = 1 << 40
+	const reserved, page = 1 << 40, 64 << 20
 	f.Fuzz(func(t *testing.T, s string) {
 		l, err := parseLimit(s)
 		if err != nil {
@@ -29,21 +30,19 @@ func FuzzParseLimit(f *testing.F) {
 			}
 		}
 		require.Equal(t, 1, kinds, "%q parsed to %+v", s, l)
-		got, err := l.bytes(reserved)
+		got, err := l.bytes(page, reserved)
 		switch {
 		case l.none:
 			require.NoError(t, err)
 			require.Zero(t, got)
-		case l.percent > 0:
-			require.LessOrEqual(t, l.percent, 100.0)
-			require.NoError(t, err)
-			require.LessOrEqual(t, got, uint64(reserved))
-			require.NotZero(t, got)
-		case l.abs <= reserved:
-			require.NoError(t, err)
-			require.Equal(t, l.abs, got)
+		case err != nil:
+			require.ErrorContains(t, err, "outside the accepted range [67108864, 1099511627776]")
 		default:
-			require.Error(t, err)
+			require.GreaterOrEqual(t, got, uint64(page))
+			require.LessOrEqual(t, got, uint64(reserved))
+			if l.percent == 0 {
+				require.Equal(t, l.abs, got)
+			}
 		}
 	})
 }

@@ -10,7 +10,7 @@ import (
 )
 
 func TestParseLimit(t *testing.T) {
-	const reserved = 100 << 30
+	const reserved, page = 100 << 30, 64 << 20
 	tests := []struct {
 		in      string
 		want    uint64
@@ -29,14 +29,18 @@ func TestParseLimit(t *testing.T) {
 		{"0", 0, "more than 0 bytes"},
 		{"-1GiB", 0, "-1GiB: the limit must be positive"},
 		{"3 parsecs", 0, "unknown unit"},
-		{"101GiB", 0, "accepted range (0, 107374182400]"},
+		// One accepted range whichever side a value falls on (it said
+		// (0, R] above the reservation and [P, P] below a page).
+		{"101GiB", 0, "accepted range [67108864, 107374182400]"},
+		{"1MiB", 0, "accepted range [67108864, 107374182400]"},
+		{"0.01%", 0, "accepted range [67108864, 107374182400]"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.in, func(t *testing.T) {
 			lv, err := parseLimit(tc.in)
 			if err == nil {
 				var b uint64
-				b, err = lv.bytes(reserved)
+				b, err = lv.bytes(page, reserved)
 				if err == nil {
 					require.Empty(t, tc.wantErr)
 					require.Equal(t, tc.want, b)

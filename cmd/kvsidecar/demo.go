@@ -13,6 +13,7 @@ import (
 	"strings"
 	"syscall"
 	"text/tabwriter"
+	"time"
 
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/handshake"
@@ -28,7 +29,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, shutdownSignals...)
 	defer signal.Stop(sigs)
-	fs := newFlagSet("demo", "Run a prefill and a decode instance on the host backend and replay a real trace through them.", stderr)
+	fs := newFlagSet("demo", "Run a prefill and a decode instance on the host backend and replay a real trace through them.", stdout)
 	model := fs.String("model", demo.DefaultModel, "model geometry: "+strings.Join(vmm.ModelNames(), ", "))
 	prefillTP := fs.Int("prefill-tp", demo.DefaultPrefillTP, fmt.Sprintf("TP size of the prefill instance, 1..%d, dividing or divided by the model's KV heads", connector.MaxTPSize))
 	decodeTP := fs.Int("decode-tp", demo.DefaultDecodeTP, fmt.Sprintf("TP size of the decode instance, 1..%d; one of the TP sizes must divide the other", connector.MaxTPSize))
@@ -68,7 +69,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return usageErrorf("--trace %s: the trace has no requests", tr.Name)
 	}
 	n := *requests
-	if flagSet(fs, "requests") {
+	if flagSet(fs.FlagSet, "requests") {
 		if n < 1 || n > len(tr.Requests) {
 			return usageErrorf("--requests %d: want 1..%d (the requests in %s)", n, len(tr.Requests), tr.Name)
 		}
@@ -111,7 +112,8 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	// The ranks' sockets are plain UDP here, but quic-go warns on small
 	// kernel buffers; the demo is loopback-only.
 	os.Setenv("QUIC_GO_DISABLE_RECEIVE_BUFFER_WARNING", "true")
-	cfg.Progress = newProgress(stderr).report
+	prog := newProgress(stderr)
+	cfg.Progress, cfg.ProgressInterval = prog.report, prog.interval()
 	pace := fmt.Sprintf("speed-up %gx", *speedup)
 	if math.IsInf(*speedup, 1) {
 		pace = "all at once"
@@ -174,15 +176,33 @@ func (e *signalExit) Unwrap() error { return e.err }
 // ExitCode is 128 + the signal number.
 func (e *signalExit) ExitCode() int { return 128 + int(e.sig) }
 
-// progress draws a bar on a terminal and plain lines elsewhere.
+// progress draws a bar on a terminal and plain lines elsewhere; both move
+// while a request is in flight (the ticks of interval), not only when one
+// finishes.
 type progress struct {
 	w    io.Writer
 	tty  bool
 	last int // plain mode: last percentage printed
 }
 
+// Tick periods of the demo's progress: a bar on a terminal is redrawn every
+// ttyTick; a log (a file, a pipe, CI) gets a line every plainTick, so a
+// long request still shows the bytes moving without flooding it.
+const (
+	ttyTick   = 2 * time.Second
+	plainTick = 10 * time.Second
+)
+
+// interval is the tick period for p's writer.
+func (p *progress) interval() time.Duration {
+	if p.tty {
+		return ttyTick
+	}
+	return plainTick
+}
+
 func newProgress(w io.Writer) *progress {
-	p := &progress{w: w, last: -1}
+	p := &progress{w: w, last: -10} // the first finish prints (-1/10 would be 0)
 	if f, ok := w.(*os.File); ok {
 		if fi, err := f.Stat(); err == nil && fi.Mode()&os.ModeCharDevice != 0 {
 			p.tty = true
@@ -197,20 +217,22 @@ func (p *progress) report(pr demo.Progress) {
 	if p.tty {
 		const width = 30
 		n := width * pr.Done / max(pr.Total, 1)
-		fmt.Fprintf(p.w, "\r[%s%s] %d/%d requests  %.2f GiB  %.1fs  failed %d",
-			strings.Repeat("#", n), strings.Repeat(".", width-n), pr.Done, pr.Total, gib, pr.Elapsed.Seconds(), pr.Failed)
+		fmt.Fprintf(p.w, "\r[%s%s] %d/%d requests  %d in flight  %.2f GiB  %.1fs  failed %d",
+			strings.Repeat("#", n), strings.Repeat(".", width-n), pr.Done, pr.Total, pr.InFlight, gib, pr.Elapsed.Seconds(), pr.Failed)
 		if pr.Done == pr.Total {
 			fmt.Fprintln(p.w)
 		}
 		return
 	}
-	// At most one line per 10 %.
-	if pct/10 == p.last/10 && pr.Done != pr.Total {
+	// A line per tick, and at most one per 10 % of requests finished.
+	if !pr.Tick && pct/10 == p.last/10 && pr.Done != pr.Total {
 		return
 	}
-	p.last = pct
-	fmt.Fprintf(p.w, "progress: %d/%d requests, %.2f GiB moved, %.1fs, %d failed\n",
-		pr.Done, pr.Total, gib, pr.Elapsed.Seconds(), pr.Failed)
+	if !pr.Tick {
+		p.last = pct
+	}
+	fmt.Fprintf(p.w, "progress: %d/%d requests, %d in flight, %.2f GiB moved so far, %.1fs, %d failed\n",
+		pr.Done, pr.Total, pr.InFlight, gib, pr.Elapsed.Seconds(), pr.Failed)
 }
 
 func printDemoSummary(w io.Writer, s *demo.Summary) {
@@ -234,8 +256,8 @@ func printDemoSummary(w io.Writer, s *demo.Summary) {
 		{"mismatches", fmt.Sprint(s.Mismatches)},
 		{"failed requests", fmt.Sprint(s.FailedRequests)},
 		{"transfer latency p50 / p99", latency},
-		{"transfer throughput", fmt.Sprintf("%.3f GB/s (bytes moved over %.2fs with a load in flight)", s.ThroughputGBps, s.TransferSeconds)},
-		{"wall throughput", fmt.Sprintf("%.3f GB/s (bytes moved over the %.2fs replay, arrival gaps included)", s.WallGBps, s.WallSeconds)},
+		{"transfer throughput", fmt.Sprintf("%.3f GB/s (bytes moved over %.2fs with a load in flight)", s.ThroughputGBPerS, s.TransferSeconds)},
+		{"wall throughput", fmt.Sprintf("%.3f GB/s (bytes moved over the %.2fs replay, arrival gaps included)", s.WallGBPerS, s.WallSeconds)},
 		{"handshakes", fmt.Sprintf("%d exchanges over %d QUIC connections = %d RTTs", s.Handshakes, s.Dials, s.HandshakeRTTs)},
 		{"peak pages mapped, prefill", pages(s.PeakPagesPrefill)},
 		{"peak pages mapped, decode", pages(s.PeakPagesDecode)},

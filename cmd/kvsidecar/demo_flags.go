@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"flag"
 	"fmt"
 	"math"
@@ -66,8 +67,11 @@ func checkModelTP(model string, prefillTP, decodeTP int) (*v1.ModelGeometry, err
 			return nil, err
 		}
 		if _, err := vmm.LayoutFor(geom, 0, f.tp); err != nil {
-			return nil, usageErrorf("--%s %d: model %s: %s", f.name, f.tp, model,
-				strings.TrimPrefix(err.Error(), "vmm: invalid configuration: "))
+			var ge *vmm.GeometryError
+			if errors.As(err, &ge) {
+				return nil, usageErrorf("--%s %d: model %s: %s", f.name, f.tp, model, ge.Rule)
+			}
+			return nil, usageErrorf("--%s %d: model %s: %v", f.name, f.tp, model, err)
 		}
 	}
 	if prefillTP%decodeTP != 0 && decodeTP%prefillTP != 0 {

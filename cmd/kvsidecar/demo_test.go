@@ -5,12 +5,15 @@ import (
 	"context"
 	"encoding/json"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvsidecar/kvsidecar/internal/demo"
 	"github.com/kvsidecar/kvsidecar/internal/trace/mooncake"
 )
 
@@ -44,7 +47,7 @@ func TestDemoBenchFlagErrors(t *testing.T) {
 		{"empty trace", []string{"demo", "--trace", empty}, "--trace " + empty + ": the trace has no requests"},
 		{"missing trace", []string{"demo", "--trace", "/nonexistent/t.jsonl"}, "--trace /nonexistent/t.jsonl: open /nonexistent/t.jsonl: no such file or directory"},
 		{"prefill tp zero", []string{"demo", "--prefill-tp", "0"}, "--prefill-tp 0: want 1..1024"},
-		{"decode tp vs heads", []string{"demo", "--decode-tp", "3"}, "--decode-tp 3: model llama-3.2-1b: tp_size: 3 and num_kv_heads 8: one must divide the other"},
+		{"decode tp vs heads", []string{"demo", "--decode-tp", "3"}, "--decode-tp 3: model llama-3.2-1b: tp_size=3 and num_kv_heads=8: one must divide the other"},
 		{"tp sizes", []string{"demo", "--model", "qwen3-8b", "--prefill-tp", "2", "--decode-tp", "8", "--prefill-tp", "4", "--decode-tp", "1"}, ""},
 		{"speedup zero", []string{"demo", "--speedup", "0"}, "--speedup 0: want a factor > 0"},
 		{"speedup nan", []string{"demo", "--speedup", "NaN"}, "--speedup NaN: want a factor > 0"},
@@ -103,20 +106,21 @@ func TestDemoTinyTrace(t *testing.T) {
 	require.Contains(t, errb.String(), "(p99 is the max of 2 samples)")
 	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
 	var s struct {
-		Trace           string  `json:"trace"`
-		Requests        int     `json:"requests"`
-		PrefixReused    int64   `json:"prefix_tokens_reused"`
-		ThroughputGBps  float64 `json:"throughput_gbps"`
-		WallGBps        float64 `json:"wall_gbps"`
-		TransferSeconds float64 `json:"transfer_seconds"`
-		WallSeconds     float64 `json:"wall_seconds"`
+		Trace            string  `json:"trace"`
+		Requests         int     `json:"requests"`
+		PrefixReused     int64   `json:"prefix_tokens_reused"`
+		ThroughputGBPerS float64 `json:"throughput_gb_per_s"`
+		WallGBPerS       float64 `json:"wall_gb_per_s"`
+		TransferSeconds  float64 `json:"transfer_seconds"`
+		WallSeconds      float64 `json:"wall_seconds"`
 	}
 	require.NoError(t, json.Unmarshal([]byte(lines[len(lines)-1]), &s))
+	require.NotContains(t, out.String(), "gbps", "throughput names carry their unit: gb_per_s")
 	require.Equal(t, path, s.Trace)
 	require.Equal(t, 2, s.Requests)
 	require.Zero(t, s.PrefixReused, "--cache-entries 0 turns the cache off")
-	require.Positive(t, s.WallGBps)
-	require.GreaterOrEqual(t, s.ThroughputGBps, s.WallGBps)
+	require.Positive(t, s.WallGBPerS)
+	require.GreaterOrEqual(t, s.ThroughputGBPerS, s.WallGBPerS)
 	require.LessOrEqual(t, s.TransferSeconds, s.WallSeconds)
 }
 
@@ -130,4 +134,48 @@ func TestBenchTransferSkipsWithNote(t *testing.T) {
 	require.Contains(t, table, "note: skipped block 2M × batch 4 = 8M, over --max-bytes 1M")
 	require.Contains(t, table, "p99 is their maximum")
 	require.Contains(t, table, "bulk, 1M in 4K descriptors")
+}
+
+// TestDemoProgressLines: the demo's progress moves while a request is in
+// flight: every tick prints a line with the bytes moved so far (a line per
+// 10 s in a log, the bar redrawn every 2 s on a terminal), besides the line
+// per 10 % of requests finished.
+func TestDemoProgressLines(t *testing.T) {
+	var b bytes.Buffer
+	p := newProgress(&b)
+	require.False(t, p.tty, "a buffer is not a terminal")
+	require.Equal(t, 10*time.Second, p.interval())
+	require.Equal(t, 2*time.Second, (&progress{tty: true}).interval())
+
+	p.report(demo.Progress{Done: 1, Total: 100, InFlight: 1, BytesMoved: 1 << 30, Elapsed: time.Second})
+	p.report(demo.Progress{Done: 1, Total: 100, InFlight: 1, BytesMoved: 3 << 29, Elapsed: 11 * time.Second, Tick: true})
+	p.report(demo.Progress{Done: 1, Total: 100, InFlight: 1, BytesMoved: 2 << 30, Elapsed: 21 * time.Second, Tick: true})
+	p.report(demo.Progress{Done: 2, Total: 100, InFlight: 0, BytesMoved: 2 << 30, Elapsed: 22 * time.Second})
+	require.Equal(t, "progress: 1/100 requests, 1 in flight, 1.00 GiB moved so far, 1.0s, 0 failed\n"+
+		"progress: 1/100 requests, 1 in flight, 1.50 GiB moved so far, 11.0s, 0 failed\n"+
+		"progress: 1/100 requests, 1 in flight, 2.00 GiB moved so far, 21.0s, 0 failed\n", b.String(),
+		"a line per tick while the request is in flight; none for the second finish (same 10 %)")
+
+	var tty bytes.Buffer
+	p = &progress{w: &tty, tty: true, last: -10}
+	p.report(demo.Progress{Done: 0, Total: 4, InFlight: 2, BytesMoved: 1 << 29, Elapsed: 2 * time.Second, Tick: true})
+	require.Equal(t, "\r[..............................] 0/4 requests  2 in flight  0.50 GiB  2.0s  failed 0", tty.String())
+}
+
+// TestMakeDemoSaysBuildingFirst: `make demo` says that it is building
+// before the build, which on a cold cache prints nothing for minutes.
+func TestMakeDemoSaysBuildingFirst(t *testing.T) {
+	out, err := exec.Command("make", "-n", "-C", "../..", "demo").CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	var lines []string
+	for _, l := range strings.Split(string(out), "\n") {
+		if l != "" && !strings.HasPrefix(l, "make") {
+			lines = append(lines, l)
+		}
+	}
+	require.GreaterOrEqual(t, len(lines), 3, "%s", out)
+	require.Contains(t, lines[0], "echo")
+	require.Contains(t, lines[0], "building bin/kvsidecar first")
+	require.Contains(t, lines[1], "build -o bin/kvsidecar ./cmd/kvsidecar")
+	require.Equal(t, "./bin/kvsidecar demo", lines[2])
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"flag"
@@ -47,11 +48,12 @@ func main() {
 // run executes the command line args and returns the exit status:
 // 0 success, 1 failure, 2 usage error, or an exitCoder's status.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
+	if len(args) == 0 {
 		usage(stderr)
-		if len(args) == 0 {
-			return 2
-		}
+		return 2
+	}
+	if args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
+		usage(stdout) // asked for: the answer, not an error
 		return 0
 	}
 	if args[0] == "--version" || args[0] == "-version" {
@@ -69,7 +71,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		case errors.Is(err, flag.ErrHelp):
 			return 0
 		case errors.Is(err, errUsage):
-			fmt.Fprintf(stderr, "kvsidecar %s: %v\n", c.name, err)
+			fmt.Fprintf(stderr, "kvsidecar %s: %v\nsee 'kvsidecar %s --help'\n", c.name, err, c.name)
 			return 2
 		case errors.As(err, &ec):
 			fmt.Fprintf(stderr, "kvsidecar %s: %v\n", c.name, err)
@@ -79,8 +81,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return 1
 		}
 	}
-	fmt.Fprintf(stderr, "kvsidecar: unknown command %q\n\n", args[0])
-	usage(stderr)
+	fmt.Fprintf(stderr, "kvsidecar: unknown command %q\nsee 'kvsidecar --help'\n", args[0])
 	return 2
 }
 
@@ -106,25 +107,51 @@ func usage(w io.Writer) {
 	fmt.Fprintln(w, "Run 'kvsidecar <command> --help' for the flags of a command.")
 }
 
-// newFlagSet returns a FlagSet that prints its usage to stderr and returns
-// errors instead of exiting.
-func newFlagSet(name, synopsis string, stderr io.Writer) *flag.FlagSet {
-	fs := flag.NewFlagSet("kvsidecar "+name, flag.ContinueOnError)
-	fs.SetOutput(stderr)
+// cmdFlags is a command's flag.FlagSet whose help goes to stdout when asked
+// for (-h, --help) and nowhere on a parse error: a bad flag or value is one
+// error line (run adds where to find the help), not the error above and
+// below the whole flag list.
+type cmdFlags struct {
+	*flag.FlagSet
+	stdout io.Writer
+	help   bytes.Buffer // the usage flag wrote last, printed only on -h
+}
+
+// newFlagSet returns the cmdFlags of command name ("serve", "bench
+// handshake"), which returns errors instead of exiting.
+func newFlagSet(name, synopsis string, stdout io.Writer) *cmdFlags {
+	fs := &cmdFlags{FlagSet: flag.NewFlagSet("kvsidecar "+name, flag.ContinueOnError), stdout: stdout}
+	fs.SetOutput(io.Discard)
+	// flag calls Usage on -h and on every parse error; it is kept and
+	// printed only for -h (parse).
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: kvsidecar %s [flags]\n\n%s\n\nFlags:\n", name, synopsis)
+		fs.help.Reset()
+		fmt.Fprintf(&fs.help, "Usage: kvsidecar %s [flags]\n\n%s\n\nFlags:\n", name, synopsis)
+		fs.SetOutput(&fs.help)
 		fs.PrintDefaults()
+		fs.SetOutput(io.Discard)
 	}
 	return fs
 }
 
+// parse parses args: flag.ErrHelp once the help is on stdout, a usage error
+// for a bad flag or value.
+func (fs *cmdFlags) parse(args []string) error {
+	err := fs.Parse(args)
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, flag.ErrHelp):
+		_, _ = fs.stdout.Write(fs.help.Bytes())
+		return err
+	}
+	return usageErrorf("%v", err)
+}
+
 // parseFlags parses args and rejects positional arguments.
-func parseFlags(fs *flag.FlagSet, args []string) error {
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return err
-		}
-		return usageErrorf("%v", err)
+func parseFlags(fs *cmdFlags, args []string) error {
+	if err := fs.parse(args); err != nil {
+		return err
 	}
 	if fs.NArg() > 0 {
 		return usageErrorf("unexpected argument %q", fs.Arg(0))

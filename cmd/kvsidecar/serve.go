@@ -5,8 +5,6 @@ import (
 	"crypto/hkdf"
 	"crypto/sha256"
 	"crypto/tls"
-	"crypto/x509"
-	"encoding/pem"
 	"errors"
 	"flag"
 	"fmt"
@@ -17,6 +15,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"strings"
@@ -137,32 +136,60 @@ var otherEnv = map[string]bool{
 
 // unknownEnv returns, sorted, a description of every KVSIDECAR_* variable in
 // environ ("NAME=VALUE" entries, as os.Environ) that matches no flag of fs,
-// with the flag variable it most likely meant when the two differ only in
-// underscores (KVSIDECAR_TPSIZE: did you mean KVSIDECAR_TP_SIZE?).
+// with the flag variable it most likely meant: the one whose name, compared
+// in upper case without underscores, is nearest within maxEnvDistance edits
+// (KVSIDECAR_TPSIZE: did you mean KVSIDECAR_TP_SIZE?; KVSIDECAR_LEASE_TTLL:
+// did you mean KVSIDECAR_LEASE_TTL?).
 func unknownEnv(fs *flag.FlagSet, environ []string) []string {
-	known := map[string]string{} // env name without '_' -> env name
-	fs.VisitAll(func(f *flag.Flag) {
-		e := envName(f.Name)
-		known[e] = e
-		known[strings.ReplaceAll(e, "_", "")] = e
-	})
+	var known []string
+	fs.VisitAll(func(f *flag.Flag) { known = append(known, envName(f.Name)) })
+	squash := func(s string) string { return strings.ReplaceAll(strings.ToUpper(s), "_", "") }
 	var out []string
 	for _, kv := range environ {
 		name, _, _ := strings.Cut(kv, "=")
-		if !strings.HasPrefix(name, "KVSIDECAR_") || otherEnv[name] {
+		if !strings.HasPrefix(name, "KVSIDECAR_") || otherEnv[name] || slices.Contains(known, name) {
 			continue
 		}
-		if e, ok := known[name]; ok && e == name {
-			continue
+		best, bestD := "", maxEnvDistance+1
+		for _, e := range known {
+			if d := editDistance(squash(name), squash(e)); d < bestD {
+				best, bestD = e, d
+			}
 		}
-		if e, ok := known[strings.ReplaceAll(strings.ToUpper(name), "_", "")]; ok {
-			out = append(out, fmt.Sprintf("%s (did you mean %s?)", name, e))
+		if best != "" {
+			out = append(out, fmt.Sprintf("%s (did you mean %s?)", name, best))
 		} else {
 			out = append(out, name)
 		}
 	}
 	slices.Sort(out)
 	return out
+}
+
+// maxEnvDistance is the most edits (insertions, deletions, substitutions)
+// between a stray KVSIDECAR_* name and a flag's variable for unknownEnv to
+// suggest the flag: two catches a doubled, dropped, swapped or wrong letter.
+const maxEnvDistance = 2
+
+// editDistance is the Levenshtein distance between a and b, in bytes.
+func editDistance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	cur := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			sub := prev[j-1]
+			if a[i-1] != b[j-1] {
+				sub++
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, sub)
+		}
+		prev, cur = cur, prev
+	}
+	return prev[len(b)]
 }
 
 // serveConfig is the validated result of the flags.
@@ -267,12 +294,12 @@ func (f *serveFlags) validate() (*serveConfig, error) {
 		}
 		c.geometry = g
 	}
-	if f.blockSize < 1 || f.blockSize > 1<<16 {
-		return bad("block-size", "%d: must be in [1, 65536]", f.blockSize)
+	if f.blockSize < 1 || f.blockSize > vmm.MaxBlockSize {
+		return bad("block-size", "%d: must be in [1, %d]", f.blockSize, vmm.MaxBlockSize)
 	}
 	if c.geometry != nil {
-		if _, err := vmm.LayoutFor(c.geometry, f.tpRank, f.tpSize); err != nil {
-			return bad("tp-size", "%v", err)
+		if err := checkGeometryFlags(f, c.geometry); err != nil {
+			return nil, err
 		}
 	}
 	if f.numBlocks < 0 || f.numBlocks == 1 {
@@ -383,6 +410,44 @@ func (f *serveFlags) validate() (*serveConfig, error) {
 	return c, nil
 }
 
+// geometryFlag is the serve flag of each ModelGeometry field (and of the
+// TP fields) that vmm.GeometryError names.
+var geometryFlag = map[string]string{
+	"num_layers": "--layers", "num_kv_heads": "--kv-heads", "head_dim": "--head-dim", "dtype": "--dtype",
+	"attention": "--attention", "block_size": "--block-size", "tp_size": "--tp-size", "tp_rank": "--tp-rank",
+}
+
+// checkGeometryFlags applies the rules of vmm.LayoutFor (the same ones an
+// engine's create call meets) to the geometry of the flags, and checks that
+// one block fits in a page of the host backend. A broken rule is a usage
+// error naming the flags: the geometry flags themselves, or --model when the
+// field comes from the model table.
+func checkGeometryFlags(f *serveFlags, g *v1.ModelGeometry) error {
+	l, err := vmm.LayoutFor(g, f.tpRank, f.tpSize)
+	var ge *vmm.GeometryError
+	if errors.As(err, &ge) {
+		var names []string
+		for _, field := range ge.Fields {
+			name := geometryFlag[field]
+			if f.model != "" && field != "block_size" && field != "tp_size" && field != "tp_rank" {
+				name = "--model " + f.model
+			}
+			if name != "" && !slices.Contains(names, name) {
+				names = append(names, name)
+			}
+		}
+		return usageErrorf("%s: %s", strings.Join(names, ", "), ge.Rule)
+	}
+	if err != nil {
+		return usageErrorf("geometry: %v", err)
+	}
+	if f.backend == "host" && l.BlockLen() > vmm.DefaultHostPageSize {
+		return usageErrorf("--block-size %d: one block of this rank is %d bytes (%s), more than the host backend's page of %d bytes; blocks never straddle a page, so lower --block-size",
+			f.blockSize, l.BlockLen(), l, vmm.DefaultHostPageSize)
+	}
+	return nil
+}
+
 func explicitGeometry(f *serveFlags) (*v1.ModelGeometry, error) {
 	if f.layers < 1 || f.kvHeads < 1 || f.headDim < 1 {
 		return nil, usageErrorf("--layers, --kv-heads, --head-dim: all three are required and positive (got %d, %d, %d)", f.layers, f.kvHeads, f.headDim)
@@ -436,18 +501,18 @@ func checkAddr(a string) error {
 
 func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("serve", "Run the sidecar beside one GPU (one tp_rank) of an inference engine.\n"+
-		"Every flag can also be set as KVSIDECAR_<FLAG> (e.g. KVSIDECAR_ENGINE_ID).", stderr)
+		"Every flag can also be set as KVSIDECAR_<FLAG> (e.g. KVSIDECAR_ENGINE_ID).", stdout)
 	var f serveFlags
-	f.register(fs)
+	f.register(fs.FlagSet)
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	if err := applyEnv(fs, os.Getenv); err != nil {
+	if err := applyEnv(fs.FlagSet, os.Getenv); err != nil {
 		return err
 	}
 	f.given = map[string]bool{}
 	fs.Visit(func(fl *flag.Flag) { f.given[fl.Name] = true })
-	stray := unknownEnv(fs, os.Environ())
+	stray := unknownEnv(fs.FlagSet, os.Environ())
 	cfg, err := f.validate()
 	if err != nil {
 		if len(stray) > 0 {
@@ -479,8 +544,9 @@ func newLogHandler(w io.Writer, level slog.Level) slog.Handler {
 	}})
 }
 
-// serve checks the environment (TLS files, CUDA, the qlog directory, the
-// QUIC socket, the local socket), logs "serving", runs until ctx ends
+// serve checks the environment (TLS files, the capability key file's mode,
+// CUDA, the qlog directory, the QUIC socket, the certificate against the CA
+// and the advertised address, the local socket), logs "serving", runs until ctx ends
 // (SIGTERM/SIGINT/SIGHUP), then drains and returns nil. Problems of the
 // flags are usage errors (exit 2); problems of the host are plain errors
 // (exit 1); both name the flag.
@@ -495,6 +561,11 @@ func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 	}
 	if cfg.resetKey, err = statelessResetKey(f.tlsKey); err != nil {
 		return usageErrorf("--tls-key: %v", err)
+	}
+	if f.capKeyFile != "" {
+		if err := checkKeyFileMode("capability-key-file", f.capKeyFile); err != nil {
+			return err
+		}
 	}
 	if f.backend == "cuda" {
 		// Probe now rather than when the engine creates its KV cache.
@@ -520,6 +591,9 @@ func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 	if cfg.advertise, err = advertisedAddr(f, cfg.rankAddrs, udp.LocalAddr()); err != nil {
 		return err
 	}
+	if err := checkCertificate(f.tlsCert, f.tlsCA, hostOf(cfg.advertise), advertisedFrom(f, cfg.rankAddrs), time.Now()); err != nil {
+		return err
+	}
 	if err := os.MkdirAll(f.socketDir, 0o700); err != nil {
 		return fmt.Errorf("--socket-dir %s: %w", f.socketDir, err)
 	}
@@ -528,7 +602,18 @@ func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 		return usageErrorf("--socket-dir/--engine-id: %v", err)
 	}
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	bi, _ := debug.ReadBuildInfo()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), buildInfoGauge(bi))
+	// Every family a rank will have, at 0, before an engine attaches, so
+	// dashboards show 0 instead of "no data".
+	if err := connector.RegisterMetrics(reg); err != nil {
+		return err
+	}
+	if cfg.ownership == v1.Ownership_OWNERSHIP_COORDINATED && f.tpSize > 1 {
+		if err := tpgroup.RegisterMetrics(reg, f.tpSize); err != nil {
+			return err
+		}
+	}
 
 	open := func(octx context.Context, req *v1.CreateKVCache) (*connector.LocalCache, error) {
 		return openCache(octx, cfg, req, srvTLS, cliTLS, log, reg)
@@ -549,11 +634,12 @@ func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 		mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { io.WriteString(w, "ok\n") })
 		mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
-			if !srv.Ready() {
-				http.Error(w, "not ready: no KV cache yet, or draining", http.StatusServiceUnavailable)
+			ok, why := srv.Ready()
+			if !ok {
+				http.Error(w, "not ready: "+why, http.StatusServiceUnavailable)
 				return
 			}
-			io.WriteString(w, "ready\n")
+			io.WriteString(w, "ready: "+why+"\n")
 		})
 		httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 		go func() {
@@ -582,40 +668,6 @@ func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 	<-httpDone
 	log.Info("stopped")
 	return nil
-}
-
-// checkCA checks that file holds at least one CA certificate: peers are
-// verified against it, and a leaf there (basic constraints CA:FALSE) makes
-// every handshake fail only once an engine attaches.
-func checkCA(file string) error {
-	b, err := os.ReadFile(file)
-	if err != nil {
-		return err
-	}
-	var leaf *x509.Certificate
-	for rest := b; ; {
-		var blk *pem.Block
-		if blk, rest = pem.Decode(rest); blk == nil {
-			break
-		}
-		if blk.Type != "CERTIFICATE" {
-			continue
-		}
-		c, err := x509.ParseCertificate(blk.Bytes)
-		if err != nil {
-			return err
-		}
-		if c.IsCA {
-			return nil
-		}
-		if leaf == nil {
-			leaf = c
-		}
-	}
-	if leaf == nil {
-		return errors.New("holds no PEM certificate")
-	}
-	return fmt.Errorf("holds no CA certificate: %q is a leaf (IsCA false); give the CA that signs every peer", leaf.Subject.String())
 }
 
 // checkWritableDir creates dir if missing and checks that a file can be
@@ -787,10 +839,11 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 	}
 	if cfg.limit.set {
 		var reserved uint64
-		for _, r := range pool.Regions() {
+		regions := pool.Regions()
+		for _, r := range regions {
 			reserved += r.Len
 		}
-		b, err := cfg.limit.bytes(reserved)
+		b, err := cfg.limit.bytes(regions[0].PageSize*uint64(len(regions)), reserved)
 		if err != nil {
 			return nil, codes.New(v1.Code_CODE_INVALID_ARGUMENT, "kvsidecar serve: --memory-limit: %v", err)
 		}

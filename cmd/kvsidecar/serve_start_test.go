@@ -4,20 +4,25 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/x509"
 	"encoding/json"
 	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvsidecar/kvsidecar/connector"
+	"github.com/kvsidecar/kvsidecar/internal/codes"
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
 	"github.com/kvsidecar/kvsidecar/internal/testutil"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
@@ -28,6 +33,7 @@ import (
 // serveEnv is what a serve command line needs on this host: dev TLS files
 // for loopback, a capability key and a socket directory.
 type serveEnv struct {
+	ca        *devtls.CA
 	tls       devtls.Files
 	capKey    string
 	socketDir string
@@ -42,7 +48,7 @@ func newServeEnv(t testing.TB) serveEnv {
 	require.NoError(t, err)
 	key := filepath.Join(dir, "cap.key")
 	require.NoError(t, os.WriteFile(key, []byte("0123456789abcdef0123"), 0o600))
-	return serveEnv{tls: files, capKey: key, socketDir: filepath.Join(dir, "sock")}
+	return serveEnv{ca: ca, tls: files, capKey: key, socketDir: filepath.Join(dir, "sock")}
 }
 
 // args is a working serve command line for engine "e", TP 1, followed by
@@ -50,6 +56,21 @@ func newServeEnv(t testing.TB) serveEnv {
 func (e serveEnv) args(extra ...string) []string {
 	return append([]string{"serve", "--engine-id", "e", "--tp-size", "1", "--tls-cert", e.tls.Cert, "--tls-key", e.tls.Key,
 		"--tls-ca", e.tls.CA, "--capability-key-file", e.capKey, "--socket-dir", e.socketDir}, extra...)
+}
+
+// smallGQA is an engine's geometry for create calls: 1 layer × 2 KV heads
+// × 64 × bf16.
+var smallGQA = &v1.ModelGeometry{Model: "custom", NumLayers: 1, NumKvHeads: 2, HeadDim: 64, Dtype: v1.DType_DTYPE_BFLOAT16,
+	BlockSize: 16, Layout: v1.Layout_LAYOUT_HND, Attention: v1.Attention_ATTENTION_GQA}
+
+// dialServe connects to a serve's local API socket as its engine; the
+// connection closes at the end of the test.
+func dialServe(t testing.TB, sock string) *connector.LocalClient {
+	t.Helper()
+	c, err := connector.DialLocal(t.Context(), sock, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+	return c
 }
 
 // serveProc is `kvsidecar serve` run in-process by run().
@@ -123,12 +144,7 @@ func TestServeFailsAtStart(t *testing.T) {
 	t.Cleanup(func() { _ = held.Close() })
 	file := filepath.Join(t.TempDir(), "file")
 	require.NoError(t, os.WriteFile(file, nil, 0o600))
-	tests := []struct {
-		name  string
-		extra []string
-		code  int
-		want  []string
-	}{
+	tests := []startCase{
 		{"listen port in use", []string{"--listen", held.LocalAddr().String()}, 1,
 			[]string{"--listen " + held.LocalAddr().String() + ": bind: address already in use"}},
 		{"listen address not on this host", []string{"--listen", "192.0.2.1:0"}, 1,
@@ -163,6 +179,7 @@ func TestServeFailsAtStart(t *testing.T) {
 			[]string{"drop --head-dim, --attention"}},
 		{"dtype alone", []string{"--dtype", "float32"}, 2, []string{"--layers, --kv-heads, --head-dim: all three are required"}},
 	}
+	tests = append(tests, hostCheckCases(t, env)...)
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			var errb bytes.Buffer
@@ -226,11 +243,8 @@ func TestServeStartsAndStopsOnSIGHUP(t *testing.T) {
 	require.ErrorIs(t, err, syscall.EADDRINUSE, "serve holds the QUIC socket before an engine attaches")
 	sock := line["socket"].(string)
 
-	c, err := connector.DialLocal(t.Context(), sock, nil)
-	require.NoError(t, err)
-	defer c.Close()
-	geom := &v1.ModelGeometry{Model: "custom", NumLayers: 1, NumKvHeads: 2, HeadDim: 64, Dtype: v1.DType_DTYPE_BFLOAT16,
-		BlockSize: 16, Layout: v1.Layout_LAYOUT_HND, Attention: v1.Attention_ATTENTION_GQA}
+	c := dialServe(t, sock)
+	geom := smallGQA
 	_, err = c.Attach(t.Context(), &v1.CreateKVCache{Geometry: geom, TpRank: 0, TpSize: 2, NumBlocks: 4})
 	require.ErrorContains(t, err, "tp_size=2, but this sidecar was started with 1")
 	_, err = c.Attach(t.Context(), &v1.CreateKVCache{Geometry: geom, TpRank: 0, TpSize: 1, NumBlocks: 4})
@@ -311,18 +325,40 @@ func TestAdvertisedAddr(t *testing.T) {
 
 func TestUnknownEnv(t *testing.T) {
 	var f serveFlags
-	fs := newFlagSet("serve", "", io.Discard)
+	fs := newFlagSet("serve", "", io.Discard).FlagSet
 	f.register(fs)
 	got := unknownEnv(fs, []string{
 		"KVSIDECAR_TP_SIZE=2", "KVSIDECAR_TPSIZE=2", "KVSIDECAR_ENGINEID=x", "KVSIDECAR_FROB=1",
 		"KVSIDECAR_TIME_SCALE=3", "PATH=/bin", "KVSIDECAR_kv_heads=8",
+		// Real misspellings: a doubled letter, a dropped one, a swapped pair.
+		"KVSIDECAR_LEASE_TTLL=1m", "KVSIDECAR_TLS_CRT=x", "KVSIDECAR_ENIGNE_ID=e",
+		// Too far from every flag for a guess.
+		"KVSIDECAR_LEASE=1m",
 	})
 	require.Equal(t, []string{
 		"KVSIDECAR_ENGINEID (did you mean KVSIDECAR_ENGINE_ID?)",
+		"KVSIDECAR_ENIGNE_ID (did you mean KVSIDECAR_ENGINE_ID?)",
 		"KVSIDECAR_FROB",
+		"KVSIDECAR_LEASE",
+		"KVSIDECAR_LEASE_TTLL (did you mean KVSIDECAR_LEASE_TTL?)",
+		"KVSIDECAR_TLS_CRT (did you mean KVSIDECAR_TLS_CERT?)",
 		"KVSIDECAR_TPSIZE (did you mean KVSIDECAR_TP_SIZE?)",
 		"KVSIDECAR_kv_heads (did you mean KVSIDECAR_KV_HEADS?)",
 	}, got)
+}
+
+func TestEditDistance(t *testing.T) {
+	tests := []struct {
+		a, b string
+		want int
+	}{
+		{"", "", 0}, {"", "abc", 3}, {"abc", "", 3}, {"LEASETTL", "LEASETTLL", 1},
+		{"ENIGNEID", "ENGINEID", 2}, {"kitten", "sitting", 3}, {"same", "same", 0},
+	}
+	for _, tc := range tests {
+		require.Equal(t, tc.want, editDistance(tc.a, tc.b), "%q %q", tc.a, tc.b)
+		require.Equal(t, tc.want, editDistance(tc.b, tc.a), "symmetric: %q %q", tc.b, tc.a)
+	}
 }
 
 // TestServeUsageErrorNamesStrayEnv: a usage error caused by a misspelled
@@ -334,4 +370,225 @@ func TestServeUsageErrorNamesStrayEnv(t *testing.T) {
 	require.Equal(t, 2, run(t.Context(), []string{"serve"}, io.Discard, &errb))
 	require.Contains(t, errb.String(), "--tp-size: 0: required")
 	require.Contains(t, errb.String(), "(ignored, matching no flag: KVSIDECAR_TPSIZE (did you mean KVSIDECAR_TP_SIZE?))")
+}
+
+// TestServeGeometryRules: a geometry the sidecar cannot serve is refused at
+// start as a usage error (exit 2) naming the flags and the rule, before
+// "serving"; the issue's MLA case made blocks 16 times too large and failed
+// every load with CODE_INTERNAL instead.
+func TestServeGeometryRules(t *testing.T) {
+	env := newServeEnv(t)
+	explicit := func(layers, heads, dim string, more ...string) []string {
+		return append([]string{"--layers", layers, "--kv-heads", heads, "--head-dim", dim}, more...)
+	}
+	tests := []struct {
+		name  string
+		extra []string
+		want  []string
+	}{
+		{"mla needs one latent head", explicit("2", "16", "576", "--attention", "mla"),
+			[]string{"--attention, --kv-heads: num_kv_heads=16 with attention MLA", "must be 1"}},
+		{"gqa heads do not divide tp", explicit("2", "6", "64", "--tp-size", "4"),
+			[]string{"--kv-heads, --tp-size: tp_size=4 and num_kv_heads=6: one must divide the other"}},
+		{"tp does not divide the model's heads", []string{"--model", "llama-3.1-8b", "--tp-size", "3"},
+			[]string{"--model llama-3.1-8b, --tp-size: tp_size=3 and num_kv_heads=8"}},
+		{"replicated heads must divide tp", explicit("2", "8", "64", "--tp-size", "12"),
+			[]string{"--kv-heads, --tp-size: tp_size=12 and num_kv_heads=8"}},
+		{"too many layers", explicit("5000", "8", "64"), []string{"--layers: num_layers=5000 must be in [1, 4096]"}},
+		{"head dim too large", explicit("2", "8", "70000"), []string{"--head-dim: head_dim=70000 must be in [1, 65536]"}},
+		{"kv heads too many", explicit("2", "5000", "64"), []string{"--kv-heads: num_kv_heads=5000 must be in [1, 4096]"}},
+		{"negative heads", explicit("2", "-1", "64"), []string{"--layers, --kv-heads, --head-dim: all three are required and positive"}},
+		{"block size zero", []string{"--model", "llama-3.1-8b", "--block-size", "0"}, []string{"--block-size: 0: must be in [1, 65536]"}},
+		{"block size too large", []string{"--block-size", "70000"}, []string{"--block-size: 70000: must be in [1, 65536]"}},
+		{"block beyond a page", explicit("2", "8", "128", "--dtype", "float32", "--block-size", "1024"),
+			[]string{"--block-size 1024: one block of this rank is 4194304 bytes", "more than the host backend's page of 2097152 bytes"}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var errb bytes.Buffer
+			code := run(t.Context(), env.args(tc.extra...), io.Discard, &errb)
+			require.Equal(t, 2, code, errb.String())
+			for _, w := range tc.want {
+				require.Contains(t, errb.String(), w)
+			}
+			require.NotContains(t, errb.String(), `"msg":"serving"`)
+		})
+	}
+}
+
+// TestServeCreateRefusesGeometry: the engine's create call meets the rules
+// serve's flags meet, and a refusal carries CODE_INVALID_ARGUMENT naming the
+// field, never CODE_INTERNAL; a valid create afterwards succeeds.
+func TestServeCreateRefusesGeometry(t *testing.T) {
+	env := newServeEnv(t)
+	ctx, cancel := context.WithCancel(t.Context())
+	p := startServe(t, ctx, env.args("--tp-size", "2", "--role", "decode", "--num-blocks", "4"))
+	t.Cleanup(func() {
+		cancel()
+		require.Equal(t, 0, p.wait(t))
+	})
+	sock := p.waitLog(t, "serving")["socket"].(string)
+	c := dialServe(t, sock)
+	geom := func(f func(g *v1.ModelGeometry)) *v1.ModelGeometry {
+		g := proto.Clone(smallGQA).(*v1.ModelGeometry)
+		g.NumLayers, g.NumKvHeads = 2, 8
+		f(g)
+		return g
+	}
+	tests := []struct {
+		name string
+		g    *v1.ModelGeometry
+		want string
+	}{
+		{"mla with 16 heads", geom(func(g *v1.ModelGeometry) { g.Attention, g.NumKvHeads, g.HeadDim = v1.Attention_ATTENTION_MLA, 16, 576 }),
+			"num_kv_heads=16 with attention MLA"},
+		{"gqa 3 heads on tp 2", geom(func(g *v1.ModelGeometry) { g.NumKvHeads = 3 }), "tp_size=2 and num_kv_heads=3: one must divide the other"},
+		{"head dim 0", geom(func(g *v1.ModelGeometry) { g.HeadDim = 0 }), "head_dim=0 must be in [1, 65536]"},
+		{"layers beyond the limit", geom(func(g *v1.ModelGeometry) { g.NumLayers = 5000 }), "num_layers=5000 must be in [1, 4096]"},
+		{"block size beyond the limit", geom(func(g *v1.ModelGeometry) { g.BlockSize = 70000 }), "block_size=70000 must be in [1, 65536]"},
+		{"block beyond a page", geom(func(g *v1.ModelGeometry) { g.BlockSize, g.Dtype = 4096, v1.DType_DTYPE_FLOAT32 }), "exceeds the page size"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := c.Attach(t.Context(), &v1.CreateKVCache{Geometry: tc.g, TpRank: 0, TpSize: 2, NumBlocks: 4})
+			require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, codes.Of(err), "%v", err)
+			require.ErrorContains(t, err, tc.want)
+		})
+	}
+	_, err := c.Attach(t.Context(), &v1.CreateKVCache{Geometry: geom(func(*v1.ModelGeometry) {}), TpRank: 0, TpSize: 2, NumBlocks: 4})
+	require.NoError(t, err, "a valid create after the refused ones")
+}
+
+// startCase is a serve command line (env.args plus extra) that must fail at
+// start with code, its message containing every want, and no "serving".
+type startCase struct {
+	name  string
+	extra []string
+	code  int
+	want  []string
+}
+
+// hostCheckCases are the start-up checks of files and certificates: each
+// exits 1 naming the flag, the file and the mismatch.
+func hostCheckCases(t *testing.T, env serveEnv) []startCase {
+	dir := t.TempDir()
+	otherCA, err := devtls.NewCA()
+	require.NoError(t, err)
+	other, err := otherCA.WriteFiles(filepath.Join(dir, "other"), "other")
+	require.NoError(t, err)
+	ca := env.ca
+	expired, err := ca.WriteFilesWith(filepath.Join(dir, "expired"), "expired", func(c *x509.Certificate) {
+		c.NotBefore, c.NotAfter = time.Now().Add(-48*time.Hour), time.Now().Add(-24*time.Hour)
+	})
+	require.NoError(t, err)
+	future, err := ca.WriteFilesWith(filepath.Join(dir, "future"), "future", func(c *x509.Certificate) {
+		c.NotBefore, c.NotAfter = time.Now().Add(24*time.Hour), time.Now().Add(48*time.Hour)
+	})
+	require.NoError(t, err)
+	serverOnly, err := ca.WriteFilesWith(filepath.Join(dir, "server"), "server", func(c *x509.Certificate) {
+		c.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
+	})
+	require.NoError(t, err)
+	open := filepath.Join(dir, "open.key")
+	require.NoError(t, os.WriteFile(open, []byte("0123456789abcdef0123"), 0o600))
+	require.NoError(t, os.Chmod(open, 0o644)) // the umask may have dropped bits at create
+	group := filepath.Join(dir, "group.key")
+	require.NoError(t, os.WriteFile(group, []byte("0123456789abcdef0123"), 0o600))
+	require.NoError(t, os.Chmod(group, 0o640))
+	certOf := func(f devtls.Files) []string { return []string{"--tls-cert", f.Cert, "--tls-key", f.Key} }
+	return []startCase{
+		{"certificate of another CA", certOf(other), 1, []string{"--tls-cert " + other.Cert + ` (issuer "CN=kvsidecar dev CA") does not chain to --tls-ca ` +
+			env.tls.CA, "certificate signed by unknown authority"}},
+		{"expired certificate", certOf(expired), 1, []string{"--tls-cert " + expired.Cert + ": expired at "}},
+		{"certificate not yet valid", certOf(future), 1, []string{"--tls-cert " + future.Cert + ": not valid before "}},
+		{"certificate without clientAuth", certOf(serverOnly), 1, []string{"--tls-cert " + serverOnly.Cert + ": not valid for clientAuth"}},
+		// The issue's input: the certificate names 127.0.0.1, the rank is
+		// advertised at 127.0.0.2; peers got "certificate is valid for
+		// 127.0.0.1, not 127.0.0.2" at the first request.
+		{"sans miss the advertised host", []string{"--listen", "127.0.0.2:0"}, 1, []string{"--tls-cert " + env.tls.Cert +
+			": its subject alternative names (IP 127.0.0.1, IP ::1, DNS localhost) do not cover 127.0.0.2, the host of --listen (the advertised address)"}},
+		{"sans miss the rank addrs entry", []string{"--tp-size", "2", "--tp-rank", "1",
+			"--advertise", "127.0.0.3:5601", "--rank-addrs", "127.0.0.1:5600,127.0.0.3:5601"}, 1,
+			[]string{"do not cover 127.0.0.3, the host of --rank-addrs entry 1 (--tp-rank)"}},
+		{"capability key readable by others", []string{"--capability-key-file", open}, 1,
+			[]string{"--capability-key-file " + open + ": mode 0644 lets group or others read the secret", "chmod 600 " + open}},
+		{"capability key readable by the group", []string{"--capability-key-file", group}, 1, []string{"mode 0640"}},
+	}
+}
+
+// TestServeReadinessAndMetricFamilies: /readyz says which condition holds;
+// every kvsidecar_* family a scrape shows once an engine attached is there,
+// at 0, before it attached (dashboards show 0, not "no data"); and
+// kvsidecar_build_info names the Go version.
+func TestServeReadinessAndMetricFamilies(t *testing.T) {
+	env := newServeEnv(t)
+	ctx, cancel := context.WithCancel(t.Context())
+	p := startServe(t, ctx, env.args("--num-blocks", "4", "--metrics-addr", "127.0.0.1:0"))
+	t.Cleanup(func() {
+		cancel()
+		require.Equal(t, 0, p.wait(t))
+	})
+	base := "http://" + p.waitLog(t, "metrics listening")["addr"].(string)
+	sock := p.waitLog(t, "serving")["socket"].(string)
+	get := func(path string) (int, string) {
+		resp, err := http.Get(base + path)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return resp.StatusCode, string(b)
+	}
+	families := func(body string) map[string]bool {
+		out := map[string]bool{}
+		for _, line := range strings.Split(body, "\n") {
+			if f := strings.Fields(line); len(f) >= 3 && f[0] == "#" && f[1] == "TYPE" && strings.HasPrefix(f[2], "kvsidecar_") {
+				out[f[2]] = true
+			}
+		}
+		return out
+	}
+
+	ctlJSON := func() map[string]any {
+		var out, errb bytes.Buffer
+		require.Equal(t, 0, run(t.Context(), []string{"ctl", "--socket", sock, "stats", "--json"}, &out, &errb), errb.String())
+		var m map[string]any
+		require.NoError(t, json.Unmarshal(out.Bytes(), &m), out.String())
+		return m
+	}
+	require.Equal(t, map[string]any{"cache_ready": false}, ctlJSON())
+
+	code, body := get("/readyz")
+	require.Equal(t, http.StatusServiceUnavailable, code)
+	require.Equal(t, "not ready: no KV cache yet (no engine has attached with a create call)\n", body)
+	code, before := get("/metrics")
+	require.Equal(t, http.StatusOK, code)
+	for _, want := range []string{
+		`kvsidecar_transfer_failures_total{code="CODE_CAPABILITY_DENIED"} 0`,
+		`kvsidecar_transfer_bytes_total{op="read",role="server"} 0`,
+		`kvsidecar_connector_requests_total{outcome="done",side="decode"} 0`,
+		"kvsidecar_vmm_pages_mapped 0",
+		`kvsidecar_local_calls_total{call="create",code="CODE_OK"} 0`,
+		`kvsidecar_handshake_seconds_count{mode="piggyback",result="ok"} 0`,
+		`go_version="` + runtime.Version() + `"`,
+	} {
+		require.Contains(t, before, want)
+	}
+	require.Regexp(t, `(?m)^kvsidecar_build_info\{go_version="[^"]+",revision="[0-9a-f]*",version="[^"]+"\} 1$`, before)
+
+	c := dialServe(t, sock)
+	_, err := c.Attach(t.Context(), &v1.CreateKVCache{Geometry: smallGQA, TpRank: 0, TpSize: 1, NumBlocks: 4})
+	require.NoError(t, err)
+	st := ctlJSON()
+	require.Equal(t, true, st["cache_ready"])
+	require.InDelta(t, 3, st["blocks_total"], 0, "numbers are JSON numbers (4 blocks less the null block): %v", st)
+	require.Len(t, st, 12, "the keys of the text output")
+	code, body = get("/readyz")
+	require.Equal(t, http.StatusOK, code)
+	require.Equal(t, "ready: KV cache attached, QUIC listener up\n", body)
+	_, after := get("/metrics")
+	fb, fa := families(before), families(after)
+	require.Greater(t, len(fa), 25, "the families of transfer, handshake, connector, vmm and the local API")
+	for f := range fa {
+		require.True(t, fb[f], "%s appears only after an engine attached", f)
+	}
 }

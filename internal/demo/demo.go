@@ -150,9 +150,13 @@ type Config struct {
 	// Backend returns each rank's vmm backend. Default nil: the host
 	// (memfd) backend.
 	Backend BackendFunc
-	// Progress, when set, is called after each request finishes, from one
-	// goroutine at a time.
+	// Progress, when set, is called after each request finishes and, when
+	// ProgressInterval is positive, every ProgressInterval while the run
+	// lasts (Progress.Tick), from one goroutine at a time.
 	Progress func(Progress)
+	// ProgressInterval is the period of Progress's ticks, which report the
+	// bytes moved so far while requests are in flight. Default 0: no ticks.
+	ProgressInterval time.Duration
 	// Logger receives the ranks' logs. Default nil: discard.
 	Logger *slog.Logger
 	// Registerer receives the metrics of every rank. Default nil: none.
@@ -164,11 +168,18 @@ type Config struct {
 	MemoryBudget uint64
 }
 
-// Progress is reported after each request.
+// Progress is reported after each request, and on every tick of
+// Config.ProgressInterval (Tick true).
 type Progress struct {
-	Done, Total, Failed int
-	BytesMoved          uint64
-	Elapsed             time.Duration
+	// Done of Total requests finished, Failed of them failed; InFlight
+	// were dispatched and are not finished.
+	Done, Total, Failed, InFlight int
+	// BytesMoved is the KV bytes the decode ranks read so far, the READs in
+	// flight included (transfer.Agent.BytesMoved).
+	BytesMoved uint64
+	Elapsed    time.Duration
+	// Tick: reported by the ticker, not by a request finishing.
+	Tick bool
 }
 
 // Summary is the outcome of a run. JSON names are stable (the CLI's
@@ -202,16 +213,16 @@ type Summary struct {
 	P50Ms          float64 `json:"p50_ms"`
 	P99Ms          float64 `json:"p99_ms"`
 	LatencySamples int     `json:"latency_samples"`
-	// ThroughputGBps: transfer throughput, BytesMoved over TransferSeconds,
+	// ThroughputGBPerS: transfer throughput, BytesMoved over TransferSeconds,
 	// in GB/s (10^9 bytes per second, the unit nixlbench prints).
 	// TransferSeconds is the union of the intervals during which at least
 	// one load that moved bytes was in flight (first StartLoad to last
 	// done_recving), so the trace's arrival gaps do not count.
-	ThroughputGBps  float64 `json:"throughput_gbps"`
-	TransferSeconds float64 `json:"transfer_seconds"`
-	// WallGBps: BytesMoved over WallSeconds, the whole replay from the
+	ThroughputGBPerS float64 `json:"throughput_gb_per_s"`
+	TransferSeconds  float64 `json:"transfer_seconds"`
+	// WallGBPerS: BytesMoved over WallSeconds, the whole replay from the
 	// first request's dispatch to the last one's end, gaps included.
-	WallGBps    float64 `json:"wall_gbps"`
+	WallGBPerS  float64 `json:"wall_gb_per_s"`
 	WallSeconds float64 `json:"wall_seconds"`
 	// Handshakes: metadata exchanges the decode ranks sent; Dials: QUIC
 	// connections they dialed; HandshakeRTTs: round trips spent on both
@@ -370,6 +381,7 @@ type runner struct {
 	sum       Summary
 	latencies []time.Duration
 	busy      []interval // loads that moved bytes
+	started   int        // requests dispatched
 	done      int
 	start     time.Time
 }
@@ -481,6 +493,15 @@ func (r *runner) run(ctx context.Context) (Summary, error) {
 	sem := make(chan struct{}, r.cfg.Concurrency)
 	var wg sync.WaitGroup
 	var runErr error
+	if r.cfg.Progress != nil && r.cfg.ProgressInterval > 0 {
+		stop := make(chan struct{})
+		var ticker sync.WaitGroup
+		ticker.Go(func() { r.tick(stop) })
+		defer func() {
+			close(stop)
+			ticker.Wait()
+		}()
+	}
 	t0 := r.reqs[0].Timestamp
 dispatch:
 	for i, q := range r.reqs {
@@ -501,6 +522,9 @@ dispatch:
 			runErr = context.Cause(ctx)
 			break dispatch
 		}
+		r.mu.Lock()
+		r.started++
+		r.mu.Unlock()
 		wg.Go(func() {
 			defer func() { <-sem }()
 			r.finish(r.request(ctx, i, q))
@@ -516,10 +540,10 @@ dispatch:
 	busy := unionLength(r.busy)
 	s.TransferSeconds = busy.Seconds()
 	if wall > 0 {
-		s.WallGBps = float64(s.BytesMoved) / wall.Seconds() / 1e9
+		s.WallGBPerS = float64(s.BytesMoved) / wall.Seconds() / 1e9
 	}
 	if busy > 0 {
-		s.ThroughputGBps = float64(s.BytesMoved) / busy.Seconds() / 1e9
+		s.ThroughputGBPerS = float64(s.BytesMoved) / busy.Seconds() / 1e9
 	}
 	slices.Sort(r.latencies)
 	s.LatencySamples = len(r.latencies)
@@ -573,8 +597,33 @@ func (r *runner) finish(o outcome) {
 	}
 	r.done++
 	if r.cfg.Progress != nil {
-		r.cfg.Progress(Progress{Done: r.done, Total: len(r.reqs), Failed: r.sum.FailedRequests,
-			BytesMoved: r.sum.BytesMoved, Elapsed: time.Since(r.start)})
+		r.cfg.Progress(r.progressLocked(false))
+	}
+}
+
+// progressLocked is the Progress now; r.mu is held.
+func (r *runner) progressLocked(tick bool) Progress {
+	var moved uint64
+	for _, rk := range r.dec.ranks {
+		moved += rk.Agent().BytesMoved()
+	}
+	return Progress{Done: r.done, Total: len(r.reqs), Failed: r.sum.FailedRequests, InFlight: r.started - r.done,
+		BytesMoved: moved, Elapsed: time.Since(r.start), Tick: tick}
+}
+
+// tick calls Progress every ProgressInterval until stop is closed.
+func (r *runner) tick(stop <-chan struct{}) {
+	t := time.NewTicker(r.cfg.ProgressInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-stop:
+			return
+		case <-t.C:
+			r.mu.Lock()
+			r.cfg.Progress(r.progressLocked(true))
+			r.mu.Unlock()
+		}
 	}
 }
 

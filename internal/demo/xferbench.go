@@ -74,7 +74,7 @@ type TransferRow struct {
 	BlockSize    int     `json:"block_size"`
 	Batch        int     `json:"batch"`
 	Transfers    int     `json:"transfers"`
-	GBps         float64 `json:"gbps"`
+	GBPerS       float64 `json:"gb_per_s"`
 	AvgPostUs    float64 `json:"avg_post_us"`
 	P99PostUs    float64 `json:"p99_post_us"`
 	AvgTxUs      float64 `json:"avg_tx_us"`
@@ -104,9 +104,9 @@ type TransferResult struct {
 	// transfer.DefaultMaxDescsPerTransfer (one READ's descriptor limit).
 	BulkBlockSize           int     `json:"bulk_block_size"`
 	BulkBytes               int     `json:"bulk_bytes"`
-	SidecarReadGBps         float64 `json:"sidecar_read_gbps"`
-	RawQUICGBps             float64 `json:"raw_quic_gbps"`
-	TLSTCPGBps              float64 `json:"tls_tcp_gbps"`
+	SidecarReadGBPerS       float64 `json:"sidecar_read_gb_per_s"`
+	RawQUICGBPerS           float64 `json:"raw_quic_gb_per_s"`
+	TLSTCPGBPerS            float64 `json:"tls_tcp_gb_per_s"`
 	RatioSidecarOverRawQUIC float64 `json:"ratio_sidecar_over_raw_quic"`
 	RatioSidecarOverTLSTCP  float64 `json:"ratio_sidecar_over_tls_tcp"`
 }
@@ -334,7 +334,7 @@ func (b *xferBench) cell(ctx context.Context, op transfer.Op, bs, n int) (Transf
 	k := len(txs)
 	us := func(d time.Duration) float64 { return round(float64(d)/1e3, 1) }
 	row := TransferRow{Op: op.String(), BlockSize: bs, Batch: n, Transfers: k,
-		GBps:      round(float64(bs*n*k)/txSum.Seconds()/1e9, 4),
+		GBPerS:    round(float64(bs*n*k)/txSum.Seconds()/1e9, 4),
 		AvgTxUs:   us(txSum / time.Duration(k)),
 		P99TxUs:   us(nearestRank(txs, 0.99)),
 		AvgPostUs: us(postSum / time.Duration(k)),
@@ -378,8 +378,8 @@ func (b *xferBench) bulk(ctx context.Context, res *TransferResult, st, ct *tls.C
 		}
 		best(&tcp, d)
 	}
-	gbps := func(d time.Duration) float64 { return float64(total) / d.Seconds() / 1e9 }
-	res.SidecarReadGBps, res.RawQUICGBps, res.TLSTCPGBps = round(gbps(side), 4), round(gbps(raw), 4), round(gbps(tcp), 4)
+	gbPerS := func(d time.Duration) float64 { return float64(total) / d.Seconds() / 1e9 }
+	res.SidecarReadGBPerS, res.RawQUICGBPerS, res.TLSTCPGBPerS = round(gbPerS(side), 4), round(gbPerS(raw), 4), round(gbPerS(tcp), 4)
 	res.RatioSidecarOverRawQUIC = round(raw.Seconds()/side.Seconds(), 3)
 	res.RatioSidecarOverTLSTCP = round(tcp.Seconds()/side.Seconds(), 3)
 	return nil

@@ -27,7 +27,7 @@ func TestTransferBenchShape(t *testing.T) {
 	for _, r := range res.Rows {
 		require.GreaterOrEqual(t, r.Transfers, 3, "%+v", r)
 		require.Equal(t, uint64(r.BlockSize*r.Batch*r.Transfers), r.CheckedBytes, "%+v", r)
-		require.Positive(t, r.GBps, "%+v", r)
+		require.Positive(t, r.GBPerS, "%+v", r)
 		require.Positive(t, r.AvgPostUs, "%+v", r)
 		require.Equal(t, r.Transfers <= P99MaxSamples, r.P99IsMax, "%+v", r)
 		if r.P99IsMax {
@@ -46,7 +46,7 @@ func TestTransferBenchShape(t *testing.T) {
 	require.NoError(t, err)
 	var got map[string]any
 	require.NoError(t, json.Unmarshal(b, &got))
-	for _, k := range []string{"ratio_sidecar_over_raw_quic", "ratio_sidecar_over_tls_tcp", "raw_quic_gbps", "tls_tcp_gbps", "sidecar_read_gbps"} {
+	for _, k := range []string{"ratio_sidecar_over_raw_quic", "ratio_sidecar_over_tls_tcp", "raw_quic_gb_per_s", "tls_tcp_gb_per_s", "sidecar_read_gb_per_s"} {
 		v, ok := got[k].(float64)
 		require.True(t, ok, k)
 		require.Positive(t, v, k)
@@ -87,5 +87,5 @@ func TestTransferBenchSkipsAndCaps(t *testing.T) {
 	require.Equal(t, []SkippedCell{{BlockSize: 2 << 20, Batch: 1}}, res.Skipped)
 	require.Equal(t, 8, res.BulkBlockSize, "the largest block that fits")
 	require.Equal(t, 8*transfer.DefaultMaxDescsPerTransfer, res.BulkBytes, "capped at one transfer's descriptors")
-	require.Positive(t, res.SidecarReadGBps)
+	require.Positive(t, res.SidecarReadGBPerS)
 }

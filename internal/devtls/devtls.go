@@ -66,6 +66,10 @@ func (ca *CA) Pool() *x509.CertPool { return ca.pool }
 // every extra host (an IP address or a DNS name), usable both as a TLS
 // server and as a TLS client certificate.
 func (ca *CA) Leaf(cn string, hosts ...string) (tls.Certificate, error) {
+	return ca.leaf(cn, nil, hosts)
+}
+
+func (ca *CA) leaf(cn string, edit func(*x509.Certificate), hosts []string) (tls.Certificate, error) {
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
 		return tls.Certificate{}, fmt.Errorf("devtls: generate key for %q: %w", cn, err)
@@ -87,6 +91,9 @@ func (ca *CA) Leaf(cn string, hosts ...string) (tls.Certificate, error) {
 		} else {
 			tmpl.DNSNames = append(tmpl.DNSNames, h)
 		}
+	}
+	if edit != nil {
+		edit(tmpl)
 	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
 	if err != nil {
@@ -137,13 +144,20 @@ type Files struct {
 // fresh leaf (for loopback and the extra hosts, as Leaf), into dir (created
 // with mode 0700 if missing). Keys are written with mode 0600.
 func (ca *CA) WriteFiles(dir, name string, hosts ...string) (Files, error) {
+	return ca.WriteFilesWith(dir, name, nil, hosts...)
+}
+
+// WriteFilesWith is WriteFiles with the leaf's template passed to edit
+// before it is signed, so a test can make a certificate that is expired,
+// not yet valid, or lacks a key usage or a name.
+func (ca *CA) WriteFilesWith(dir, name string, edit func(*x509.Certificate), hosts ...string) (Files, error) {
 	if name == "" || filepath.Base(name) != name {
 		return Files{}, fmt.Errorf("devtls: file name %q must be a plain non-empty name", name)
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return Files{}, fmt.Errorf("devtls: %w", err)
 	}
-	leaf, err := ca.Leaf(name, hosts...)
+	leaf, err := ca.leaf(name, edit, hosts)
 	if err != nil {
 		return Files{}, err
 	}
