@@ -132,6 +132,7 @@ func envName(name string) string {
 // by serve's flags; unknownEnv does not report them.
 var otherEnv = map[string]bool{
 	"KVSIDECAR_TIME_SCALE": true, "KVSIDECAR_E2E_RACE": true, "KVSIDECAR_REQUIRE_GPU": true, "KVSIDECAR_TPGROUP_CHILD": true,
+	"KVSIDECAR_REQUIRE_PYTHON": true, "KVSIDECAR_BIN": true, // make test-python
 }
 
 // unknownEnv returns, sorted, a description of every KVSIDECAR_* variable in
