@@ -119,6 +119,7 @@ func newInstance(t testing.TB, o instOpts) *instance {
 		t.Cleanup(func() { require.NoError(t, pool.Close()) })
 		rank, err := connector.NewRank(t.Context(), &connector.Config{
 			EngineID: o.engine, TPRank: r, TPSize: o.tp, Geometry: o.geom, Pool: pool,
+			// wallclock: without o.sim the instances run on real UDP, where the progress timer is the wall clock's; 5 s scaled is far above a loaded machine's stalls.
 			Transfer: &transfer.Config{PacketConn: in.pcs[r], ServerTLS: srv, ClientTLS: cli, ProgressTimeout: testutil.Scaled(5 * time.Second),
 				StatelessResetKey: o.resetKey},
 			RankAddrs: in.addrs, CapabilitySecret: o.secret, LeaseTTL: o.leaseTTL, HandshakeMode: o.mode, Registerer: o.reg,
@@ -253,6 +254,7 @@ func (in *instance) startLoad(t testing.TB, id string, local []uint32, p *v1.KVT
 // list; it returns the failures by rank.
 func (in *instance) wait(t testing.TB, id string) []*connector.FailedLoad {
 	t.Helper()
+	// wallclock: on real UDP (without o.sim) a generous scaled bound, so a lost report fails the test instead of hanging it; virtual under synctest.
 	ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(30*time.Second))
 	defer cancel()
 	out := make([]*connector.FailedLoad, len(in.ranks))

@@ -60,6 +60,7 @@ func newLocalSidecarGeom(t testing.TB, engine string, reg prometheus.Registerer,
 		}
 		rank, err := connector.NewRank(ctx, &connector.Config{EngineID: engine, TPRank: int(req.GetTpRank()), TPSize: int(req.GetTpSize()),
 			Geometry: req.GetGeometry(), Pool: pool, Registerer: reg,
+			// wallclock: the local API tests run on real unix sockets, outside synctest; 5 s scaled is far above a loaded machine's stalls.
 			Transfer: &transfer.Config{ListenAddr: "127.0.0.1:0", ServerTLS: srvTLS, ClientTLS: cliTLS, ProgressTimeout: testutil.Scaled(5 * time.Second)}})
 		if err != nil {
 			_ = pool.Close()
@@ -183,7 +184,7 @@ func TestLocalBadInput(t *testing.T) {
 		nc, err := net.Dial("unix", s.srv.Path())
 		require.NoError(t, err)
 		defer nc.Close()
-		require.NoError(t, nc.SetDeadline(time.Now().Add(testutil.Scaled(10*time.Second))))
+		require.NoError(t, nc.SetDeadline(time.Now().Add(testutil.Scaled(10*time.Second)))) // wallclock: a real unix socket; a server that never answers fails the test instead of hanging it
 		_, err = nc.Write(b)
 		require.NoError(t, err)
 		rep := &v1.LocalReply{}
@@ -313,7 +314,7 @@ func TestLocalTransfer(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, dc.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "req-1", LocalBlockIds: dst, Params: params}))
 
-	ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(30*time.Second))
+	ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(30*time.Second)) // wallclock: real unix sockets and UDP; a generous scaled bound on the transfer
 	defer cancel()
 	waitFinished(ctx, t, dc, func(f *v1.GetFinishedReply) bool {
 		require.Empty(t, f.GetFailed())
@@ -494,7 +495,7 @@ func TestLocalEngineGone(t *testing.T) {
 			require.Greater(t, st.GetBlocksUsed(), tt.wantLeased, "nothing released while a connection is attached")
 			require.NoError(t, b.Close())
 
-			ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(30*time.Second))
+			ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(30*time.Second)) // wallclock: real unix sockets; a generous scaled bound on the release
 			defer cancel()
 			tick := time.NewTicker(time.Millisecond)
 			defer tick.Stop()

@@ -5,14 +5,12 @@ import (
 	"crypto/tls"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 	"golang.org/x/sys/unix"
 
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
-	"github.com/kvsidecar/kvsidecar/internal/testutil"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -82,14 +80,6 @@ func startAgent(t testing.TB, cfg Config) *Agent {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = a.Close() })
 	return a
-}
-
-// ctxT returns a context bounded by a scaled real-time limit.
-func ctxT(t testing.TB, d time.Duration) context.Context {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), testutil.Scaled(d))
-	t.Cleanup(cancel)
-	return ctx
 }
 
 // allowAll authorizes every transfer.

@@ -285,7 +285,7 @@ func TestQlog(t *testing.T) {
 	dir := t.TempDir()
 	srv := startAgent(t, Config{QlogDir: dir})
 	cli := startAgent(t, Config{})
-	_, err := cli.Handshake(ctxT(t, 10*time.Second), srv.Addr().String(), &v1.HandshakeRequest{})
+	_, err := cli.Handshake(t.Context(), srv.Addr().String(), &v1.HandshakeRequest{})
 	require.NoError(t, err)
 	require.NoError(t, srv.Close())
 	files, err := filepath.Glob(filepath.Join(dir, "*_server.sqlog"))

@@ -108,7 +108,7 @@ func startServe(t testing.TB, ctx context.Context, args []string) *serveProc {
 // when serve exits first or after a (scaled) 20 s.
 func (p *serveProc) waitLog(t testing.TB, msg string) map[string]any {
 	t.Helper()
-	timeout := time.NewTimer(testutil.Scaled(20 * time.Second))
+	timeout := time.NewTimer(testutil.Scaled(20 * time.Second)) // wallclock: serve runs on real sockets and signals; a generous scaled bound on start-up
 	defer timeout.Stop()
 	for {
 		select {
@@ -129,7 +129,7 @@ func (p *serveProc) wait(t testing.TB) int {
 	select {
 	case c := <-p.code:
 		return c
-	case <-time.After(testutil.Scaled(40 * time.Second)):
+	case <-time.After(testutil.Scaled(40 * time.Second)): // wallclock: a generous scaled bound on serve's shutdown (real sockets, signals)
 		require.FailNow(t, "serve did not exit")
 		return -1
 	}

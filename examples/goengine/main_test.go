@@ -24,6 +24,7 @@ func TestExample(t *testing.T) {
 	out, err := exec.Command(filepath.Join(runtime.GOROOT(), "bin", "go"), "build", "-o", bin, "../../cmd/kvsidecar").CombinedOutput()
 	require.NoError(t, err, "go build: %s", out)
 
+	// wallclock: the example runs real kvsidecar processes; a generous scaled bound on the whole run.
 	ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(2*time.Minute))
 	defer cancel()
 	var report strings.Builder
