@@ -278,13 +278,23 @@ class Cluster:
             "--tls-ca", self.certs.ca, "--capability-key-file", self.cap_key, "--socket-dir", self.socket_dir,
             "--listen", listen, "--metrics-addr", "127.0.0.1:0", "--log-level", "debug", *args,
         ]
-        env = dict(os.environ, QUIC_GO_DISABLE_RECEIVE_BUFFER_WARNING="true")
-        s = Sidecar(f"{engine_id}-tp{tp_rank}", argv, env)
+        return self._launch(f"{engine_id}-tp{tp_rank}", argv)
+
+    def _launch(self, name: str, argv: list[str]) -> Sidecar:
+        s = Sidecar(name, argv, dict(os.environ, QUIC_GO_DISABLE_RECEIVE_BUFFER_WARNING="true"))
         self.sidecars.append(s)
         s.metrics_url = "http://" + s.wait_log("metrics listening")["addr"]
         serving = s.wait_log("serving")
         s.socket, s.quic_addr = serving["socket"], serving["quic_addr"]
         return s
+
+    def restart(self, s: Sidecar) -> Sidecar:
+        """Starts ``s`` again with the same command line (its QUIC address is
+        fixed by --listen/--rank-addrs), as an operator restarting a crashed
+        sidecar does; ``s`` must have exited. Returns the new process."""
+        if s.proc.poll() is None:
+            raise ServeError(f"{s.name} is still running")
+        return self._launch(s.name, s.argv)
 
     def start_group(self, engine_id: str, *, tp_size: int, role: str = "both", args: Sequence[str] = ()) -> list[Sidecar]:
         """Starts the ``tp_size`` ranks of one engine instance, each on a UDP

@@ -675,6 +675,12 @@ class LocalClient:
         return rep.cache
 
     @property
+    def broken(self) -> bool:
+        """Whether an earlier call broke the connection (every call now
+        raises BrokenConnection: connect again)."""
+        return self._broken is not None
+
+    @property
     def info(self) -> local_pb2.KVCacheInfo | None:
         """The attached cache's description (None before :meth:`attach`)."""
         return self._info

@@ -56,7 +56,6 @@ import dataclasses
 import enum
 import logging
 import re
-import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -403,19 +402,43 @@ class _Scheduler:
                           exp.prompt_len)
                 exp.staging = []
                 continue
-            staging: list[list[int]] = []
             try:
-                for c in self.clients():
-                    staging.append(c.alloc(nblocks))
+                staging = self._alloc_all(nblocks)
             except errors.KVSidecarError as e:
                 log.warning("request %s: sidecar blocks for the export refused (%s); it will not be exported", rid, e)
-                for c, ids in zip(self.clients(), staging):
-                    c.free(ids)
                 exp.staging = []
                 continue
             exp.staging = staging
             out.append(SaveSpec(rid, vblocks, staging))
         return out
+
+    def _alloc_all(self, n: int) -> list[list[int]]:
+        """n blocks on every rank; a connection broken by a sidecar restart
+        is dialled again once."""
+        for attempt in (0, 1):
+            staging: list[list[int]] = []
+            clients: list[LocalClient] = []
+            try:
+                clients = self.clients()
+                for c in clients:
+                    staging.append(c.alloc(n))
+                return staging
+            except errors.KVSidecarError as e:
+                for c, ids in zip(clients, staging):
+                    try:
+                        c.free(ids)
+                    except errors.KVSidecarError:
+                        pass  # a broken connection: the sidecar frees them with the session
+                if attempt == 1 or not isinstance(e, (errors.BrokenConnection, errors.Unavailable)):
+                    raise
+                log.warning("sidecar connection lost (%s); connecting again", e)
+                self._reset()
+        raise AssertionError("unreachable")
+
+    def _reset(self) -> None:
+        for c in self._clients or ():
+            c.close()
+        self._clients = None
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
@@ -465,6 +488,8 @@ class _Scheduler:
                 p, status = None, local_pb2.FINISH_STATUS_ERROR
             if p is not None:
                 parts.append(p)
+        if any(c.broken for c in self.clients()):
+            self._reset()
         if status != local_pb2.FINISH_STATUS_LENGTH or len(parts) != len(exp.staging):
             return None
         return params_to_json(merge_exports(parts))
@@ -474,9 +499,7 @@ class _Scheduler:
             self._loading.discard(rid)
 
     def shutdown(self) -> None:
-        for c in self._clients or ():
-            c.close()
-        self._clients = None
+        self._reset()
 
 
 @dataclasses.dataclass
@@ -581,11 +604,8 @@ class _Worker:
         self._invalid: set[int] = set()
         self._saves: list[SaveSpec] = []
         self._saved: set[int] = set()
-        self._lock = threading.Lock()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        import torch
-
         names = sorted(kv_caches, key=_layer_index)
         first = kv_caches[names[0]]
         if first.dim() != 5 or first.shape[0] != 2:
@@ -593,16 +613,26 @@ class _Worker:
                 f"KVSidecarConnector: KV cache of shape {tuple(first.shape)}; the staged layout is "
                 "[2, num_blocks, block_size, num_kv_heads, head_size] (FlashAttention)"
             )
+        self.layers = {n: i for i, n in enumerate(names)}
+        self.kv = [kv_caches[n] for n in names]
+        self._connect()
+
+    def _connect(self) -> LocalClient:
+        """Dials and attaches to this rank's sidecar and checks vLLM's KV
+        tensors against its cache."""
+        import torch
+
+        first = self.kv[0]
         c = LocalClient(self.cfg.socket(self.rank), timeout=self.cfg.timeout)
         try:
             info = _attach(c, self.cfg, self.rank, first.dtype)
             _, _, bs, heads, hd = first.shape
             layers = info.num_regions // 2
             elem = first.element_size()
-            if len(names) != layers or bs != info.geometry.block_size or heads != info.heads_per_rank \
+            if len(self.kv) != layers or bs != info.geometry.block_size or heads != info.heads_per_rank \
                     or hd != info.geometry.head_dim or bs * heads * hd * elem != info.block_len:
                 raise errors.IncompatibleModel(
-                    f"KVSidecarConnector: vLLM's KV cache ({len(names)} layers of {tuple(first.shape)}, "
+                    f"KVSidecarConnector: vLLM's KV cache ({len(self.kv)} layers of {tuple(first.shape)}, "
                     f"{first.dtype}) does not match sidecar rank {self.rank} ({layers} layers, "
                     f"{info.heads_per_rank} heads of {info.geometry.head_dim}, block_size "
                     f"{info.geometry.block_size}, block_len {info.block_len} bytes)"
@@ -612,13 +642,44 @@ class _Worker:
             raise
         self.client = c
         self.staging = _Staging(c, info, torch)
-        self.layers = {n: i for i, n in enumerate(names)}
-        self.kv = [kv_caches[n] for n in names]
+        return c
+
+    def _client(self) -> LocalClient | None:
+        """The connection, dialled again after it was lost; None while the
+        sidecar cannot be reached."""
+        if self.client is None:
+            try:
+                self._connect()
+                log.info("rank %d: connected to the sidecar again", self.rank)
+            except errors.KVSidecarError as e:
+                log.error("rank %d: sidecar unreachable: %s", self.rank, e)
+                return None
+        return self.client
+
+    def _lost(self, err: Exception) -> None:
+        """The connection broke (the sidecar exited or restarted): every load
+        in flight fails (its blocks are recomputed) and the next step dials
+        again. The sidecar released this session's blocks when it saw the
+        connection close."""
+        log.error("rank %d: sidecar connection lost, %d loads fail: %s", self.rank, len(self._loads), err)
+        for rid, ld in self._loads.items():
+            if rid in self._silent:
+                continue
+            if ld.aborted:
+                self._recving.add(rid)
+            else:
+                self._fail(ld.spec, err)
+        self._loads.clear()
+        self._silent.clear()
+        if self.client is not None:
+            self.client.close()
+        self.client, self.staging = None, None
 
     # -- decode --------------------------------------------------------------
 
     def start_load_kv(self, meta: KVSidecarConnectorMetadata) -> None:
-        assert self.client is not None, "register_kv_caches first"
+        assert self.kv, "register_kv_caches first"
+        self._client()
         for rid in meta.aborts:
             self._abort(rid)
         for spec in meta.loads:
@@ -627,8 +688,11 @@ class _Worker:
         self._saved = set()
 
     def _start(self, spec: LoadSpec) -> None:
-        c = self.client
+        c = self._client()
         rid = spec.req_id
+        if c is None:
+            self._fail(spec, "the sidecar is unreachable")
+            return
         try:
             params = params_from_json(spec.params)
         except errors.KVSidecarError as e:
@@ -639,6 +703,10 @@ class _Worker:
             if spec.block_ids:
                 staging = c.alloc(len(spec.block_ids))
             c.start_load(req_meta(rid, staging, params, remote_hit_blocks=spec.hit_blocks))
+        except errors.BrokenConnection as e:
+            self._fail(spec, e)
+            self._lost(e)
+            return
         except errors.KVSidecarError as e:
             if staging:
                 c.free(staging)
@@ -662,20 +730,25 @@ class _Worker:
         ld = self._loads.get(rid)
         if ld is None:
             return  # finished (and reported) already, or never started here
+        ld.aborted = True
         try:
             self.client.abort(rid)
+        except errors.BrokenConnection as e:
+            self._lost(e)
         except errors.KVSidecarError as e:
             log.error("request %s: abort failed: %s", rid, e)
-        ld.aborted = True
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         c = self.client
         if c is not None:
-            f = c.get_finished()
-            for rid in f.done_recving:
-                self._done(rid, None)
-            for fl in f.failed:
-                self._done(fl.request_id, fl)
+            try:
+                f = c.get_finished()
+                for rid in f.done_recving:
+                    self._done(rid, None)
+                for fl in f.failed:
+                    self._done(fl.request_id, fl)
+            except errors.BrokenConnection as e:
+                self._lost(e)
         sending, recving = self._sending, self._recving
         self._sending, self._recving = set(), set()
         return (sending or None), (recving or None)
@@ -723,7 +796,7 @@ class _Worker:
         if layer is None:
             return
         if not self._saved:
-            self.client.sync()  # the scheduler allocated the staging blocks
+            self._sync()  # the scheduler allocated the staging blocks
         for sv in self._saves:
             self.staging.save(layer, kv_layer, sv.block_ids, sv.staging[self.rank])
         self._saved.add(layer)
@@ -732,13 +805,30 @@ class _Worker:
         if not self._saves:
             return
         if not self._saved:
-            self.client.sync()
+            self._sync()
         for layer, kv in enumerate(self.kv):
             if layer in self._saved:
                 continue
             for sv in self._saves:
                 self.staging.save(layer, kv, sv.block_ids, sv.staging[self.rank])
         self._saves, self._saved = [], set()
+
+    def _sync(self) -> None:
+        """Maps the step's staging blocks here. A connection lost since the
+        last step (the sidecar restarted, and the scheduler allocated on the
+        new one) is dialled again once; an export that cannot be written is
+        an error, never a silent export of wrong bytes."""
+        try:
+            c = self._client()
+            if c is None:
+                raise errors.Unavailable(f"KVSidecarConnector rank {self.rank}: the sidecar is unreachable")
+            c.sync()
+        except errors.BrokenConnection as e:
+            self._lost(e)
+            c = self._client()
+            if c is None:
+                raise errors.Unavailable(f"KVSidecarConnector rank {self.rank}: the sidecar is unreachable") from e
+            c.sync()
 
     def shutdown(self) -> None:
         if self.client is not None:

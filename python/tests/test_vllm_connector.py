@@ -206,3 +206,36 @@ def test_prefill_killed_mid_read_fails_only_that_request(cluster):
         a.close()
         b.close()
         dec.close()
+
+
+def test_sidecar_restarts(p2d4, cluster):
+    pre_sc, dec_sc, pre, dec = p2d4
+    from engine_loop import empty_output
+
+    # Decode rank 3's sidecar crashes while the request loads (the prefill
+    # sidecars are stopped, so no load can finish first).
+    n = 12 * BLOCK_SIZE
+    params, _ = pre.prefill("r-a", n, 41)
+    for s in pre_sc:
+        s.signal(signal.SIGSTOP)
+    _, a_blocks = dec.start_decode("r-a", n, params)
+    dec.step(empty_output())
+    dec_sc[3].kill()
+    for s in pre_sc:
+        s.signal(signal.SIGCONT)
+    got, invalid = dec.run_until({"r-a"})
+    # Ranks 0..2 received it, rank 3 lost it: every block is recomputed.
+    assert got == {"r-a"} and invalid == set(a_blocks)
+
+    # Both a decode and a prefill sidecar restart; the connector dials them
+    # again (the prefill scheduler when it next allocates, the workers at
+    # their next step) and the next request moves byte-exact.
+    dec_sc[3] = cluster.restart(dec_sc[3])
+    pre_sc[1].kill()
+    pre_sc[1] = cluster.restart(pre_sc[1])
+    params, pblocks = pre.prefill("r-b", n, 42)
+    assert params is not None, "the scheduler connected to the restarted prefill sidecar again"
+    _, b_blocks = dec.start_decode("r-b", n, params)
+    got, invalid = dec.run_until({"r-b"})
+    assert got == {"r-b"} and invalid == set()
+    check_decode(dec, pre, 42, b_blocks, pblocks, n)
