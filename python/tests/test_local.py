@@ -224,6 +224,8 @@ class FakeServer:
                     i += 1
                     if not buf[i - 1] & 0x80:
                         break
+                if len(buf) < i + size:
+                    continue
                 req = local_pb2.LocalRequest.FromString(buf[i : i + size])
                 buf = buf[i + size :]
                 out = self.handler(req)
@@ -232,9 +234,17 @@ class FakeServer:
                 rep, fds = out
                 rep.call_id = req.call_id
                 body = rep.SerializeToString()
-                frame = bytes([len(body)]) + body if len(body) < 128 else None
-                assert frame is not None
-                socket.send_fds(conn, [frame], fds) if fds else conn.sendall(frame)
+                frame = _varint(len(body)) + body
+                if not fds:
+                    conn.sendall(frame)
+                    continue
+                # As the sidecar does: at most 250 fds per sendmsg, each
+                # batch beside its own slice of the frame.
+                batches = [fds[i:i + 250] for i in range(0, len(fds), 250)]
+                step = len(frame) // len(batches)
+                for i, batch in enumerate(batches):
+                    chunk = frame[i * step:(i + 1) * step] if i < len(batches) - 1 else frame[i * step:]
+                    socket.send_fds(conn, [chunk], batch)
 
     def close(self) -> None:
         self.ln.close()
@@ -278,6 +288,43 @@ def test_device_memory_fds_go_to_the_handler(tmp_path):
             c.block(0, 1)
     srv.close()
     os.close(memfd)
+
+
+def test_device_fds_over_several_sendmsgs_arrive_in_order(tmp_path):
+    # The CUDA backend passes one fd per page: 300 pages arrive in two
+    # sendmsg batches (250 + 50); mapping i must get the fd at fd_index i.
+    n = 300
+    memfds = [os.memfd_create(f"page-{i}") for i in range(n)]
+    for i, fd in enumerate(memfds):
+        os.ftruncate(fd, 4096 * (i + 1))  # the size tells the fds apart
+
+    def handler(req):
+        rep = local_pb2.LocalReply()
+        rep.cache.CopyFrom(local_pb2.KVCacheInfo(num_blocks=8, block_len=4096, region_len=n * (2 << 20),
+                                                 num_regions=1, page_size=2 << 20, device_memory=True))
+        for i in range(n):
+            rep.mappings.map.add(region=0, region_offset=i * (2 << 20), len=2 << 20, fd_index=n - 1 - i)
+        rep.mappings.num_fds = n
+        return rep, memfds
+
+    srv = FakeServer(str(tmp_path / "many.sock"), handler)
+    got = []
+    with LocalClient(srv.path, device_handler=lambda d: got.extend(
+            (m.region_offset // (2 << 20), os.fstat(fd).st_size // 4096 - 1) for m, fd in d.mappings)) as c:
+        c.attach()
+    assert got == [(i, n - 1 - i) for i in range(n)]
+    srv.close()
+    for fd in memfds:
+        os.close(fd)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def test_device_memory_without_handler_is_unsupported(tmp_path):
