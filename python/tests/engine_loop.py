@@ -139,7 +139,8 @@ class Engine:
     """One vLLM instance: a scheduler-side connector, one worker-side
     connector per TP rank, each with its own KV tensors, and a block pool."""
 
-    def __init__(self, engine_id: str, kv_role: str, tp_size: int, socket_dir: str, num_blocks: int) -> None:
+    def __init__(self, engine_id: str, kv_role: str, tp_size: int, socket_dir: str, num_blocks: int,
+                 physical: str = "NHD") -> None:
         self.engine_id, self.tp_size, self.num_blocks = engine_id, tp_size, num_blocks
         self.heads = KV_HEADS // tp_size
         self.sched = KVSidecarConnector(vllm_config(engine_id, kv_role, tp_size, socket_dir), KVConnectorRole.SCHEDULER)
@@ -147,17 +148,22 @@ class Engine:
         self.kv: list[dict[str, torch.Tensor]] = []
         for r in range(tp_size):
             w = KVSidecarConnector(vllm_config(engine_id, kv_role, tp_size, socket_dir, tp_rank=r), KVConnectorRole.WORKER)
-            caches = {
-                f"model.layers.{i}.self_attn.attn": torch.zeros(2, num_blocks, BLOCK_SIZE, self.heads, HEAD_DIM,
-                                                               dtype=torch.bfloat16)
-                for i in range(LAYERS)
-            }
+            # vLLM's logical shape is always [2, num_blocks, block_size, heads,
+            # head_size]; with VLLM_KV_CACHE_LAYOUT=HND the memory holds
+            # [2, num_blocks, heads, block_size, head_size] (a permuted view).
+            caches = {f"model.layers.{i}.self_attn.attn": self._kv_tensor(num_blocks, physical) for i in range(LAYERS)}
             w.register_kv_caches(caches)
             self.workers.append(w)
             self.kv.append(caches)
         self.free_blocks = list(range(1, num_blocks))  # vLLM's block 0 is its null block too
         self.finished_req_ids: set[str] = set()
         self._reported: dict[tuple[str, str], set[int]] = {}
+
+    def _kv_tensor(self, num_blocks: int, physical: str) -> torch.Tensor:
+        if physical == "HND":
+            t = torch.zeros(2, num_blocks, self.heads, BLOCK_SIZE, HEAD_DIM, dtype=torch.bfloat16)
+            return t.permute(0, 1, 3, 2, 4)
+        return torch.zeros(2, num_blocks, BLOCK_SIZE, self.heads, HEAD_DIM, dtype=torch.bfloat16)
 
     def alloc(self, n: int) -> list[int]:
         assert len(self.free_blocks) >= n, "vLLM block pool exhausted"

@@ -107,6 +107,25 @@ def test_prefill_tp2_to_decode_tp4_every_byte(p2d4):
         wait_for(f"{s.name} freed its exports", lambda s=s: stats(s) == {"blocks_used": 0, "leases_held": 0, "loads_in_flight": 0})
 
 
+def test_hnd_physical_layout(cluster):
+    # vLLM with VLLM_KV_CACHE_LAYOUT=HND keeps the logical shape over memory
+    # ordered [2, blocks, heads, block_size, head_size]: the copies follow
+    # the strides, so the bytes arrive the same.
+    start(cluster, "prefill-a", 2, "prefill", 512)
+    start(cluster, "decode-a", 4, "decode", 512)
+    pre = Engine("prefill-a", "kv_producer", 2, cluster.socket_dir, num_blocks=64, physical="HND")
+    dec = Engine("decode-a", "kv_consumer", 4, cluster.socket_dir, num_blocks=64, physical="HND")
+    try:
+        assert not next(iter(dec.kv[0].values())).is_contiguous()
+        params, pblocks = pre.prefill("r-hnd", 100, 51)
+        _, dblocks = dec.start_decode("r-hnd", 100, params)
+        assert dec.run_until({"r-hnd"}) == ({"r-hnd"}, set())
+        check_decode(dec, pre, 51, dblocks, pblocks, 100)
+    finally:
+        pre.close()
+        dec.close()
+
+
 def test_partial_prefix_hit_reads_only_the_tail(p2d4):
     pre_sc, dec_sc, pre, dec = p2d4
     n, seed, hit = 10 * BLOCK_SIZE, 21, 4
