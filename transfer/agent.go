@@ -364,6 +364,13 @@ func (a *Agent) dial(p *peer) {
 		p.err = err
 		return
 	}
+	if ap := a.cfg.AllowedPeers; ap != nil {
+		if err := ap.check(p.addr, udp.AddrPort()); err != nil {
+			a.log.Warn("transfer: refused to dial a peer outside the allowed peers", "peer", p.addr, "resolved", udp.String(), "allowed", ap.String())
+			p.err = err
+			return
+		}
+	}
 	tc := a.clientTLS.Clone()
 	// Session tickets are kept per peer address, not per host name, so
 	// agents sharing an IP do not try each other's tickets.

@@ -102,6 +102,12 @@ type Config struct {
 	// a dialed connection is lost, so caches of that peer can be dropped.
 	// Default nil.
 	OnPeerGone func(addr string, err error)
+	// AllowedPeers, when set, is the set of addresses the agent may dial: a
+	// dial of any other address (after name resolution, before any packet
+	// is sent to it) fails with ErrInvalidArgument naming the address and
+	// AllowedPeers.Origin. It does not restrict who may connect to this
+	// agent (mutual TLS does). Default nil: any address.
+	AllowedPeers *AllowedPeers
 	// StatelessResetKey, when set, lets the agent answer a packet of a
 	// connection it does not know, such as one its previous process on the
 	// same address had, with a QUIC stateless reset (RFC 9000 section

@@ -46,7 +46,7 @@ type serveFlags struct {
 	engineID, role, ownership, backend, model, dtype, attention string
 	tpRank, tpSize, device, layers, kvHeads, headDim, blockSize int
 	numBlocks                                                   int
-	memoryLimit, listen, advertise, rankAddrs                   string
+	memoryLimit, listen, advertise, rankAddrs, allowPeers       string
 	tlsCert, tlsKey, tlsCA, capKeyFile, socketDir, metricsAddr  string
 	qlogDir, logLevel, handshakeMode                            string
 	leaseTTL, drainTimeout, loadTimeout, progressTimeout        time.Duration
@@ -80,6 +80,7 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.listen, "listen", "127.0.0.1:0", "QUIC listen address host:port")
 	fs.StringVar(&f.advertise, "advertise", "", "address peers reach this rank at (default: the listen address)")
 	fs.StringVar(&f.rankAddrs, "rank-addrs", "", "comma-separated advertised address of every rank, index tp_rank; entry --tp-rank must be this rank's advertised address (default: rank r at port - tp-rank + r, which needs a fixed --listen port when --tp-size > 1)")
+	fs.StringVar(&f.allowPeers, "allow-peers", "", "comma-separated CIDR prefixes (10.0.0.0/8), IP addresses and host:port entries this sidecar may dial; an address from kv_transfer_params outside them gets no packet (empty: any address, with a warning at start)")
 	fs.StringVar(&f.tlsCert, "tls-cert", "", "PEM certificate of this sidecar (required)")
 	fs.StringVar(&f.tlsKey, "tls-key", "", "PEM private key of --tls-cert (required)")
 	fs.StringVar(&f.tlsCA, "tls-ca", "", "PEM CA that signs every peer (required)")
@@ -203,6 +204,8 @@ type serveConfig struct {
 	rankAddrs []string
 	secret    []byte
 	limit     limitValue
+	// allowed is --allow-peers; nil: any address.
+	allowed *transfer.AllowedPeers
 	// resetKey is derived from --tls-key (statelessResetKey).
 	resetKey *quic.StatelessResetKey
 	// udp is the QUIC socket bound at start; advertise is the address peers
@@ -349,6 +352,13 @@ func (f *serveFlags) validate() (*serveConfig, error) {
 	if f.advertise == "" && len(c.rankAddrs) == 0 && wildcardHost(f.listen) {
 		return bad("advertise", "required when --listen=%s has a wildcard host: peers cannot dial it; give the address they reach this rank at "+
 			"(e.g. --advertise 10.0.0.5:%d), or every rank's with --rank-addrs", f.listen, addrPort(f.listen))
+	}
+	if f.allowPeers != "" {
+		ap, err := transfer.ParseAllowedPeers("--allow-peers", f.allowPeers)
+		if err != nil {
+			return bad("allow-peers", "%s", strings.TrimPrefix(err.Error(), "transfer: --allow-peers: "))
+		}
+		c.allowed = ap
 	}
 	for _, p := range []struct{ name, v string }{{"tls-cert", f.tlsCert}, {"tls-key", f.tlsKey}, {"tls-ca", f.tlsCA}} {
 		if p.v == "" {
@@ -653,6 +663,9 @@ func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 	} else {
 		close(httpDone)
 	}
+	if cfg.allowed == nil {
+		log.Warn("--allow-peers is not set: a load dials any address its kv_transfer_params name, and those can come from a client's request; list the prefill ranks' networks or addresses")
+	}
 	log.Info("serving", "engine_id", f.engineID, "tp_rank", f.tpRank, "tp_size", f.tpSize, "role", f.role,
 		"backend", f.backend, "socket", path, "quic_addr", udp.LocalAddr().String(), "advertise", cfg.advertise)
 
@@ -854,7 +867,7 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 	}
 	rank, err := connector.NewRank(ctx, &connector.Config{
 		EngineID: f.engineID, TPRank: f.tpRank, TPSize: f.tpSize, Geometry: req.GetGeometry(), Pool: pool,
-		Transfer: &transfer.Config{PacketConn: cfg.udp, ServerTLS: srvTLS, ClientTLS: cliTLS,
+		Transfer: &transfer.Config{PacketConn: cfg.udp, ServerTLS: srvTLS, ClientTLS: cliTLS, AllowedPeers: cfg.allowed,
 			ProgressTimeout: f.progressTimeout, StatelessResetKey: cfg.resetKey, QlogDir: f.qlogDir},
 		AdvertiseAddr: cfg.advertise, RankAddrs: cfg.rankAddrs, CapabilitySecret: cfg.secret, Ownership: cfg.ownership,
 		LeaseTTL: f.leaseTTL, LoadTimeout: f.loadTimeout, HandshakeMode: cfg.mode, DeviceID: uint32(max(f.device, 0)),

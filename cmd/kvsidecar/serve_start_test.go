@@ -232,6 +232,8 @@ func TestServeStartsAndStopsOnSIGHUP(t *testing.T) {
 	require.Equal(t, "WARN", warn["level"])
 	require.Equal(t, "KVSIDECAR_TPSIZE (did you mean KVSIDECAR_TP_SIZE?)", warn["var"])
 
+	open := p.waitLog(t, "--allow-peers is not set: a load dials any address its kv_transfer_params name, and those can come from a client's request; list the prefill ranks' networks or addresses")
+	require.Equal(t, "WARN", open["level"])
 	line := p.waitLog(t, "serving")
 	quicAddr, _ := line["quic_addr"].(string)
 	host, port, err := net.SplitHostPort(quicAddr)

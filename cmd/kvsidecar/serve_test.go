@@ -47,6 +47,8 @@ func TestServeFlagErrors(t *testing.T) {
 		{"lease", append(base, "--lease-ttl", "-1s"), "--lease-ttl"},
 		{"progress", append(base, "--progress-timeout", "0s"), "--progress-timeout: 0s: must be positive"},
 		{"handshake mode", append(base, "--handshake-mode", "telepathy"), "--handshake-mode"},
+		{"allow peers entry", append(base, "--allow-peers", "10.0.0.0/8,prefill-0"), `--allow-peers: entry "prefill-0": want a CIDR prefix (10.0.0.0/8), an IP address or host:port`},
+		{"allow peers port", append(base, "--allow-peers", "10.0.0.1:99999"), `--allow-peers: entry "10.0.0.1:99999": port "99999" is not in [1, 65535]`},
 		{"missing tls files", base, "--tls-ca/--tls-cert/--tls-key"},
 	}
 	for _, tc := range tests {
@@ -66,6 +68,12 @@ func TestServeEnv(t *testing.T) {
 	code := run(t.Context(), []string{"serve", "--tp-size", "1", "--tp-rank", "3"}, &bytes.Buffer{}, &errb)
 	require.Equal(t, 2, code)
 	require.Contains(t, errb.String(), "--tp-rank: 3: must be in [0, --tp-size=1)", "the command line wins over the environment")
+
+	t.Setenv("KVSIDECAR_ALLOW_PEERS", "10.0.0.0/33")
+	errb.Reset()
+	code = run(t.Context(), []string{"serve", "--tp-size", "1", "--tls-cert", "c", "--tls-key", "k", "--tls-ca", "a"}, &bytes.Buffer{}, &errb)
+	require.Equal(t, 2, code)
+	require.Contains(t, errb.String(), `--allow-peers: entry "10.0.0.0/33"`, "--allow-peers is settable per environment like every flag")
 
 	t.Setenv("KVSIDECAR_TP_SIZE", "many")
 	errb.Reset()

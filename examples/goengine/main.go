@@ -256,7 +256,10 @@ func (c *cluster) startInstance(ctx context.Context, engine, role string, tp int
 			"--tp-size", strconv.Itoa(tp), "--model", "llama-3.2-1b", "--num-blocks", "1024",
 			"--listen", addrs[r], "--rank-addrs", strings.Join(addrs, ","),
 			"--tls-cert", c.tls.Cert, "--tls-key", c.tls.Key, "--tls-ca", c.tls.CA,
-			"--capability-key-file", c.capKey, "--socket-dir", c.socketDir)
+			"--capability-key-file", c.capKey, "--socket-dir", c.socketDir,
+			// Every rank here is on loopback: params naming any other
+			// address are refused before a packet is sent.
+			"--allow-peers", "127.0.0.0/8")
 		cmd.Stderr = log
 		if err := cmd.Start(); err != nil {
 			return nil, fmt.Errorf("start %s: %w", c.bin, err)

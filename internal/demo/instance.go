@@ -59,6 +59,18 @@ type instance struct {
 	mu sync.Mutex // lockstep Alloc/Free over every pool
 }
 
+// loopbackPeers is the only address set a demo rank dials: every rank of
+// the demo listens on 127.0.0.1, so params naming anything else are
+// refused before a packet is sent, as `serve --allow-peers` does.
+var loopbackPeers = must(transfer.ParseAllowedPeers("the demo's allowed peers", "127.0.0.1/32"))
+
+func must[T any](v T, err error) T {
+	if err != nil {
+		panic(err)
+	}
+	return v
+}
+
 // newInstance starts o.tp ranks. On error everything started is closed.
 func newInstance(ctx context.Context, o instanceOpts) (in *instance, err error) {
 	in = &instance{o: o, heads: int(o.geom.GetNumKvHeads())}
@@ -110,7 +122,7 @@ func newInstance(ctx context.Context, o instanceOpts) (in *instance, err error) 
 		rank, rerr := connector.NewRank(ctx, &connector.Config{
 			EngineID: o.engine, TPRank: r, TPSize: o.tp, Geometry: o.geom, Pool: pool,
 			Transfer: &transfer.Config{PacketConn: in.pcs[r], ServerTLS: o.srvTLS, ClientTLS: o.cliTLS,
-				Logger: o.logger, Registerer: o.reg},
+				AllowedPeers: loopbackPeers, Logger: o.logger, Registerer: o.reg},
 			RankAddrs: in.addrs, CapabilitySecret: secret, Ownership: o.ownership,
 			HandshakeMode: o.mode, Logger: o.logger, Registerer: o.reg,
 		})

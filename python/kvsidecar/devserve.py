@@ -276,7 +276,9 @@ class Cluster:
             self.binary, "serve", "--engine-id", engine_id, "--role", role, "--tp-rank", str(tp_rank),
             "--tp-size", str(tp_size), "--tls-cert", self.certs.cert, "--tls-key", self.certs.key,
             "--tls-ca", self.certs.ca, "--capability-key-file", self.cap_key, "--socket-dir", self.socket_dir,
-            "--listen", listen, "--metrics-addr", "127.0.0.1:0", "--log-level", "debug", *args,
+            "--listen", listen, "--metrics-addr", "127.0.0.1:0", "--log-level", "debug",
+            # The dev certificates name loopback only; nothing else is dialled.
+            "--allow-peers", "127.0.0.0/8,::1", *args,
         ]
         return self._launch(f"{engine_id}-tp{tp_rank}", argv)
 
