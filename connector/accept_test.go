@@ -65,7 +65,7 @@ func TestTPSizeChecks(t *testing.T) {
 	t.Run("missing tp_size", func(t *testing.T) {
 		p := clone(params)
 		p.TpSize = nil
-		err := dec.ranks[0].StartLoad(t.Context(), &v1.ReqMeta{RequestId: "x", LocalBlockIds: local, Params: p})
+		err := dec.ranks[0].StartLoad(t.Context(), &v1.ReqMeta{RequestId: "x", LocalBlockIds: local, Params: p, RemoteHitBlocks: new(uint32(0))})
 		require.ErrorIs(t, err, connector.ErrInvalidParams)
 		require.ErrorContains(t, err, "tp_size: missing")
 		require.Equal(t, 0, dec.ranks[0].Stats().LoadsInFlight)
@@ -75,6 +75,7 @@ func TestTPSizeChecks(t *testing.T) {
 		p := clone(params)
 		p.TpSize = new(uint32(2))
 		p.RemoteRankAddrs = p.RemoteRankAddrs[:2]
+		p.RankExports = p.RankExports[:2]
 		dec.startLoad(t, "y", local, p)
 		for r, f := range dec.wait(t, "y") {
 			require.NotNil(t, f, "rank %d must fail", r)
@@ -302,7 +303,7 @@ func TestFreeRefusedWhileLoading(t *testing.T) {
 	err := rank.FreeBlocks(t.Context(), ids)
 	require.Equal(t, v1.Code_CODE_BUSY, codes.Of(err), "%v", err)
 	require.ErrorContains(t, err, `is being loaded by request "r"; abort it first`)
-	err = rank.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "r2", LocalBlockIds: local[5:6], Params: params})
+	err = rank.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "r2", LocalBlockIds: local[5:6], Params: params, RemoteHitBlocks: new(uint32(199))})
 	require.Equal(t, v1.Code_CODE_BUSY, codes.Of(err), "%v", err)
 
 	// RequestFinished's free-at-once is the other path to those blocks.

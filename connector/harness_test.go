@@ -222,20 +222,20 @@ func (in *instance) check(t testing.TB, key uint64, blocks []uint32, skip int) u
 	return n
 }
 
-// finish calls RequestFinished on every prefill rank and returns rank 0's
-// params after a JSON round trip, as the proxy passes them.
+// finish calls RequestFinished on every prefill rank and returns the
+// ranks' params merged, after a JSON round trip, as the proxy passes them.
 func (in *instance) finish(t testing.TB, id string, blocks []uint32) *v1.KVTransferParams {
 	t.Helper()
-	var first *v1.KVTransferParams
+	var parts []*v1.KVTransferParams
 	for _, r := range in.ranks {
 		p, err := r.RequestFinished(t.Context(), id, blocks, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
 		require.NoError(t, err)
 		require.NotNil(t, p)
-		if first == nil {
-			first = p
-		}
+		parts = append(parts, p)
 	}
-	b, err := connector.MarshalKVTransferParams(first)
+	merged, err := connector.MergeExports(parts...)
+	require.NoError(t, err)
+	b, err := connector.MarshalKVTransferParams(merged)
 	require.NoError(t, err)
 	out, err := connector.UnmarshalKVTransferParams(b)
 	require.NoError(t, err)
@@ -246,7 +246,8 @@ func (in *instance) finish(t testing.TB, id string, blocks []uint32) *v1.KVTrans
 func (in *instance) startLoad(t testing.TB, id string, local []uint32, p *v1.KVTransferParams) {
 	t.Helper()
 	for _, r := range in.ranks {
-		require.NoError(t, r.StartLoad(t.Context(), &v1.ReqMeta{RequestId: id, LocalBlockIds: local, Params: p}))
+		require.NoError(t, r.StartLoad(t.Context(), &v1.ReqMeta{RequestId: id, LocalBlockIds: local, Params: p,
+			RemoteHitBlocks: new(uint32(len(p.GetRemoteBlockIds()) - len(local)))}))
 	}
 }
 

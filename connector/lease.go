@@ -3,7 +3,10 @@ package connector
 import (
 	"container/heap"
 	"context"
+	"crypto/hmac"
+	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -17,8 +20,13 @@ import (
 var (
 	// ErrUnknownRequest: no lease was ever issued for the request id here.
 	ErrUnknownRequest = codes.New(v1.Code_CODE_NOT_FOUND, "connector: unknown request")
-	// ErrLeaseExpired: the request's lease expired and its blocks were freed.
+	// ErrLeaseExpired: the export named is not held here (any more): its
+	// lease expired or was released, or an earlier process of this rank made
+	// it. Bytes read under it may be stale.
 	ErrLeaseExpired = codes.New(v1.Code_CODE_LEASE_EXPIRED, "connector: lease expired")
+	// ErrCapabilityDenied: the capability, request id or blocks named do not
+	// belong to the export named.
+	ErrCapabilityDenied = codes.New(v1.Code_CODE_CAPABILITY_DENIED, "connector: capability denied")
 )
 
 // consumer identifies one decode rank that notifies a request.
@@ -27,11 +35,23 @@ type consumer struct {
 	rank   uint32
 }
 
-// lease holds a finished prefill request's blocks until every expected
-// consumer has notified or the deadline passes.
+// lease holds one export: the blocks this rank holds for one finished
+// prefill request until every expected consumer has notified or the
+// deadline passes. Only the table's lock guards its mutable fields; id,
+// export, blocks, sorted, capability and session never change.
 type lease struct {
-	id        string
-	blocks    []int
+	id     string   // request id
+	export uint64   // export id, unique on this rank
+	blocks []int    // in token order
+	ids    []uint32 // blocks, as the capability covers them
+	sorted []uint32
+	// capability is the token issued for the export; a consumer's resent
+	// notification after the lease ended is matched against it.
+	capability []byte
+	// session is the local API engine session that made the export (0
+	// outside the local API).
+	session uint64
+
 	expires   time.Time
 	consumers map[consumer]struct{}
 	index     int // in the heap
@@ -43,6 +63,31 @@ type lease struct {
 	// read: a consumer has started reading; a draining prefill waits for
 	// its notification.
 	read bool
+}
+
+// tokens returns the blocks in token order, as the capability covers them.
+func (l *lease) tokens() []uint32 { return l.ids }
+
+// has reports whether block b is one of the lease's.
+func (l *lease) has(b uint32) bool {
+	_, ok := slices.BinarySearch(l.sorted, b)
+	return ok
+}
+
+// exportRef is how a READ, notification or heartbeat names an export.
+type exportRef struct {
+	id     string
+	export uint64
+}
+
+// ended is what the table remembers of a lease that ended, so later
+// messages naming it learn how, and a consumer's resent notification is
+// acknowledged.
+type ended struct {
+	id         string
+	how        string
+	capability []byte
+	notified   map[consumer]struct{}
 }
 
 type leaseHeap []*lease
@@ -62,52 +107,76 @@ func (h *leaseHeap) Pop() any {
 	return l
 }
 
-// leaseTable is the scheduler side's set of held requests, reaped in
-// deadline order by one goroutine it owns.
+// leaseTable is the scheduler side's set of exports of one rank, reaped in
+// deadline order by one goroutine it owns. Every message from a peer names
+// an export by its id; a request id names at most one live export.
 type leaseTable struct {
 	ttl  time.Duration
-	free func(id string, blocks []int, expired bool) // called without the lock held
+	rank int                          // this rank, for messages
+	free func(l *lease, expired bool) // called once per lease, without the lock held
 
-	mu      sync.Mutex
-	byID    map[string]*lease
-	order   leaseHeap
-	ended   *lru.Cache[string, string] // recently ended ids -> how they ended
-	wake    chan struct{}
-	closed  bool
-	pins    int           // READs being served from leased blocks
-	changed chan struct{} // closed and replaced when a pin or a lease goes
+	mu       sync.Mutex
+	byExport map[uint64]*lease
+	byID     map[string]*lease
+	order    leaseHeap
+	ended    *lru.Cache[uint64, *ended] // recently ended exports
+	wake     chan struct{}
+	closed   bool
+	pins     int           // READs being served from leased blocks
+	changed  chan struct{} // closed and replaced when a pin or a lease goes
+	stats    drainStats
 
 	cancel context.CancelFunc
 	done   chan struct{}
 }
 
-// recentIDs bounds how many expired or finished request ids are remembered
-// to tell "lease expired" from "unknown request".
-const recentIDs = 65536
+// drainStats counts what happened to leases, for the drain summary.
+type drainStats struct {
+	readsServed int      // READs served to the end
+	notified    int      // leases released by their consumers
+	dropped     []string // request ids of leases released by close
+}
 
-func newLeaseTable(ttl time.Duration, free func(id string, blocks []int, expired bool)) *leaseTable {
-	recent, _ := lru.New[string, string](recentIDs)
+// errExportTaken: an export id is in use, or was recently, on this rank.
+var errExportTaken = errors.New("connector: export id taken")
+
+// recentExports bounds how many ended exports are remembered to say how
+// they ended and to acknowledge resent notifications.
+const recentExports = 65536
+
+func newLeaseTable(ttl time.Duration, rank int, free func(l *lease, expired bool)) *leaseTable {
+	recent, _ := lru.New[uint64, *ended](recentExports)
 	ctx, cancel := context.WithCancel(context.Background())
-	t := &leaseTable{ttl: ttl, free: free, byID: map[string]*lease{}, ended: recent,
+	t := &leaseTable{ttl: ttl, rank: rank, free: free, byExport: map[uint64]*lease{}, byID: map[string]*lease{}, ended: recent,
 		wake: make(chan struct{}, 1), cancel: cancel, done: make(chan struct{}), changed: make(chan struct{})}
 	go t.reap(ctx)
 	return t
 }
 
-// add holds blocks for id until every consumer notified or ttl passes.
-func (t *leaseTable) add(id string, blocks []int) (time.Time, error) {
+// add holds blocks (in token order) for request id as export, until every
+// consumer notified or ttl passes. issue makes the export's capability.
+// The export id must be new on this rank.
+func (t *leaseTable) add(id string, export uint64, blocks []int, session uint64, issue func() []byte) (time.Time, error) {
+	ids := make([]uint32, len(blocks))
+	for i, b := range blocks {
+		ids[i] = uint32(b)
+	}
+	sorted := slices.Sorted(slices.Values(ids))
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.closed {
 		return time.Time{}, codes.New(v1.Code_CODE_UNAVAILABLE, "connector: shutting down; request %q not held", id)
 	}
 	if _, ok := t.byID[id]; ok {
-		return time.Time{}, codes.New(v1.Code_CODE_ALREADY_EXISTS, "connector: request %q already holds a lease", id)
+		return time.Time{}, codes.New(v1.Code_CODE_ALREADY_EXISTS, "connector: request %q already holds a lease on rank %d", id, t.rank)
 	}
-	l := &lease{id: id, blocks: blocks, expires: time.Now().Add(t.ttl),
-		consumers: map[consumer]struct{}{}}
+	if _, live := t.byExport[export]; live || t.ended.Contains(export) || export == 0 {
+		return time.Time{}, fmt.Errorf("%w: %016x on rank %d", errExportTaken, export, t.rank)
+	}
+	l := &lease{id: id, export: export, blocks: blocks, ids: ids, sorted: sorted, capability: issue(), session: session,
+		expires: time.Now().Add(t.ttl), consumers: map[consumer]struct{}{}}
+	t.byExport[export] = l
 	t.byID[id] = l
-	t.ended.Remove(id)
 	heap.Push(&t.order, l)
 	if l.index == 0 {
 		t.kick()
@@ -122,27 +191,56 @@ func (t *leaseTable) kick() {
 	}
 }
 
-// get returns the live lease of id, or ErrLeaseExpired / ErrUnknownRequest.
-// The caller holds t.mu.
-func (t *leaseTable) getLocked(id string) (*lease, error) {
-	if l, ok := t.byID[id]; ok && time.Now().Before(l.expires) {
-		return l, nil
-	} else if ok {
-		return nil, fmt.Errorf("%w: request %q: its lease expired", ErrLeaseExpired, id)
-	} else if how, ok := t.ended.Get(id); ok {
-		return nil, fmt.Errorf("%w: request %q: %s", ErrLeaseExpired, id, how)
+// getLocked returns the live lease of export r, or an error of class
+// ErrLeaseExpired (the export ended or is not known here) or
+// ErrCapabilityDenied (it belongs to another request). The caller holds
+// t.mu.
+func (t *leaseTable) getLocked(r exportRef) (*lease, error) {
+	if r.export == 0 {
+		return nil, fmt.Errorf("%w: request %q names no export (kv_transfer_params rank_exports)", ErrCapabilityDenied, r.id)
 	}
-	return nil, fmt.Errorf("%w: request %q has no lease here", ErrUnknownRequest, id)
+	l, ok := t.byExport[r.export]
+	switch {
+	case ok && l.id != r.id:
+		return nil, fmt.Errorf("%w: export %016x on rank %d belongs to another request, not %q", ErrCapabilityDenied, r.export, t.rank, r.id)
+	case ok && time.Now().Before(l.expires):
+		return l, nil
+	case ok:
+		return nil, fmt.Errorf("%w: request %q export %016x on rank %d: its lease expired", ErrLeaseExpired, r.id, r.export, t.rank)
+	}
+	if e, ok := t.ended.Peek(r.export); ok {
+		if e.id != r.id {
+			return nil, fmt.Errorf("%w: export %016x on rank %d belonged to another request, not %q", ErrCapabilityDenied, r.export, t.rank, r.id)
+		}
+		return nil, fmt.Errorf("%w: request %q export %016x on rank %d: %s", ErrLeaseExpired, r.id, r.export, t.rank, e.how)
+	}
+	return nil, fmt.Errorf("%w: request %q export %016x is not held on rank %d: it ended, or an earlier process of this rank made it",
+		ErrLeaseExpired, r.id, r.export, t.rank)
 }
 
-// notify records that consumer c finished with id; when count distinct
-// consumers have notified, the lease is released and its blocks freed. It
-// returns whether the lease was released.
-func (t *leaseTable) notify(id string, c consumer, count int, verify func() error) (bool, error) {
+// notify records that consumer c finished with export r; verify checks the
+// notification's capability against the live lease. When count distinct
+// consumers have notified, the lease is released and its blocks freed. A
+// consumer that already notified r is acknowledged again whatever became
+// of the lease since (a resend after a lost acknowledgement), if its
+// capability matches the one issued. It returns whether this call released
+// the lease.
+func (t *leaseTable) notify(r exportRef, c consumer, count int, capability []byte, verify func(l *lease) error) (bool, error) {
 	t.mu.Lock()
-	l, err := t.getLocked(id)
+	if e, ok := t.ended.Peek(r.export); ok && r.export != 0 && e.id == r.id {
+		_, again := e.notified[c]
+		t.mu.Unlock()
+		switch {
+		case again && hmac.Equal(capability, e.capability):
+			return false, nil
+		case again:
+			return false, fmt.Errorf("%w: capability is not valid for request %q export %016x on rank %d", ErrCapabilityDenied, r.id, r.export, t.rank)
+		}
+		return false, fmt.Errorf("%w: request %q export %016x on rank %d: %s", ErrLeaseExpired, r.id, r.export, t.rank, e.how)
+	}
+	l, err := t.getLocked(r)
 	if err == nil {
-		err = verify()
+		err = verify(l)
 	}
 	if err != nil {
 		t.mu.Unlock()
@@ -154,10 +252,11 @@ func (t *leaseTable) notify(id string, c consumer, count int, verify func() erro
 		return false, nil
 	}
 	t.removeLocked(l, fmt.Sprintf("released: its %d consumer(s) notified", len(l.consumers)))
+	t.stats.notified++
 	freeNow := t.endLocked(l, false)
 	t.mu.Unlock()
 	if freeNow {
-		t.free(l.id, l.blocks, false)
+		t.free(l, false)
 	}
 	return true, nil
 }
@@ -173,12 +272,17 @@ func (t *leaseTable) endLocked(l *lease, expired bool) bool {
 	return true
 }
 
-// pin keeps id's blocks from being freed while a READ is served from them;
-// it fails like check for a request without a live lease.
-func (t *leaseTable) pin(id string) (*lease, error) {
+// pin keeps export r's blocks from being freed while a READ is served from
+// them; check (called with the lease, under the table's lock) decides
+// whether the READ may be served. It fails like getLocked for an export
+// that is not live.
+func (t *leaseTable) pin(r exportRef, check func(l *lease) error) (*lease, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	l, err := t.getLocked(id)
+	l, err := t.getLocked(r)
+	if err == nil {
+		err = check(l)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -189,10 +293,14 @@ func (t *leaseTable) pin(id string) (*lease, error) {
 }
 
 // unpin drops a pin; the last pin of a released lease frees its blocks.
-func (t *leaseTable) unpin(l *lease) {
+// completed says the READ was served to its end.
+func (t *leaseTable) unpin(l *lease, completed bool) {
 	t.mu.Lock()
 	l.pins--
 	t.pins--
+	if completed {
+		t.stats.readsServed++
+	}
 	freeNow := l.pins == 0 && l.pending
 	if freeNow {
 		l.pending = false
@@ -200,7 +308,7 @@ func (t *leaseTable) unpin(l *lease) {
 	t.signalLocked()
 	t.mu.Unlock()
 	if freeNow {
-		t.free(l.id, l.blocks, l.expired)
+		t.free(l, l.expired)
 	}
 }
 
@@ -215,15 +323,29 @@ func (t *leaseTable) signalLocked() {
 // or ctx is done. A draining prefill lets the loads in flight finish and
 // notify instead of refusing their notifications.
 func (t *leaseTable) waitDrained(ctx context.Context) error {
-	for {
-		t.mu.Lock()
+	return t.waitUntil(ctx, func() bool {
 		busy := t.pins > 0
-		for _, l := range t.byID {
+		for _, l := range t.byExport {
 			busy = busy || l.read
 		}
+		return !busy
+	})
+}
+
+// waitUnpinned blocks until no READ is served from leased blocks, or ctx
+// is done.
+func (t *leaseTable) waitUnpinned(ctx context.Context) error {
+	return t.waitUntil(ctx, func() bool { return t.pins == 0 })
+}
+
+// waitUntil blocks until done (called under t.mu) holds or ctx is done.
+func (t *leaseTable) waitUntil(ctx context.Context, done func() bool) error {
+	for {
+		t.mu.Lock()
+		ok := done()
 		ch := t.changed
 		t.mu.Unlock()
-		if !busy {
+		if ok {
 			return nil
 		}
 		select {
@@ -234,16 +356,16 @@ func (t *leaseTable) waitDrained(ctx context.Context) error {
 	}
 }
 
-// extend moves the deadline of each live id to now + ttl and returns the
-// new deadlines (zero for ids that are unknown or expired).
-func (t *leaseTable) extend(ids []string) []time.Time {
+// extend moves the deadline of each live export in refs whose verify
+// passes to now + ttl and returns the new deadlines (zero for the others).
+func (t *leaseTable) extend(refs []exportRef, verify func(i int, l *lease) error) []time.Time {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	out := make([]time.Time, len(ids))
+	out := make([]time.Time, len(refs))
 	now := time.Now()
-	for i, id := range ids {
-		l, err := t.getLocked(id)
-		if err != nil {
+	for i, r := range refs {
+		l, err := t.getLocked(r)
+		if err != nil || verify(i, l) != nil {
 			continue
 		}
 		l.expires = now.Add(t.ttl)
@@ -253,11 +375,14 @@ func (t *leaseTable) extend(ids []string) []time.Time {
 	return out
 }
 
-// removeLocked ends l; how says how, for later requests naming it.
+// removeLocked ends l; how says how, for later messages naming it.
 func (t *leaseTable) removeLocked(l *lease, how string) {
 	heap.Remove(&t.order, l.index)
-	delete(t.byID, l.id)
-	t.ended.Add(l.id, how)
+	delete(t.byExport, l.export)
+	if t.byID[l.id] == l {
+		delete(t.byID, l.id)
+	}
+	t.ended.Add(l.export, &ended{id: l.id, how: how, capability: l.capability, notified: l.consumers})
 	t.signalLocked()
 }
 
@@ -265,10 +390,10 @@ func (t *leaseTable) removeLocked(l *lease, how string) {
 func (t *leaseTable) held() (leases, blocks int) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	for _, l := range t.byID {
+	for _, l := range t.byExport {
 		blocks += len(l.blocks)
 	}
-	return len(t.byID), blocks
+	return len(t.byExport), blocks
 }
 
 // reap frees expired leases in deadline order.
@@ -293,7 +418,7 @@ func (t *leaseTable) reap(ctx context.Context) {
 		}
 		t.mu.Unlock()
 		for _, l := range due {
-			t.free(l.id, l.blocks, true)
+			t.free(l, true)
 		}
 		timer.Reset(next)
 		select {
@@ -306,32 +431,33 @@ func (t *leaseTable) reap(ctx context.Context) {
 }
 
 // close stops the reaper and releases every lease (freeing its blocks, or,
-// for a lease a READ is being served from, when that READ ends); it returns
-// the ids released.
-func (t *leaseTable) close() []string {
+// for a lease a READ is being served from, when that READ ends). It returns
+// what the table saw since it started: READs served, leases released by
+// their consumers, and the request ids close released.
+func (t *leaseTable) close() drainStats {
 	t.mu.Lock()
 	if t.closed {
 		t.mu.Unlock()
-		return nil
+		return drainStats{}
 	}
 	t.closed = true
 	t.mu.Unlock()
 	t.cancel()
 	<-t.done
 	t.mu.Lock()
-	var ids []string
 	var free []*lease
 	for len(t.order) > 0 {
 		l := t.order[0]
 		t.removeLocked(l, "released: the sidecar is shutting down")
-		ids = append(ids, l.id)
+		t.stats.dropped = append(t.stats.dropped, l.id)
 		if t.endLocked(l, false) {
 			free = append(free, l)
 		}
 	}
+	st := t.stats
 	t.mu.Unlock()
 	for _, l := range free {
-		t.free(l.id, l.blocks, false)
+		t.free(l, false)
 	}
-	return ids
+	return st
 }

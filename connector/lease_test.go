@@ -16,42 +16,68 @@ type freed struct {
 	at      time.Duration
 }
 
-func newTestTable(t *testing.T, ttl time.Duration) (*leaseTable, func() []freed) {
+// testTable is a lease table whose exports are numbered by the test and
+// whose capability of export e is the byte e.
+type testTable struct {
+	*leaseTable
+	freedList func() []freed
+}
+
+func newTestTable(t *testing.T, ttl time.Duration) (*testTable, func() []freed) {
 	var mu sync.Mutex
 	var got []freed
 	start := time.Now()
-	lt := newLeaseTable(ttl, func(id string, blocks []int, expired bool) {
+	lt := newLeaseTable(ttl, 0, func(l *lease, expired bool) {
 		mu.Lock()
-		got = append(got, freed{id, blocks, expired, time.Since(start)})
+		got = append(got, freed{l.id, l.blocks, expired, time.Since(start)})
 		mu.Unlock()
 	})
-	return lt, func() []freed {
+	list := func() []freed {
 		mu.Lock()
 		defer mu.Unlock()
 		return append([]freed(nil), got...)
 	}
+	return &testTable{lt, list}, list
+}
+
+func capOf(export uint64) []byte { return []byte{byte(export)} }
+
+func (t *testTable) addExport(id string, export uint64, blocks ...int) error {
+	_, err := t.add(id, export, blocks, 0, func() []byte { return capOf(export) })
+	return err
+}
+
+// notifyExport notifies export e of id as consumer c, with the capability
+// issued for e.
+func (t *testTable) notifyExport(id string, e uint64, c consumer, count int) (bool, error) {
+	return t.notify(exportRef{id, e}, c, count, capOf(e), func(*lease) error { return nil })
+}
+
+func (t *testTable) pinExport(id string, e uint64) (*lease, error) {
+	return t.pin(exportRef{id, e}, func(*lease) error { return nil })
+}
+
+func (t *testTable) extendExports(refs ...exportRef) []time.Time {
+	return t.extend(refs, func(int, *lease) error { return nil })
 }
 
 func TestLeasesExpireInDeadlineOrder(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		lt, freedList := newTestTable(t, 10*time.Second)
 		defer lt.close()
-		ok := func() error { return nil }
 
-		_, err := lt.add("A", []int{1, 2})
-		require.NoError(t, err)
+		require.NoError(t, lt.addExport("A", 1, 1, 2))
 		time.Sleep(time.Second) // fake time inside the bubble
-		_, err = lt.add("B", []int{3})
-		require.NoError(t, err)
-		_, err = lt.add("C", []int{4})
-		require.NoError(t, err)
+		require.NoError(t, lt.addExport("B", 2, 3))
+		require.NoError(t, lt.addExport("C", 3, 4))
 
 		// A is heartbeated every 5 s; B and C are not.
 		for range 4 {
 			time.Sleep(5 * time.Second)
-			dl := lt.extend([]string{"A", "B-unknown"})
+			dl := lt.extendExports(exportRef{"A", 1}, exportRef{"B-unknown", 9}, exportRef{"B", 1})
 			require.False(t, dl[0].IsZero())
 			require.True(t, dl[1].IsZero())
+			require.True(t, dl[2].IsZero(), "B naming A's export extends nothing")
 		}
 		synctest.Wait()
 		got := freedList()
@@ -64,22 +90,25 @@ func TestLeasesExpireInDeadlineOrder(t *testing.T) {
 		require.Equal(t, 1, leases)
 		require.Equal(t, 2, blocks)
 
-		// A notify after expiry is answered with lease-expired; never seen: unknown.
-		_, err = lt.notify("B", consumer{"d", 0}, 1, ok)
+		// A notify after expiry is answered with lease-expired, also for an
+		// export never seen here.
+		_, err := lt.notifyExport("B", 2, consumer{"d", 0}, 1)
 		require.ErrorIs(t, err, ErrLeaseExpired)
-		_, err = lt.notify("Z", consumer{"d", 0}, 1, ok)
-		require.ErrorIs(t, err, ErrUnknownRequest)
-		_, err = lt.pin("C")
+		require.ErrorContains(t, err, "its lease expired")
+		_, err = lt.notifyExport("Z", 99, consumer{"d", 0}, 1)
+		require.ErrorIs(t, err, ErrLeaseExpired)
+		require.ErrorContains(t, err, "an earlier process of this rank made it")
+		_, err = lt.pinExport("C", 3)
 		require.ErrorIs(t, err, ErrLeaseExpired)
 
 		// A is released by its two consumers, counted once each.
-		done, err := lt.notify("A", consumer{"d", 0}, 2, ok)
+		done, err := lt.notifyExport("A", 1, consumer{"d", 0}, 2)
 		require.NoError(t, err)
 		require.False(t, done)
-		done, err = lt.notify("A", consumer{"d", 0}, 2, ok)
+		done, err = lt.notifyExport("A", 1, consumer{"d", 0}, 2)
 		require.NoError(t, err)
 		require.False(t, done, "a repeated notification counts once")
-		done, err = lt.notify("A", consumer{"d", 1}, 2, ok)
+		done, err = lt.notifyExport("A", 1, consumer{"d", 1}, 2)
 		require.NoError(t, err)
 		require.True(t, done)
 		got = freedList()
@@ -88,18 +117,73 @@ func TestLeasesExpireInDeadlineOrder(t *testing.T) {
 	})
 }
 
+// TestNotifyIsIdempotentPerExport: a consumer's notification resent after
+// the lease was released (its acknowledgement was lost on a dead
+// connection) is acknowledged, not turned into CODE_LEASE_EXPIRED for a
+// load that succeeded; another consumer's, or one with another capability,
+// is not.
+func TestNotifyIsIdempotentPerExport(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		lt, freedList := newTestTable(t, time.Minute)
+		defer lt.close()
+		require.NoError(t, lt.addExport("R", 7, 1))
+		done, err := lt.notifyExport("R", 7, consumer{"d", 0}, 1)
+		require.NoError(t, err)
+		require.True(t, done)
+		done, err = lt.notifyExport("R", 7, consumer{"d", 0}, 1)
+		require.NoError(t, err, "the resend is acknowledged")
+		require.False(t, done, "and releases nothing again")
+		require.Len(t, freedList(), 1)
+
+		_, err = lt.notifyExport("R", 7, consumer{"d", 1}, 1)
+		require.ErrorIs(t, err, ErrLeaseExpired, "a consumer that never notified learns the lease ended")
+		_, err = lt.notify(exportRef{"R", 7}, consumer{"d", 0}, 1, capOf(8), func(*lease) error { return nil })
+		require.ErrorIs(t, err, ErrCapabilityDenied, "a resend must carry the export's capability")
+	})
+}
+
+// TestStaleExportNeverReachesANewOne is item 2 of issue 12 on the table: a
+// request id reused by a new export; the first export's id neither reads
+// nor releases the new one.
+func TestStaleExportNeverReachesANewOne(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		lt, freedList := newTestTable(t, time.Minute)
+		defer lt.close()
+		require.NoError(t, lt.addExport("R", 1, 5))
+		_, err := lt.notifyExport("R", 1, consumer{"d", 0}, 1)
+		require.NoError(t, err)
+		require.NoError(t, lt.addExport("R", 2, 5), "the request id is free again")
+
+		_, err = lt.pinExport("R", 1)
+		require.ErrorIs(t, err, ErrLeaseExpired)
+		require.ErrorContains(t, err, `request "R" export 0000000000000001 on rank 0: released: its 1 consumer(s) notified`)
+		_, err = lt.notifyExport("R", 1, consumer{"d", 1}, 1)
+		require.ErrorIs(t, err, ErrLeaseExpired)
+		require.True(t, lt.extendExports(exportRef{"R", 1})[0].IsZero())
+		require.Len(t, freedList(), 1, "the new export is still held")
+
+		_, err = lt.pinExport("S", 2)
+		require.ErrorIs(t, err, ErrCapabilityDenied, "another request naming the export")
+		_, err = lt.pinExport("R", 0)
+		require.ErrorIs(t, err, ErrCapabilityDenied, "no export named")
+
+		l, err := lt.pinExport("R", 2)
+		require.NoError(t, err)
+		lt.unpin(l, true)
+		require.Error(t, lt.addExport("R", 3, 6), "one live export per request id")
+		require.ErrorIs(t, lt.addExport("Q", 1, 6), errExportTaken, "a recent export id is not reused")
+	})
+}
+
 func TestLeaseCloseReleasesAll(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		lt, freedList := newTestTable(t, time.Minute)
-		_, err := lt.add("A", []int{1})
-		require.NoError(t, err)
-		_, err = lt.add("A", []int{2})
-		require.ErrorContains(t, err, `request "A" already holds a lease`)
-		require.Equal(t, []string{"A"}, lt.close())
+		require.NoError(t, lt.addExport("A", 1, 1))
+		require.ErrorContains(t, lt.addExport("A", 2, 2), `request "A" already holds a lease`)
+		require.Equal(t, []string{"A"}, lt.close().dropped)
 		require.Len(t, freedList(), 1)
-		_, err = lt.add("B", []int{1})
-		require.ErrorContains(t, err, "shutting down")
-		require.Nil(t, lt.close())
+		require.ErrorContains(t, lt.addExport("B", 3, 1), "shutting down")
+		require.Nil(t, lt.close().dropped)
 	})
 }
 
@@ -110,35 +194,34 @@ func TestPinnedLeaseFreesAfterTheRead(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		lt, freedList := newTestTable(t, 10*time.Second)
 		defer lt.close()
-		_, err := lt.add("A", []int{1})
+		require.NoError(t, lt.addExport("A", 1, 1))
+		require.NoError(t, lt.addExport("B", 2, 2))
+		la, err := lt.pinExport("A", 1)
 		require.NoError(t, err)
-		_, err = lt.add("B", []int{2})
-		require.NoError(t, err)
-		la, err := lt.pin("A")
-		require.NoError(t, err)
-		lb, err := lt.pin("B")
+		lb, err := lt.pinExport("B", 2)
 		require.NoError(t, err)
 
 		time.Sleep(11 * time.Second) // A expires while its READ runs
 		synctest.Wait()
-		_, err = lt.pin("A")
+		_, err = lt.pinExport("A", 1)
 		require.ErrorIs(t, err, ErrLeaseExpired, "no new READ of an expired lease")
-		done, err := lt.notify("B", consumer{"d", 0}, 1, func() error { return nil })
+		done, err := lt.notifyExport("B", 2, consumer{"d", 0}, 1)
 		require.ErrorIs(t, err, ErrLeaseExpired, "B expired too")
 		require.False(t, done)
 		require.Empty(t, freedList(), "nothing freed while READs run")
 
 		waited := make(chan error, 1)
 		go func() { waited <- lt.waitDrained(t.Context()) }()
-		lt.unpin(la)
+		lt.unpin(la, true)
 		got := freedList()
 		require.Len(t, got, 1)
 		require.Equal(t, freed{"A", []int{1}, true, 11 * time.Second}, got[0])
 		synctest.Wait()
 		require.Empty(t, waited, "B still pinned")
-		lt.unpin(lb)
+		lt.unpin(lb, false)
 		require.NoError(t, <-waited)
 		require.Len(t, freedList(), 2)
+		require.Equal(t, 1, lt.close().readsServed, "one READ served to its end")
 	})
 }
 
@@ -151,27 +234,25 @@ func TestPinnedLeaseFreesAfterTheRead(t *testing.T) {
 func TestDrainWaitsForReadLeases(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		lt, _ := newTestTable(t, time.Minute)
-		defer lt.close()
-		ok := func() error { return nil }
-		_, err := lt.add("read", []int{1})
+		require.NoError(t, lt.addExport("read", 1, 1))
+		require.NoError(t, lt.addExport("unread", 2, 2))
+		l, err := lt.pinExport("read", 1)
 		require.NoError(t, err)
-		_, err = lt.add("unread", []int{2})
-		require.NoError(t, err)
-		l, err := lt.pin("read")
-		require.NoError(t, err)
-		lt.unpin(l) // its READ finished; the notification is still to come
+		lt.unpin(l, true) // its READ finished; the notification is still to come
 
 		waited := make(chan error, 1)
 		go func() { waited <- lt.waitDrained(t.Context()) }()
 		synctest.Wait()
 		require.Empty(t, waited, "a read lease is waited for")
-		done, err := lt.notify("read", consumer{"d", 0}, 1, ok)
+		done, err := lt.notifyExport("read", 1, consumer{"d", 0}, 1)
 		require.NoError(t, err)
 		require.True(t, done)
 		require.NoError(t, <-waited, "the unread lease is not waited for")
 
-		_, err = lt.pin("read")
+		_, err = lt.pinExport("read", 1)
 		require.ErrorIs(t, err, ErrLeaseExpired)
-		require.ErrorContains(t, err, `request "read": released: its 1 consumer(s) notified`)
+		require.ErrorContains(t, err, `request "read" export 0000000000000001 on rank 0: released: its 1 consumer(s) notified`)
+		st := lt.close()
+		require.Equal(t, drainStats{readsServed: 1, notified: 1, dropped: []string{"unread"}}, st)
 	})
 }

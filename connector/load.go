@@ -16,25 +16,38 @@ import (
 
 // load is one StartLoad in flight on the worker side.
 type load struct {
-	id     string
+	id string
+	// blocks are every local block of the request, reported for recompute
+	// when the load fails; dst are those written (blocks without the
+	// surplus), dst[i] receiving remote block hit+i.
 	blocks []int
+	dst    []int
+	hit    int
 	params *v1.KVTransferParams
 	plan   Plan
 	addrs  []string // address of every source of plan, same order
-	// reached[i]: the handshake with source i succeeded (set by load).
+	// exports[i] is source i's export (nil when the params carry none).
+	exports []*v1.RankExport
+	session uint64
+	// reached[i]: source i is to be notified (its handshake succeeded, or
+	// the load failed before any handshake).
 	reached []bool
 	cancel  context.CancelCauseFunc
 	done    chan struct{}
 }
 
 // StartLoad starts importing a request's KV into local blocks (vLLM
-// start_load_kv for one request). meta.local_block_ids are the local
-// blocks to fill, in token order; when shorter than remote_block_ids, the
-// leading blocks are a local prefix hit and only the tail is read; when
-// empty (full prefix hit) the prefill ranks are only notified. The result is
-// reported by GetFinished: in DoneRecving once every byte is in local pages
-// and every source was notified, or in Failed with the local block ids to
-// recompute. Synchronous errors (bad params, TP sizes that do not map, a
+// start_load_kv for one request). The alignment of meta.local_block_ids to
+// remote_block_ids is explicit (see AlignBlocks): remote block
+// remote_hit_blocks+i lands in local_block_ids[i]; the last
+// local_surplus_blocks local blocks are never written; with nothing to read
+// (a full prefix hit) the prefill ranks are only notified. Each source rank
+// is read through its own entry of params.rank_exports (its export id,
+// capability and block ids). The result is reported by GetFinished: in
+// DoneRecving once every byte is in local pages and every source was
+// notified, or in Failed with every local block id to recompute (also when
+// the params carry no export of a source rank). Synchronous errors (bad
+// params, blocks that cannot be aligned, TP sizes that do not map, a
 // request already loading) name the field and start nothing.
 func (r *Rank) StartLoad(ctx context.Context, meta *v1.ReqMeta) error {
 	if err := r.refuseIfDraining(); err != nil {
@@ -60,8 +73,9 @@ func (r *Rank) StartLoad(ctx context.Context, meta *v1.ReqMeta) error {
 			return fmt.Errorf("%w: local_block_ids: %w", ErrInvalidArgument, err)
 		}
 	}
-	if n, m := len(local), len(p.GetRemoteBlockIds()); n > m {
-		return fmt.Errorf("%w: %d local_block_ids for %d remote_block_ids: the local blocks must not outnumber the remote ones", ErrInvalidArgument, n, m)
+	hit, dst, err := AlignBlocks(meta)
+	if err != nil {
+		return err
 	}
 	plan, err := PlanRank(r.shape, int(p.GetTpSize()), r.cfg.TPSize, r.cfg.TPRank)
 	if err != nil {
@@ -71,13 +85,14 @@ func (r *Rank) StartLoad(ctx context.Context, meta *v1.ReqMeta) error {
 		return fmt.Errorf("%w: local block_len=%d, the TP mapping of prefill tp_size=%d to decode tp_size=%d needs %d",
 			ErrTPMapping, bl, p.GetTpSize(), r.cfg.TPSize, plan.LocalBlockLen)
 	}
-	l := &load{id: id, blocks: local, params: p, plan: plan, done: make(chan struct{})}
+	l := &load{id: id, blocks: local, dst: local[:dst], hit: hit, params: p, plan: plan, session: sessionOf(ctx), done: make(chan struct{})}
 	for _, s := range plan.Sources {
 		a, err := RankAddr(p, s.PrefillRank)
 		if err != nil {
 			return err
 		}
 		l.addrs = append(l.addrs, a)
+		l.exports = append(l.exports, ExportOf(p, s.PrefillRank))
 	}
 	lctx, cancel := context.WithCancelCause(r.ctx)
 	lctx, cancelTimeout := context.WithTimeoutCause(lctx, r.cfg.LoadTimeout,
@@ -150,13 +165,13 @@ func (r *Rank) runLoad(ctx context.Context, l *load) {
 	for _, b := range l.blocks {
 		delete(r.busy, b)
 	}
-	if err == nil {
-		r.recving = append(r.recving, l.id)
-	} else {
-		r.failed = append(r.failed, FailedLoad{RequestID: l.id, BlockIDs: l.blocks, Err: err})
-	}
-	r.signalLocked()
 	r.mu.Unlock()
+	if err == nil {
+		r.report(finishedItem{kind: itemRecv, id: l.id, session: l.session})
+	} else {
+		r.report(finishedItem{kind: itemFailed, id: l.id, session: l.session,
+			failed: FailedLoad{RequestID: l.id, BlockIDs: l.blocks, Err: err}})
+	}
 	r.m.loadsInFlight.Dec()
 	outcome := "done"
 	if err != nil {
@@ -185,9 +200,28 @@ func (r *Rank) targets(l *load) []handshake.Target {
 }
 
 // load handshakes with every source in parallel and READs every reading
-// source's slice of the tail blocks, in parallel. It marks in l.reached the
-// sources whose handshake succeeded: only those are notified afterwards.
+// source's slice of the blocks to read, in parallel, each through the
+// source's own export. It marks in l.reached the sources to notify
+// afterwards: those whose handshake succeeded.
 func (r *Rank) load(ctx context.Context, l *load) error {
+	l.reached = make([]bool, len(l.plan.Sources))
+	var missing []error
+	for i, s := range l.plan.Sources {
+		if l.exports[i] == nil {
+			missing = append(missing, &ParamsError{Field: "rank_exports", Value: fmt.Sprintf("ranks %v", exportRanks(l.params)),
+				Rule: fmt.Sprintf("no export of prefill rank %d, which holds heads of decode rank %d (prefill tp_size=%d, decode tp_size=%d): "+
+					"the params must carry every prefill rank's export (merge the ranks' RequestFinished params with MergeExports)",
+					s.PrefillRank, r.cfg.TPRank, l.params.GetTpSize(), r.cfg.TPSize)})
+		}
+	}
+	if len(missing) > 0 {
+		// Nothing is read; the sources whose export is known are told, so
+		// they free their blocks now.
+		for i := range l.reached {
+			l.reached[i] = l.exports[i] != nil
+		}
+		return fmt.Errorf("connector: load %q: %w", l.id, errors.Join(missing...))
+	}
 	ts := r.targets(l)
 	mds := make([]*handshake.Metadata, len(ts))
 	errs := make([]error, len(ts))
@@ -204,26 +238,29 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 		})
 	}
 	wg.Wait()
-	l.reached = make([]bool, len(ts))
 	for i, err := range errs {
 		l.reached[i] = err == nil
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("connector: load %q: %w", l.id, err)
 	}
-	remote := l.params.GetRemoteBlockIds()
-	remote = remote[len(remote)-len(l.blocks):]
-	if len(l.blocks) == 0 {
-		return nil // full prefix hit: notify only
-	}
-	if err := checkRemoteBlocks(l.params.GetRemoteBlockIds(), mds); err != nil {
-		return fmt.Errorf("connector: load %q: %w", l.id, err)
+	if len(l.dst) == 0 {
+		return nil // nothing to read (full prefix hit): notify only
 	}
 	for i, s := range l.plan.Sources {
 		if s.NotifyOnly {
 			continue
 		}
-		wg.Go(func() { errs[i] = r.readSource(ctx, l, s, ts[i], mds[i], remote) })
+		if err := checkRemoteBlocks(l.params, l.exports[i], mds[i]); err != nil {
+			return fmt.Errorf("connector: load %q: %w", l.id, err)
+		}
+	}
+	for i, s := range l.plan.Sources {
+		if s.NotifyOnly {
+			continue
+		}
+		remote := sourceBlocks(l.params, l.exports[i])[l.hit : l.hit+len(l.dst)]
+		wg.Go(func() { errs[i] = r.readSource(ctx, l, s, l.exports[i], ts[i], mds[i], remote) })
 	}
 	wg.Wait()
 	if err := errors.Join(errs...); err != nil {
@@ -232,31 +269,40 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 	return nil
 }
 
-// checkRemoteBlocks checks remote_block_ids against the block count every
-// source advertised, before anything is read: an id outside [1, num_blocks)
-// is a *ParamsError naming it (the prefill would refuse the descriptor as
-// outside its regions, or it would land in padding: never a read).
-func checkRemoteBlocks(ids []uint32, mds []*handshake.Metadata) error {
-	for _, md := range mds {
-		for i, id := range ids {
-			if id == 0 || int64(id) >= int64(md.NumBlocks) {
-				return &ParamsError{Field: fmt.Sprintf("remote_block_ids[%d]", i), Value: strconv.FormatUint(uint64(id), 10),
-					Rule: fmt.Sprintf("outside [1, %d) of prefill rank %d (num_blocks; block 0 is the null block)", md.NumBlocks, md.TPRank)}
+// checkRemoteBlocks checks export e's block ids against the block count
+// its rank advertised, before anything is read: an id outside
+// [1, num_blocks) is a *ParamsError naming it (the prefill would refuse the
+// descriptor as outside its regions, or it would land in padding: never a
+// read).
+func checkRemoteBlocks(p *v1.KVTransferParams, e *v1.RankExport, md *handshake.Metadata) error {
+	field := "remote_block_ids"
+	if len(e.GetBlockIds()) > 0 {
+		for k, x := range p.GetRankExports() {
+			if x == e {
+				field = fmt.Sprintf("rank_exports[%d].block_ids", k)
 			}
+		}
+	}
+	for i, id := range sourceBlocks(p, e) {
+		if id == 0 || int64(id) >= int64(md.NumBlocks) {
+			return &ParamsError{Field: fmt.Sprintf("%s[%d]", field, i), Value: strconv.FormatUint(uint64(id), 10),
+				Rule: fmt.Sprintf("outside [1, %d) of prefill rank %d (num_blocks; block 0 is the null block)", md.NumBlocks, md.TPRank)}
 		}
 	}
 	return nil
 }
 
-// readSource READs source s's slice of every tail block with the region
-// addresses of md. When a READ's connection died under it, the agent
-// redials and sends it again (transfer's redial rule), but first the
-// source is asked for its metadata on the new connection: a prefill
-// restarted on the same address is another incarnation whose regions lie
-// elsewhere, so the READ is not sent with its predecessor's addresses but
-// planned again from the new metadata, once. A READ moves bytes only into
-// this load's own blocks, so reading again is safe.
-func (r *Rank) readSource(ctx context.Context, l *load, s Source, t handshake.Target, md *handshake.Metadata, remote []uint32) error {
+// readSource READs source s's slice of every block to read (remote[k] into
+// l.dst[k]) through its export e, with the region addresses of md. When a
+// READ's connection died under it, the agent redials and sends it again
+// (transfer's redial rule), but first the source is asked for its metadata
+// on the new connection: a prefill restarted on the same address is another
+// incarnation whose regions lie elsewhere (and which holds no export of the
+// old one, so the READ is refused there with CODE_LEASE_EXPIRED), so the
+// READ is not sent with its predecessor's addresses but planned again from
+// the new metadata, once. A READ moves bytes only into this load's own
+// blocks, so reading again is safe.
+func (r *Rank) readSource(ctx context.Context, l *load, s Source, e *v1.RankExport, t handshake.Target, md *handshake.Metadata, remote []uint32) error {
 	for again := false; ; again = true {
 		var next *handshake.Metadata
 		onRedial := func(ctx context.Context) error {
@@ -272,31 +318,30 @@ func (r *Rank) readSource(ctx context.Context, l *load, s Source, t handshake.Ta
 			return fmt.Errorf("%w: prefill rank %d at %s restarted during the READ (incarnation %#x, now %#x)",
 				transfer.ErrUnavailable, md.TPRank, t.Addr, md.Incarnation, md2.Incarnation)
 		}
-		err := r.readRegions(ctx, l, s, t.Addr, md, remote, onRedial)
+		err := r.readRegions(ctx, l, s, e, t.Addr, md, remote, onRedial)
 		if next == nil || again {
 			return err
 		}
 		r.cfg.Logger.Info("prefill restarted during a READ; reading again with its new metadata", "request_id", l.id, "peer", t.Addr, "err", err)
-		if err := checkRemoteBlocks(l.params.GetRemoteBlockIds(), []*handshake.Metadata{next}); err != nil {
+		if err := checkRemoteBlocks(l.params, e, next); err != nil {
 			return err
 		}
 		md = next
 	}
 }
 
-// readRegions READs source s's slice of every tail block, region by region,
-// in batches of at most MaxDescsPerXfer descriptors; adjacent blocks that
-// are contiguous on both sides travel as one descriptor. onRedial is each
-// READ's Xfer.OnRedial.
-func (r *Rank) readRegions(ctx context.Context, l *load, s Source, addr string, md *handshake.Metadata, remote []uint32, onRedial func(context.Context) error) error {
+// readRegions READs source s's slice of every block to read through its
+// export e, region by region, in batches of at most MaxDescsPerXfer
+// descriptors; adjacent blocks that are contiguous on both sides travel as
+// one descriptor. onRedial is each READ's Xfer.OnRedial.
+func (r *Rank) readRegions(ctx context.Context, l *load, s Source, e *v1.RankExport, addr string, md *handshake.Metadata, remote []uint32, onRedial func(context.Context) error) error {
 	var loc, rem []transfer.Desc
 	flush := func() error {
 		if len(loc) == 0 {
 			return nil
 		}
-		_, err := r.agent.Transfer(ctx, &transfer.Xfer{Op: transfer.OpRead, Peer: addr,
-			RequestID: l.params.GetRemoteRequestId(), Capability: l.params.GetCapability(), Local: loc, Remote: rem,
-			OnRedial: onRedial})
+		_, err := r.agent.Transfer(ctx, &transfer.Xfer{Op: transfer.OpRead, Peer: addr, RequestID: l.params.GetRemoteRequestId(),
+			ExportID: e.GetExportId(), Capability: e.GetCapability(), Local: loc, Remote: rem, OnRedial: onRedial})
 		if err == nil {
 			var n uint64
 			for _, d := range loc {
@@ -309,7 +354,7 @@ func (r *Rank) readRegions(ctx context.Context, l *load, s Source, addr string, 
 	}
 	for ri, lr := range r.regions {
 		rr := md.Regions[ri]
-		for k, b := range l.blocks {
+		for k, b := range l.dst {
 			ld := transfer.Desc{Addr: lr.Base + lr.BlockOffset(b) + s.LocalOffset, Len: s.Len, DevID: uint32(lr.DevID)}
 			rd := transfer.Desc{Addr: rr.Base + rr.BlockOffset(int(remote[k])) + s.RemoteOffset, Len: s.Len, DevID: rr.DevID}
 			if n := len(loc); n > 0 && loc[n-1].Addr+loc[n-1].Len == ld.Addr && rem[n-1].Addr+rem[n-1].Len == rd.Addr &&
@@ -342,9 +387,10 @@ func (r *Rank) notifyAll(l *load) error {
 		if i >= len(l.reached) || !l.reached[i] {
 			continue
 		}
+		e := l.exports[i]
 		wg.Go(func() {
 			errs[i] = r.agent.Notify(ctx, addr, &v1.Notification{RequestId: l.params.GetRemoteRequestId(),
-				Capability: l.params.GetCapability(), ConsumerEngineId: r.cfg.EngineID,
+				ExportId: e.GetExportId(), Capability: e.GetCapability(), ConsumerEngineId: r.cfg.EngineID,
 				ConsumerTpRank: uint32(r.cfg.TPRank), ConsumerCount: uint32(l.plan.Consumers)})
 		})
 	}
@@ -354,11 +400,11 @@ func (r *Rank) notifyAll(l *load) error {
 			continue
 		}
 		r.cfg.Logger.Warn("notification failed", "request_id", l.id, "peer", l.addrs[i], "err", err)
-		if !l.plan.Sources[i].NotifyOnly && len(l.blocks) > 0 {
+		if !l.plan.Sources[i].NotifyOnly && len(l.dst) > 0 {
 			return fmt.Errorf("connector: load %q: prefill rank %d refused the notification, the bytes read may be stale: %w",
 				l.id, l.plan.Sources[i].PrefillRank, err)
 		}
-		if len(l.blocks) == 0 {
+		if len(l.dst) == 0 {
 			return fmt.Errorf("connector: load %q (full prefix hit): prefill rank %d: %w", l.id, l.plan.Sources[i].PrefillRank, err)
 		}
 	}
@@ -382,14 +428,19 @@ func (r *Rank) heartbeatLoop() {
 		byAddr := map[string]*v1.Heartbeat{}
 		r.mu.Lock()
 		for _, l := range r.loads {
-			for _, a := range l.addrs {
+			for i, a := range l.addrs {
+				e := l.exports[i]
+				if e == nil {
+					continue
+				}
 				hb := byAddr[a]
 				if hb == nil {
 					hb = &v1.Heartbeat{ConsumerEngineId: r.cfg.EngineID, ConsumerTpRank: uint32(r.cfg.TPRank)}
 					byAddr[a] = hb
 				}
 				hb.RequestIds = append(hb.RequestIds, l.params.GetRemoteRequestId())
-				hb.Capabilities = append(hb.Capabilities, l.params.GetCapability())
+				hb.ExportIds = append(hb.ExportIds, e.GetExportId())
+				hb.Capabilities = append(hb.Capabilities, e.GetCapability())
 			}
 		}
 		r.mu.Unlock()

@@ -67,7 +67,7 @@ func TestDeadSourceFailsWithinProgressDeadline(t *testing.T) {
 
 		prePC.KillAfter(1 << 20) // the handshake and the first MiB of the READ get through
 		start := time.Now()
-		require.NoError(t, dec.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "r", LocalBlockIds: localIDs, Params: params}))
+		require.NoError(t, dec.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "r", LocalBlockIds: localIDs, Params: params, RemoteHitBlocks: new(uint32(0))}))
 		f, err := dec.WaitFinished(t.Context())
 		require.NoError(t, err)
 		took := time.Since(start)

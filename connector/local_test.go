@@ -312,7 +312,7 @@ func TestLocalTransfer(t *testing.T) {
 	require.NotNil(t, params)
 	dst, err := dc.Alloc(t.Context(), 20)
 	require.NoError(t, err)
-	require.NoError(t, dc.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "req-1", LocalBlockIds: dst, Params: params}))
+	require.NoError(t, dc.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "req-1", LocalBlockIds: dst, Params: params, RemoteHitBlocks: new(uint32(0))}))
 
 	ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(30*time.Second)) // wallclock: real unix sockets and UDP; a generous scaled bound on the transfer
 	defer cancel()
@@ -460,7 +460,7 @@ func TestLocalEngineGone(t *testing.T) {
 			require.NoError(t, err)
 			_, err = c.Alloc(t.Context(), 100)
 			require.NoError(t, err)
-			require.NoError(t, c.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "req-gone", LocalBlockIds: dst, Params: params}))
+			require.NoError(t, c.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "req-gone", LocalBlockIds: dst, Params: params, RemoteHitBlocks: new(uint32(0))}))
 			st, err := c.Stats(t.Context())
 			require.NoError(t, err)
 			require.Equal(t, uint64(1), st.GetLoadsInFlight())

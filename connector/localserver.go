@@ -388,6 +388,12 @@ func (s *LocalServer) dispatch(st *connState, req *v1.LocalRequest) (*v1.LocalRe
 		}
 	}
 	pool, rank := cache.Pool, cache.Rank
+	session := s.eng.current()
+	ctx = withSession(ctx, session)
+	// Under coordinated ownership ranks 1..N-1 allocate nothing (rank 0
+	// does, for every rank): their engine's block ids are checked by the
+	// Rank against the pages rank 0 mapped here.
+	follower := cache.Create.GetOwnership() == v1.Ownership_OWNERSHIP_COORDINATED && cache.Create.GetTpRank() != 0
 	switch call := req.GetCall().(type) {
 	case *v1.LocalRequest_Alloc:
 		n := call.Alloc.GetCount()
@@ -405,24 +411,27 @@ func (s *LocalServer) dispatch(st *connState, req *v1.LocalRequest) (*v1.LocalRe
 		}
 		return &v1.LocalReply{Result: &v1.LocalReply_Alloc{Alloc: &v1.AllocBlocksReply{BlockIds: out}}}, nil
 	case *v1.LocalRequest_Free:
-		ids := make([]int, len(call.Free.GetBlockIds()))
-		for i, id := range call.Free.GetBlockIds() {
-			ids[i] = int(id)
+		if err := s.eng.checkOwned("block_ids", call.Free.GetBlockIds(), pool.NumBlocks()); err != nil && !follower {
+			return nil, err
 		}
+		ids := blockInts(call.Free.GetBlockIds())
 		if err := rank.FreeBlocks(ctx, ids); err != nil {
 			return nil, err
 		}
-		s.eng.removeBlocks(ids)
+		s.eng.freed(ids)
 		return &v1.LocalReply{}, nil
 	case *v1.LocalRequest_RequestFinished:
 		rf := call.RequestFinished
+		if err := s.eng.checkOwned("block_ids", rf.GetBlockIds(), pool.NumBlocks()); err != nil && !follower {
+			return nil, err
+		}
 		p, err := rank.RequestFinished(ctx, rf.GetRequestId(), rf.GetBlockIds(), rf.GetStatus(), rf.GetParams())
 		if err != nil {
 			return nil, err
 		}
 		if cache.Create.GetOwnership() != v1.Ownership_OWNERSHIP_COORDINATED {
 			// The Rank took the blocks over and frees them itself.
-			s.eng.removeBlocks(blockInts(rf.GetBlockIds()))
+			s.eng.takeOver(blockInts(rf.GetBlockIds()))
 		}
 		return &v1.LocalReply{Result: &v1.LocalReply_RequestFinished{RequestFinished: &v1.RequestFinishedReply{Params: p, DelayFree: p != nil}}}, nil
 	case *v1.LocalRequest_StartLoad:
@@ -432,7 +441,7 @@ func (s *LocalServer) dispatch(st *connState, req *v1.LocalRequest) (*v1.LocalRe
 		s.eng.addLoad(call.StartLoad.GetMeta().GetRequestId())
 		return &v1.LocalReply{}, nil
 	case *v1.LocalRequest_GetFinished:
-		f := rank.GetFinished()
+		f := rank.takeSession(session)
 		s.eng.removeLoads(f.DoneRecving...)
 		for _, fl := range f.Failed {
 			s.eng.removeLoads(fl.RequestID)
@@ -491,30 +500,44 @@ func (s *LocalServer) create(ctx context.Context, st *connState, req *v1.CreateK
 	}
 	if !st.attached {
 		st.attached = true
-		s.eng.attach()
+		if id, started := s.eng.attach(); started {
+			cache.Rank.beginSession(id)
+			s.cfg.Logger.Info("engine session started", "session", id)
+		}
 	}
 	return &v1.LocalReply{Result: &v1.LocalReply_Cache{Cache: cacheInfo(cache)}}, nil
 }
 
 // detach runs when a connection ends. When it was the last connection
-// attached to the cache, the engine is gone without freeing: every load it
-// started is aborted (Rank.Abort returns once the READ stopped) and the
-// blocks it allocated and still owns are freed. Blocks held under a prefill
-// lease are refused (ErrBusy) and skipped: under local ownership the Rank
-// frees them when the lease ends. Nothing is done while the server closes
-// (Close closes the rank and the pool).
+// attached to the cache, the engine session ends: every load it started is
+// aborted (Rank.Abort returns once the READ stopped) and the blocks it
+// allocated and still owns are freed. Blocks held under a prefill lease are
+// refused (ErrBusy) and skipped: under local ownership the Rank frees them
+// when the lease ends. The session's results that no GetFinished took (and
+// those that arrive later, such as a lease released afterwards) are logged
+// once and dropped: the next engine never sees them. Nothing is freed while
+// the server closes (Close closes the rank and the pool).
 func (s *LocalServer) detach(st *connState) {
 	if !st.attached {
 		return
 	}
-	blocks, loads, last := s.eng.detach()
-	if !last || (len(blocks) == 0 && len(loads) == 0) {
+	session, blocks, loads, last := s.eng.detach()
+	if !last {
 		return
 	}
 	s.mu.Lock()
 	closed, cache := s.closed, s.cache
 	s.mu.Unlock()
-	if closed || cache == nil {
+	if cache == nil {
+		return
+	}
+	defer func() {
+		if f := cache.Rank.endSession(session); len(f.ids()) > 0 {
+			s.cfg.Logger.Info("engine session ended: dropped its results no GetFinished took", "session", session,
+				"done_sending", len(f.DoneSending), "done_recving", len(f.DoneRecving), "failed", len(f.Failed), "request_ids", f.ids())
+		}
+	}()
+	if closed || (len(blocks) == 0 && len(loads) == 0) {
 		return
 	}
 	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.CallTimeout)

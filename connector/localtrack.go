@@ -2,6 +2,7 @@ package connector
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"slices"
 	"sync"
@@ -73,53 +74,109 @@ func (t *PageTracker) Snapshot() map[int]uint64 {
 	return maps.Clone(t.gen)
 }
 
-// engineState is what the local server remembers of the engine attached to
-// its cache, so it can release it when the engine goes away without
-// freeing: the blocks allocated through the local API and not yet freed or
-// taken over by the Rank, and the loads the engine started.
+// engineState is what the local server remembers of the engine session
+// attached to its cache (see session.go): its id, the blocks allocated
+// through the local API in this session and not freed by the engine (the
+// blocks its RequestFinished and Free may name), those of them that are
+// still the engine's to free (not taken over by the Rank), and the loads it
+// started, so the server can release them when the engine goes away
+// without freeing.
 type engineState struct {
-	mu       sync.Mutex
-	attached int                 // open connections that sent create
-	blocks   map[int]struct{}    // allocated through the server, still the engine's
-	loads    map[string]struct{} // request ids started via StartLoad
+	mu        sync.Mutex
+	attached  int                 // open connections that sent create
+	session   uint64              // current session; 0 before the first attach
+	last      uint64              // last session id handed out
+	allocated map[int]struct{}    // allocated in this session, not freed by the engine
+	blocks    map[int]struct{}    // of allocated: still the engine's to free
+	loads     map[string]struct{} // request ids started via StartLoad
 }
 
 func newEngineState() *engineState {
-	return &engineState{blocks: map[int]struct{}{}, loads: map[string]struct{}{}}
+	return &engineState{allocated: map[int]struct{}{}, blocks: map[int]struct{}{}, loads: map[string]struct{}{}}
 }
 
-func (e *engineState) attach() {
+// attach adds an attached connection and returns the session it belongs
+// to; started is true when it begins a new session.
+func (e *engineState) attach() (session uint64, started bool) {
 	e.mu.Lock()
-	e.attached++
-	e.mu.Unlock()
+	defer e.mu.Unlock()
+	if e.attached++; e.attached == 1 {
+		e.last++
+		e.session = e.last
+		started = true
+	}
+	return e.session, started
+}
+
+// current returns the live session, 0 when no engine is attached.
+func (e *engineState) current() uint64 {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.attached == 0 {
+		return 0
+	}
+	return e.session
 }
 
 // detach drops one attached connection; when it was the last one it
-// returns the engine's blocks (sorted) and loads and forgets them.
-func (e *engineState) detach() (blocks []int, loads []string, last bool) {
+// returns the session that ended with its blocks still the engine's
+// (sorted) and its loads, and forgets them.
+func (e *engineState) detach() (session uint64, blocks []int, loads []string, last bool) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.attached--; e.attached > 0 {
-		return nil, nil, false
+		return 0, nil, nil, false
 	}
 	blocks = slices.Sorted(maps.Keys(e.blocks))
 	loads = slices.Sorted(maps.Keys(e.loads))
+	clear(e.allocated)
 	clear(e.blocks)
 	clear(e.loads)
-	return blocks, loads, true
+	return e.session, blocks, loads, true
+}
+
+// checkOwned returns an error naming the first id of ids (field[i]) that
+// was not allocated in this session, or was freed since. Ids outside
+// [1, numBlocks) are left to the pool's range check, which names them
+// with their own code.
+func (e *engineState) checkOwned(field string, ids []uint32, numBlocks int) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for i, b := range ids {
+		if b == 0 || int(b) >= numBlocks {
+			continue
+		}
+		if _, ok := e.allocated[int(b)]; !ok {
+			return fmt.Errorf("%w: %s[%d]=%d was not allocated by this engine session on this rank (or it freed it since); nothing was changed",
+				ErrInvalidArgument, field, i, b)
+		}
+	}
+	return nil
 }
 
 func (e *engineState) addBlocks(ids []int) {
 	e.mu.Lock()
 	for _, b := range ids {
+		e.allocated[b] = struct{}{}
 		e.blocks[b] = struct{}{}
 	}
 	e.mu.Unlock()
 }
 
-func (e *engineState) removeBlocks(ids []int) {
+// takeOver records that the Rank took blocks over (it frees them).
+func (e *engineState) takeOver(ids []int) {
 	e.mu.Lock()
 	for _, b := range ids {
+		delete(e.blocks, b)
+	}
+	e.mu.Unlock()
+}
+
+// freed records that the engine freed blocks.
+func (e *engineState) freed(ids []int) {
+	e.mu.Lock()
+	for _, b := range ids {
+		delete(e.allocated, b)
 		delete(e.blocks, b)
 	}
 	e.mu.Unlock()

@@ -4,9 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strconv"
 
 	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
 
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
@@ -123,7 +125,160 @@ func ValidateRemotePrefill(p *v1.KVTransferParams) error {
 	if p.GetLeaseExpiresUnixMs() < 0 {
 		return &ParamsError{Field: "lease_expires_unix_ms", Value: strconv.FormatInt(p.GetLeaseExpiresUnixMs(), 10), Rule: "must not be negative"}
 	}
+	seen := make(map[uint32]int, len(p.GetRankExports()))
+	for i, e := range p.GetRankExports() {
+		field := func(f string) string { return fmt.Sprintf("rank_exports[%d].%s", i, f) }
+		switch {
+		case e.GetTpRank() >= tp:
+			return &ParamsError{Field: field("tp_rank"), Value: strconv.FormatUint(uint64(e.GetTpRank()), 10), Rule: fmt.Sprintf("must be below tp_size=%d", tp)}
+		case e.GetExportId() == 0:
+			return &ParamsError{Field: field("export_id"), Rule: "missing (0)"}
+		case len(e.GetCapability()) == 0:
+			return &ParamsError{Field: field("capability"), Rule: "missing"}
+		case len(e.GetBlockIds()) != 0 && len(e.GetBlockIds()) != len(p.GetRemoteBlockIds()):
+			return &ParamsError{Field: field("block_ids"), Value: fmt.Sprintf("%d entries", len(e.GetBlockIds())),
+				Rule: fmt.Sprintf("must be empty (the rank holds remote_block_ids) or hold one id per remote block (%d)", len(p.GetRemoteBlockIds()))}
+		}
+		if j, dup := seen[e.GetTpRank()]; dup {
+			return &ParamsError{Field: field("tp_rank"), Value: strconv.FormatUint(uint64(e.GetTpRank()), 10),
+				Rule: fmt.Sprintf("rank_exports[%d] names the same rank; each rank exports a request once", j)}
+		}
+		seen[e.GetTpRank()] = i
+	}
 	return nil
+}
+
+// ExportOf returns prefill rank r's entry of p.rank_exports, or nil.
+func ExportOf(p *v1.KVTransferParams, r int) *v1.RankExport {
+	for _, e := range p.GetRankExports() {
+		if int(e.GetTpRank()) == r {
+			return e
+		}
+	}
+	return nil
+}
+
+// exportRanks lists the ranks p carries an export of, sorted.
+func exportRanks(p *v1.KVTransferParams) []int {
+	out := make([]int, 0, len(p.GetRankExports()))
+	for _, e := range p.GetRankExports() {
+		out = append(out, int(e.GetTpRank()))
+	}
+	slices.Sort(out)
+	return out
+}
+
+// sourceBlocks returns the block ids of export e in token order: its own,
+// or remote_block_ids when it carries none.
+func sourceBlocks(p *v1.KVTransferParams, e *v1.RankExport) []uint32 {
+	if ids := e.GetBlockIds(); len(ids) > 0 {
+		return ids
+	}
+	return p.GetRemoteBlockIds()
+}
+
+// MergeExports merges the kv_transfer_params that the prefill ranks'
+// RequestFinished calls returned for one request into the params a proxy
+// hands to decode: every rank's entry of rank_exports, each rank's block
+// ids kept only where they differ from the base's (the part of rank 0, or
+// else the first part), whose remote_block_ids, addresses and incarnation
+// the result carries. lease_expires_unix_ms is the earliest of the parts
+// (every rank's lease must still hold). The parts must name the same
+// request, engine, tp_size and number of blocks, and no rank twice; an
+// error names the part and the field. Parts are not modified.
+func MergeExports(parts ...*v1.KVTransferParams) (*v1.KVTransferParams, error) {
+	if len(parts) == 0 {
+		return nil, &ParamsError{Field: "kv_transfer_params", Rule: "MergeExports needs at least one part"}
+	}
+	base := parts[0]
+	for _, p := range parts {
+		if ExportOf(p, 0) != nil {
+			base = p
+			break
+		}
+	}
+	out := proto.Clone(base).(*v1.KVTransferParams)
+	out.RankExports = nil
+	seen := map[uint32]int{}
+	for i, p := range parts {
+		bad := func(field, value, rule string) error {
+			return &ParamsError{Field: fmt.Sprintf("part %d: %s", i, field), Value: value, Rule: rule}
+		}
+		if err := ValidateRemotePrefill(p); err != nil {
+			return nil, fmt.Errorf("connector: MergeExports: part %d: %w", i, err)
+		}
+		switch {
+		case p.GetRemoteRequestId() != base.GetRemoteRequestId():
+			return nil, bad("remote_request_id", strconv.Quote(p.GetRemoteRequestId()), fmt.Sprintf("differs from %q", base.GetRemoteRequestId()))
+		case p.GetRemoteEngineId() != base.GetRemoteEngineId():
+			return nil, bad("remote_engine_id", strconv.Quote(p.GetRemoteEngineId()), fmt.Sprintf("differs from %q", base.GetRemoteEngineId()))
+		case p.GetTpSize() != base.GetTpSize():
+			return nil, bad("tp_size", strconv.FormatUint(uint64(p.GetTpSize()), 10), fmt.Sprintf("differs from %d", base.GetTpSize()))
+		case len(p.GetRemoteBlockIds()) != len(base.GetRemoteBlockIds()):
+			return nil, bad("remote_block_ids", fmt.Sprintf("%d entries", len(p.GetRemoteBlockIds())),
+				fmt.Sprintf("every rank holds the same %d token blocks", len(base.GetRemoteBlockIds())))
+		}
+		if p.GetLeaseExpiresUnixMs() != 0 && (out.GetLeaseExpiresUnixMs() == 0 || p.GetLeaseExpiresUnixMs() < out.GetLeaseExpiresUnixMs()) {
+			out.LeaseExpiresUnixMs = p.GetLeaseExpiresUnixMs()
+		}
+		for _, e := range p.GetRankExports() {
+			if j, dup := seen[e.GetTpRank()]; dup {
+				return nil, bad("rank_exports", fmt.Sprintf("rank %d", e.GetTpRank()), fmt.Sprintf("part %d exports the same rank", j))
+			}
+			seen[e.GetTpRank()] = i
+			m := proto.Clone(e).(*v1.RankExport)
+			if ids := sourceBlocks(p, e); slices.Equal(ids, out.GetRemoteBlockIds()) {
+				m.BlockIds = nil
+			} else {
+				m.BlockIds = slices.Clone(ids)
+			}
+			out.RankExports = append(out.RankExports, m)
+		}
+	}
+	slices.SortFunc(out.RankExports, func(a, b *v1.RankExport) int { return int(a.GetTpRank()) - int(b.GetTpRank()) })
+	return out, nil
+}
+
+// AlignBlocks returns how a load request lines its local blocks up with the
+// remote ones: hit leading remote blocks are not read, and remote block
+// hit+i lands in local_block_ids[i] for i < dst; the rest of the local
+// blocks (local_surplus_blocks) are never written. A request that cannot be
+// aligned is refused with ErrInvalidArgument naming the counts; blocks are
+// never shifted to make them fit.
+//
+// vLLM aligns implicitly, and only to the tail (v0.10.0,
+// vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py):
+// NixlConnectorScheduler.get_num_new_matched_tokens asks for every prompt
+// token past the local prefix hit, update_state_after_alloc passes
+// blocks.get_unhashed_block_ids() (every allocated block past the hit) as
+// the local block ids, and NixlConnectorWorker._read_blocks reads
+// remote_block_ids[-num_local_blocks:] into them, asserting that the local
+// blocks do not outnumber the remote ones. The scheduler's
+// KVCacheManager.allocate_slots call for such a request
+// (vllm/v1/core/sched/scheduler.py, Scheduler.schedule) also reserves
+// num_lookahead_tokens, which can add blocks past the prompt that
+// get_unhashed_block_ids includes. Here the decode states both numbers:
+// remote_hit_blocks is its prefix hit counted in remote blocks (vLLM's
+// num_computed_tokens / block_size) and local_surplus_blocks the trailing
+// blocks past the prompt.
+func AlignBlocks(meta *v1.ReqMeta) (hit, dst int, err error) {
+	l, r := len(meta.GetLocalBlockIds()), len(meta.GetParams().GetRemoteBlockIds())
+	s, h := int(meta.GetLocalSurplusBlocks()), int(meta.GetRemoteHitBlocks())
+	bad := func(format string, a ...any) (int, int, error) {
+		return 0, 0, fmt.Errorf("%w: %s", ErrInvalidArgument, fmt.Sprintf(format, a...))
+	}
+	switch {
+	case meta.RemoteHitBlocks == nil && l > 0:
+		return bad("remote_hit_blocks is required with %d local_block_ids: say how many leading remote blocks the decode already holds (0 for none)", l)
+	case s > l:
+		return bad("local_surplus_blocks=%d exceeds the %d local_block_ids", s, l)
+	case h > r:
+		return bad("remote_hit_blocks=%d exceeds the %d remote_block_ids", h, r)
+	case l > 0 && l-s != r-h:
+		return bad("local_block_ids (%d) minus local_surplus_blocks (%d) is %d blocks to fill, but remote_block_ids (%d) minus remote_hit_blocks (%d) is %d blocks to read: "+
+			"they cannot be aligned", l, s, l-s, r, h, r-h)
+	}
+	return h, l - s, nil
 }
 
 // RankAddr returns the QUIC address of prefill rank r from validated params:

@@ -2,6 +2,9 @@ package connector
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
 	"fmt"
 	"net"
 	"strconv"
@@ -10,18 +13,28 @@ import (
 	"github.com/kvsidecar/kvsidecar/internal/codes"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/transfer"
+	"github.com/kvsidecar/kvsidecar/vmm"
 )
 
 // RequestFinished is the scheduler side's hook when a prefill request
 // finishes (vLLM request_finished). When the request asked to keep its KV
 // for a remote decode (in.do_remote_decode) and stopped at its length cap
-// (prefill runs with max_tokens=1), the blocks are held under a lease and
-// the kv_transfer_params for decode are returned: tp_size, engine id, rank
-// addresses, remote request id, incarnation, capability and lease expiry.
-// For any other finish the blocks are released at once and nil is returned.
-// The Rank takes over blockIDs either way (freeing them itself under local
-// ownership; under coordinated ownership the engine frees them once the
-// request is in done_sending of every rank).
+// (prefill runs with max_tokens=1), the blocks are held under a lease (this
+// rank's export of the request) and the kv_transfer_params for decode are
+// returned: tp_size, engine id, rank addresses, remote request id,
+// incarnation, lease expiry and this rank's entry of rank_exports (its
+// export id and capability; its block ids are remote_block_ids). An engine
+// whose ranks export one request separately merges the ranks' params with
+// MergeExports before handing them to the proxy. For any other finish the
+// blocks are released at once and nil is returned.
+//
+// blockIDs must be blocks this rank holds now: allocated in its pool (under
+// coordinated ownership on rank 0; on ranks 1..N-1, whose pages rank 0
+// maps, their pages must be mapped). The first id that is not fails the
+// call naming it, and nothing is taken over. The Rank takes over blockIDs
+// either way (freeing them itself under local ownership; under coordinated
+// ownership the engine frees them once the request is in done_sending of
+// every rank).
 func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs []uint32, status v1.FinishStatus, in *v1.KVTransferParams) (*v1.KVTransferParams, error) {
 	if err := r.refuseIfDraining(); err != nil {
 		return nil, err
@@ -33,6 +46,9 @@ func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs [
 	if err != nil {
 		return nil, err
 	}
+	if err := r.checkHeld("block_ids", ids); err != nil {
+		return nil, err
+	}
 	host, port, err := rank0Addr(r.cfg.AdvertiseAddr, r.cfg.TPRank)
 	if len(r.cfg.RankAddrs) > 0 {
 		host, port, err = rank0Addr(r.cfg.RankAddrs[0], 0)
@@ -41,6 +57,7 @@ func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs [
 		return nil, err
 	}
 	hold := in.GetDoRemoteDecode() && status == v1.FinishStatus_FINISH_STATUS_LENGTH && len(ids) > 0
+	session := sessionOf(ctx)
 	// Take the blocks over only if no load writes into them and no free is
 	// in progress. A block may be in several requests (a shared prefix):
 	// each RequestFinished is one reference, and a block is freed when its
@@ -55,12 +72,26 @@ func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs [
 	}
 	r.mu.Unlock()
 	if !hold {
-		r.released(requestID, ids, false)
+		r.released(&lease{id: requestID, blocks: ids, session: session}, false)
 		r.m.requests.WithLabelValues("prefill", "freed_at_once").Inc()
 		return nil, nil
 	}
-	capab := r.capKey.Issue(requestID, blockIDs...)
-	expires, err := r.leases.add(requestID, ids)
+	var export uint64
+	var capab []byte
+	var expires time.Time
+	for {
+		export = newExportID()
+		ref := transfer.ExportRef{RequestID: requestID, TPRank: uint32(r.cfg.TPRank), ExportID: export}
+		expires, err = r.leases.add(requestID, export, ids, session, func() []byte {
+			capab = r.capKey.IssueExport(ref, blockIDs)
+			return capab
+		})
+		// A random 64-bit id is taken only by a live or recent export of
+		// this rank: draw again.
+		if !errors.Is(err, errExportTaken) {
+			break
+		}
+	}
 	if err != nil {
 		r.unref(ids) // not taken over: the blocks stay the engine's
 		return nil, err
@@ -74,12 +105,45 @@ func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs [
 		TpSize:             new(uint32(r.cfg.TPSize)),
 		RemoteRankAddrs:    append([]string(nil), r.cfg.RankAddrs...),
 		RemoteIncarnation:  r.incarnation,
-		Capability:         capab,
 		LeaseExpiresUnixMs: expires.UnixMilli(),
+		RankExports:        []*v1.RankExport{{TpRank: uint32(r.cfg.TPRank), ExportId: export, Capability: capab}},
 	}
 	out.RemoteHost, out.RemotePort = host, port
-	r.cfg.Logger.Debug("request held for decode", "request_id", requestID, "blocks", len(ids), "lease_expires", expires)
+	r.cfg.Logger.Debug("request held for decode", "request_id", requestID, "export_id", strconv.FormatUint(export, 16),
+		"blocks", len(ids), "lease_expires", expires)
 	return out, nil
+}
+
+// newExportID returns a random non-zero export id.
+func newExportID() uint64 {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return binary.LittleEndian.Uint64(b[:]) | 1
+}
+
+// checkHeld checks that this rank holds every block of ids now: allocated
+// in its pool, or, on a coordinated follower (rank 0 allocates, this rank
+// only maps what rank 0 tells it), on a mapped page. The error names the
+// first bad id and its position.
+func (r *Rank) checkHeld(field string, ids []int) error {
+	check := r.pool.CheckAllocated
+	rule := "allocated on this rank"
+	if r.cfg.Ownership == v1.Ownership_OWNERSHIP_COORDINATED && r.cfg.TPRank != 0 {
+		check = r.pool.CheckMapped
+		rule = "on a page rank 0 mapped on this rank"
+	}
+	err := check(ids)
+	var be *vmm.BlockError
+	if err == nil || !errors.As(err, &be) {
+		return err
+	}
+	for i, b := range ids {
+		if b == be.Block {
+			return fmt.Errorf("%w: %s[%d]=%d is not a block %s (%v); nothing was taken over",
+				ErrInvalidArgument, field, i, b, rule, be)
+		}
+	}
+	return fmt.Errorf("%w: %s: %w", ErrInvalidArgument, field, err)
 }
 
 // rank0Addr derives rank 0's host and port from rank r's address by the
@@ -97,9 +161,9 @@ func rank0Addr(addr string, rank int) (string, uint32, error) {
 }
 
 // leaseReleased is the lease table's callback.
-func (r *Rank) leaseReleased(id string, blocks []int, expired bool) {
-	r.m.blocksHeld.Sub(float64(len(blocks)))
-	r.released(id, blocks, expired)
+func (r *Rank) leaseReleased(l *lease, expired bool) {
+	r.m.blocksHeld.Sub(float64(len(l.blocks)))
+	r.released(l, expired)
 }
 
 // unref drops one reference of each block and returns the blocks whose
@@ -125,66 +189,112 @@ func (r *Rank) unrefLocked(blocks []int) []int {
 // the request's references, frees the blocks no other request holds under
 // local ownership (under coordinated ownership the engine frees them once
 // every rank reported done_sending), and reports the request in
-// done_sending.
-func (r *Rank) released(id string, blocks []int, expired bool) {
+// done_sending. A block the pool refuses to free does not keep the others:
+// they are freed one by one and the refused ones are logged.
+func (r *Rank) released(l *lease, expired bool) {
 	// Dropping the last reference and freeing are one step under r.mu: no
 	// RequestFinished can take a reference to a block about to be freed.
 	r.mu.Lock()
-	last := r.unrefLocked(blocks)
+	last := r.unrefLocked(l.blocks)
 	if len(last) > 0 && r.cfg.Ownership == v1.Ownership_OWNERSHIP_LOCAL {
 		if err := r.pool.Free(context.Background(), last); err != nil {
-			r.cfg.Logger.Error("freeing released blocks failed", "request_id", id, "blocks", len(last), "err", err)
+			var bad []int
+			for _, b := range last {
+				if r.pool.Free(context.Background(), []int{b}) != nil {
+					bad = append(bad, b)
+				}
+			}
+			r.cfg.Logger.Error("freeing released blocks failed", "request_id", l.id, "blocks", len(last), "refused", bad, "err", err)
 		}
 	}
 	r.mu.Unlock()
 	if expired {
 		r.m.leasesExpired.Inc()
 		r.m.requests.WithLabelValues("prefill", "lease_expired").Inc()
-		r.cfg.Logger.Warn("lease expired", "request_id", id, "blocks", len(blocks))
+		r.cfg.Logger.Warn("lease expired", "request_id", l.id, "blocks", len(l.blocks))
 	}
-	r.mu.Lock()
-	r.sending = append(r.sending, id)
-	r.signalLocked()
-	r.mu.Unlock()
+	r.report(finishedItem{kind: itemSent, id: l.id, session: l.session})
 }
 
 // authorize is the serving side's check of every READ before memory is
-// touched: the request holds a live lease here and the capability it
-// carries was issued for it and covers every block the descriptors touch.
-// The lease is pinned until release: if it expires or is notified while
-// the READ runs, its blocks are freed (and their pages unmapped) only after
-// the READ stopped reading them.
+// touched: the READ names an export this rank holds live; the capability
+// was issued for that export (request id, this rank, export id, its
+// blocks); every block the descriptors touch is a block of that export; and
+// every page they touch is mapped. A refusal names the request, the rank
+// and the first bad block, and moves no byte. The lease is pinned until
+// release: if it expires or is notified while the READ runs, its blocks are
+// freed (and their pages unmapped) only after the READ stopped reading
+// them.
 func (r *Rank) authorize(_ context.Context, a *transfer.Access) error {
 	if a.Op != transfer.OpRead {
-		return codes.New(v1.Code_CODE_CAPABILITY_DENIED, "connector: %s into exported blocks of request %q is not allowed", a.Op, a.RequestID)
+		return fmt.Errorf("%w: %s into exported blocks of request %q is not allowed", ErrCapabilityDenied, a.Op, a.RequestID)
 	}
-	l, err := r.leases.pin(a.RequestID)
+	l, err := r.leases.pin(exportRef{a.RequestID, a.ExportID}, func(l *lease) error {
+		if err := r.capKey.VerifyExport(a.Capability, r.exportRef(l), l.tokens()); err != nil {
+			return fmt.Errorf("connector: READ of request %q on rank %d: %w; no byte was read", l.id, r.cfg.TPRank, err)
+		}
+		for _, b := range a.BlockIDs {
+			if !l.has(b) {
+				return fmt.Errorf("%w: block %d is not in request %q's export %016x on rank %d; no byte was read",
+					ErrCapabilityDenied, b, l.id, l.export, r.cfg.TPRank)
+			}
+		}
+		blocks := make([]int, len(a.BlockIDs))
+		for i, b := range a.BlockIDs {
+			blocks[i] = int(b)
+		}
+		if err := r.pool.CheckMapped(blocks); err != nil {
+			var be *vmm.BlockError
+			if errors.As(err, &be) {
+				return codes.New(vmm.CodeOf(err), "connector: request %q export %016x on rank %d: block %d: its page is not mapped; no byte was read",
+					l.id, l.export, r.cfg.TPRank, be.Block)
+			}
+			return err
+		}
+		return nil
+	})
 	if err != nil {
-		return err
-	}
-	if err := r.capKey.Verify(a.Capability, a.RequestID, a.BlockIDs); err != nil {
-		r.leases.unpin(l)
+		r.cfg.Logger.Warn("READ refused", "peer", a.Peer, "request_id", a.RequestID, "export_id", strconv.FormatUint(a.ExportID, 16), "err", err)
 		return err
 	}
 	r.pinned.Store(a, l)
 	return nil
 }
 
+// exportRef names lease l for the capability key.
+func (r *Rank) exportRef(l *lease) transfer.ExportRef {
+	return transfer.ExportRef{RequestID: l.id, TPRank: uint32(r.cfg.TPRank), ExportID: l.export}
+}
+
 // release is the serving side's hook after an authorized READ stopped
 // touching memory: the lease's blocks may be freed from now on.
 func (r *Rank) release(a *transfer.Access) {
 	if l, ok := r.pinned.LoadAndDelete(a); ok {
-		r.leases.unpin(l.(*lease))
+		r.leases.unpin(l.(*lease), a.Err == nil)
 	}
 }
 
-// onNotification counts a consumer's notification; the last expected one
-// releases the lease.
+// abortServed resets every READ being served with err's code.
+func (r *Rank) abortServed(err error) int {
+	n := 0
+	r.pinned.Range(func(k, _ any) bool {
+		k.(*transfer.Access).Abort(err)
+		n++
+		return true
+	})
+	return n
+}
+
+// onNotification counts a consumer's notification of one export; the last
+// expected one releases the lease. A resent notification of a consumer
+// already counted is acknowledged.
 func (r *Rank) onNotification(_ context.Context, peer string, n *v1.Notification) error {
-	done, err := r.leases.notify(n.GetRequestId(), consumer{n.GetConsumerEngineId(), n.GetConsumerTpRank()}, int(n.GetConsumerCount()),
-		func() error { return r.capKey.Verify(n.GetCapability(), n.GetRequestId(), nil) })
+	ref := exportRef{n.GetRequestId(), n.GetExportId()}
+	done, err := r.leases.notify(ref, consumer{n.GetConsumerEngineId(), n.GetConsumerTpRank()}, int(n.GetConsumerCount()), n.GetCapability(),
+		func(l *lease) error { return r.capKey.VerifyExport(n.GetCapability(), r.exportRef(l), l.tokens()) })
 	if err != nil {
-		r.cfg.Logger.Warn("notification refused", "peer", peer, "request_id", n.GetRequestId(), "err", err)
+		r.cfg.Logger.Warn("notification refused", "peer", peer, "request_id", n.GetRequestId(),
+			"export_id", strconv.FormatUint(n.GetExportId(), 16), "err", err)
 		return err
 	}
 	if done {
@@ -194,28 +304,29 @@ func (r *Rank) onNotification(_ context.Context, peer string, n *v1.Notification
 }
 
 // onHeartbeat extends the leases a consumer is still reading: only those
-// whose capability (same position in the heartbeat) verifies, so a peer
-// cannot keep another request's blocks held by naming its id.
+// whose export and capability (same position in the heartbeat) verify, so a
+// peer cannot keep another export's blocks held by naming its request id.
 func (r *Rank) onHeartbeat(_ context.Context, peer string, hb *v1.Heartbeat) *v1.HeartbeatAck {
-	caps := hb.GetCapabilities()
-	ids := make([]string, 0, len(hb.GetRequestIds()))
-	pos := make([]int, 0, len(hb.GetRequestIds()))
+	caps, exports := hb.GetCapabilities(), hb.GetExportIds()
+	refs := make([]exportRef, len(hb.GetRequestIds()))
 	for i, id := range hb.GetRequestIds() {
-		if i >= len(caps) || r.capKey.Verify(caps[i], id, nil) != nil {
-			r.cfg.Logger.Debug("heartbeat without a valid capability ignored", "peer", peer, "request_id", id)
-			continue
+		refs[i].id = id
+		if i < len(exports) {
+			refs[i].export = exports[i]
 		}
-		ids, pos = append(ids, id), append(pos, i)
 	}
-	ext := r.leases.extend(ids)
-	dl := make([]time.Time, len(hb.GetRequestIds()))
-	for k, i := range pos {
-		dl[i] = ext[k]
-	}
+	dl := r.leases.extend(refs, func(i int, l *lease) error {
+		if i >= len(caps) {
+			return ErrCapabilityDenied
+		}
+		return r.capKey.VerifyExport(caps[i], r.exportRef(l), l.tokens())
+	})
 	ack := &v1.HeartbeatAck{LeaseExpiresUnixMs: make([]int64, len(dl))}
 	for i, t := range dl {
 		if !t.IsZero() {
 			ack.LeaseExpiresUnixMs[i] = t.UnixMilli()
+		} else {
+			r.cfg.Logger.Debug("heartbeat for an export not held here, or without its capability, ignored", "peer", peer, "request_id", refs[i].id)
 		}
 	}
 	return ack

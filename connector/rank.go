@@ -198,10 +198,9 @@ type Rank struct {
 	loads    map[string]*load
 	busy     map[int]blockUse // blocks a load writes into or a free is freeing
 	refs     map[int]int      // references to blocks taken over by RequestFinished
-	sending  []string
-	recving  []string
-	failed   []FailedLoad
-	changed  chan struct{} // closed and replaced when a finished item is added
+	items    []finishedItem   // results for GetFinished
+	sessions map[uint64]bool  // live engine sessions of the local API
+	changed  chan struct{}    // closed and replaced when a finished item is added
 	draining bool
 	closed   bool
 }
@@ -244,7 +243,7 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 		return nil, err
 	}
 	r := &Rank{cfg: c, pool: c.Pool, regions: c.Pool.Regions(), shape: shape, modelHash: handshake.ModelHash(c.Geometry),
-		capKey: transfer.NewCapabilityKeyFromSecret(c.CapabilitySecret), loads: map[string]*load{}, busy: map[int]blockUse{}, refs: map[int]int{}, changed: make(chan struct{})}
+		capKey: transfer.NewCapabilityKeyFromSecret(c.CapabilitySecret), loads: map[string]*load{}, busy: map[int]blockUse{}, refs: map[int]int{}, sessions: map[uint64]bool{}, changed: make(chan struct{})}
 	var inc [8]byte
 	_, _ = rand.Read(inc[:])
 	r.incarnation = binary.LittleEndian.Uint64(inc[:]) | 1
@@ -276,7 +275,7 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 		tc.Logger = c.Logger
 	}
 	// Everything a served request reaches exists before the agent listens.
-	r.leases = newLeaseTable(c.LeaseTTL, r.leaseReleased)
+	r.leases = newLeaseTable(c.LeaseTTL, c.TPRank, r.leaseReleased)
 	r.ctx, r.cancel = context.WithCancelCause(context.WithoutCancel(ctx))
 	fail := func(err error) (*Rank, error) {
 		r.cancel(err)
@@ -384,14 +383,7 @@ func (r *Rank) refuseIfDraining() error {
 func (r *Rank) GetFinished() Finished {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return r.takeLocked()
-}
-
-// takeLocked returns and forgets what finished; r.mu is held.
-func (r *Rank) takeLocked() Finished {
-	f := Finished{DoneSending: r.sending, DoneRecving: r.recving, Failed: r.failed}
-	r.sending, r.recving, r.failed = nil, nil, nil
-	return f
+	return r.takeLocked(nil)
 }
 
 // WaitFinished blocks until GetFinished has something to report, then
@@ -399,8 +391,8 @@ func (r *Rank) takeLocked() Finished {
 func (r *Rank) WaitFinished(ctx context.Context) (Finished, error) {
 	for {
 		r.mu.Lock()
-		if len(r.sending)+len(r.recving)+len(r.failed) > 0 {
-			f := r.takeLocked()
+		if len(r.items) > 0 {
+			f := r.takeLocked(nil)
 			r.mu.Unlock()
 			return f, nil
 		}

@@ -105,7 +105,7 @@ func (s *side) load(t testing.TB, id string, params *v1.KVTransferParams) []uint
 	t.Helper()
 	dst, err := s.e.Alloc(t.Context(), len(params.GetRemoteBlockIds()))
 	require.NoError(t, err)
-	require.NoError(t, s.e.StartLoad(t.Context(), &v1.ReqMeta{RequestId: id, LocalBlockIds: dst, Params: params}))
+	require.NoError(t, s.e.StartLoad(t.Context(), &v1.ReqMeta{RequestId: id, LocalBlockIds: dst, Params: params, RemoteHitBlocks: new(uint32(0))}))
 	return dst
 }
 
@@ -336,7 +336,8 @@ func TestFaultLeaseOrderWithHeartbeats(t *testing.T) {
 		ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(ttl/4))
 		defer cancel()
 		ack, err := hb.Heartbeat(ctx, addr, &v1.Heartbeat{RequestIds: []string{"A", "B"}, ConsumerEngineId: "hb", ConsumerTpRank: 0,
-			Capabilities: [][]byte{pa.GetCapability(), pa.GetCapability()}})
+			ExportIds:    []uint64{pa.GetRankExports()[0].GetExportId(), pa.GetRankExports()[0].GetExportId()},
+			Capabilities: [][]byte{pa.GetRankExports()[0].GetCapability(), pa.GetRankExports()[0].GetCapability()}})
 		require.NoError(t, err)
 		require.Len(t, ack.GetLeaseExpiresUnixMs(), 2)
 		require.Positive(t, ack.GetLeaseExpiresUnixMs()[0], "A's lease extended")
@@ -413,7 +414,7 @@ func TestFaultUnknownOrExpired(t *testing.T) {
 				require.NoError(t, err)
 				dec.e.fill(t, 99, dst)
 			}
-			require.NoError(t, dec.e.StartLoad(t.Context(), &v1.ReqMeta{RequestId: id, LocalBlockIds: dst, Params: tc.params}))
+			require.NoError(t, dec.e.StartLoad(t.Context(), &v1.ReqMeta{RequestId: id, LocalBlockIds: dst, Params: tc.params, RemoteHitBlocks: new(uint32(0))}))
 			f := dec.requireFailed(t, id, dst, 30*time.Second)
 			require.Contains(t, tc.codes, f.GetError().GetCode(), f.GetError().GetMessage())
 			if tc.local {
@@ -590,11 +591,11 @@ func TestFaultHandshakeNothingListening(t *testing.T) {
 	dec := startSide(t, env, "dec", 1024)
 	addr := FreeUDPAddrs(t, "127.0.0.1", 1)[0]
 	p := &v1.KVTransferParams{DoRemotePrefill: true, RemoteEngineId: "ghost", RemoteRequestId: "r", RemoteBlockIds: []uint32{1, 2},
-		TpSize: new(uint32(1)), RemoteRankAddrs: []string{addr}, Capability: []byte("x")}
+		TpSize: new(uint32(1)), RemoteRankAddrs: []string{addr}, RankExports: []*v1.RankExport{{ExportId: 1, Capability: []byte("x")}}}
 	dst, err := dec.e.Alloc(t.Context(), 2)
 	require.NoError(t, err)
 	start := time.Now()
-	require.NoError(t, dec.e.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "r", LocalBlockIds: dst, Params: p}))
+	require.NoError(t, dec.e.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "r", LocalBlockIds: dst, Params: p, RemoteHitBlocks: new(uint32(0))}))
 	f := dec.requireFailed(t, "r", dst, transfer.DefaultHandshakeTimeout+slack)
 	took := time.Since(start)
 	require.Less(t, took, testutil.Scaled(transfer.DefaultHandshakeTimeout+slack))

@@ -151,9 +151,10 @@ func (p *rawPeer) send(t testing.TB, req *v1.PeerRequest, readLen uint64) rawRep
 	return out
 }
 
-// read is a READ request for descs under requestID's capability.
-func readReq(requestID string, capability []byte, descs ...transfer.Desc) *v1.PeerRequest {
-	x := &v1.XferRequest{Op: v1.XferOp_XFER_OP_READ, RequestId: requestID, Capability: capability, XferId: 1,
+// readReq is a READ request for descs of requestID's export, under its
+// capability.
+func readReq(requestID string, export uint64, capability []byte, descs ...transfer.Desc) *v1.PeerRequest {
+	x := &v1.XferRequest{Op: v1.XferOp_XFER_OP_READ, RequestId: requestID, ExportId: export, Capability: capability, XferId: 1,
 		Descs: &v1.XferRequest_List{List: descList(descs...)}}
 	for _, d := range descs {
 		x.TotalLen += d.Len

@@ -12,6 +12,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/internal/kvgen"
 	"github.com/kvsidecar/kvsidecar/internal/testutil"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
@@ -137,14 +138,14 @@ func TestFaultPrefillAcrossNetns(t *testing.T) {
 		require.Equal(t, src, ids, "lockstep allocation")
 		pre[r].e.fillShape(t, kvgen.Shape{BlockSize: 16, RowBytes: 128, FirstHead: 4 * r, Heads: 4}, key, ids)
 	}
-	var params *v1.KVTransferParams
+	var parts []*v1.KVTransferParams
 	for r := range pre {
 		p, err := pre[r].e.RequestFinished(t.Context(), "req", src, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
 		require.NoError(t, err)
-		if r == 0 {
-			params = p
-		}
+		parts = append(parts, p)
 	}
+	params, err := connector.MergeExports(parts...)
+	require.NoError(t, err)
 	require.Equal(t, rankAddrs, params.GetRemoteRankAddrs(), "the params carry every prefill rank's node address")
 
 	dec := make([]*side, 4)

@@ -36,7 +36,7 @@ func prefillRequest(t testing.TB, pe *engine, id string, key uint64, n int) ([]u
 // for the request to finish; it returns the failure, nil when done.
 func (e *engine) load(t testing.TB, id string, dst []uint32, p *v1.KVTransferParams) *v1.FailedRequest {
 	t.Helper()
-	require.NoError(t, e.StartLoad(t.Context(), &v1.ReqMeta{RequestId: id, LocalBlockIds: dst, Params: p}))
+	require.NoError(t, e.StartLoad(t.Context(), &v1.ReqMeta{RequestId: id, LocalBlockIds: dst, Params: p, RemoteHitBlocks: new(uint32(0))}))
 	var failed *v1.FailedRequest
 	done := false
 	e.waitFinished(t, 30*time.Second, func(f *v1.GetFinishedReply) bool {
@@ -109,9 +109,11 @@ func TestHostilePeer(t *testing.T) {
 
 	raw := dialRaw(t, addr, tlsConf)
 	a0, b0 := blockDesc(md, 0, srcA[0]), blockDesc(md, 0, srcB[0])
+	ea, eb := pa.GetRankExports()[0], pb.GetRankExports()[0]
+	exA, capA, exB := ea.GetExportId(), ea.GetCapability(), eb.GetExportId()
 	control := func(t *testing.T) {
 		t.Helper()
-		rep := raw.send(t, readReq("req-a", pa.GetCapability(), a0), bl)
+		rep := raw.send(t, readReq("req-a", exA, capA, a0), bl)
 		require.Equal(t, v1.Code_CODE_OK, rep.Code, rep.Msg)
 		require.Equal(t, bl, rep.Final.GetBytes())
 		bad, first := kvgen.CheckBlock(rep.Data, shape, keyA, 0, 0)
@@ -131,17 +133,16 @@ func TestHostilePeer(t *testing.T) {
 	}
 	indexed := func(list uint64, capab []byte, idx ...uint32) *v1.PeerRequest {
 		return &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1, Body: &v1.PeerRequest_Xfer{Xfer: &v1.XferRequest{
-			Op: v1.XferOp_XFER_OP_READ, RequestId: "req-a", Capability: capab, TotalLen: bl * uint64(len(idx)),
+			Op: v1.XferOp_XFER_OP_READ, RequestId: "req-a", ExportId: exA, Capability: capab, TotalLen: bl * uint64(len(idx)),
 			Descs: &v1.XferRequest_Indexed{Indexed: &v1.IndexedDescs{DlistId: list, Indices: idx}}}}}
 	}
 	with := func(req *v1.PeerRequest, f func(x *v1.XferRequest)) *v1.PeerRequest {
 		f(req.GetXfer())
 		return req
 	}
-	capA := pa.GetCapability()
 	tampered := append([]byte(nil), capA...)
 	tampered[len(tampered)-1] ^= 1
-	forged := transfer.NewCapabilityKey().Issue("req-b", srcB...)
+	forged := transfer.NewCapabilityKey().IssueExport(transfer.ExportRef{RequestID: "req-b", ExportID: exB}, srcB)
 	r0 := md.Regions[0]
 
 	tests := []struct {
@@ -150,33 +151,35 @@ func TestHostilePeer(t *testing.T) {
 		code v1.Code
 		msg  string
 	}{
-		{"past the last region", readReq("req-a", capA, transfer.Desc{Addr: hi, Len: bl}), v1.Code_CODE_OUT_OF_RANGE, "not inside one registered region"},
-		{"below the first region", readReq("req-a", capA, transfer.Desc{Addr: lo - bl, Len: bl}), v1.Code_CODE_OUT_OF_RANGE, "not inside one registered region"},
-		{"across a region's end", readReq("req-a", capA, transfer.Desc{Addr: r0.Base + r0.Len - bl/2, Len: bl}), v1.Code_CODE_OUT_OF_RANGE, "not inside one registered region"},
-		{"other device", readReq("req-a", capA, transfer.Desc{Addr: a0.Addr, Len: bl, DevID: a0.DevID + 1}), v1.Code_CODE_OUT_OF_RANGE, "on device"},
-		{"addr+len overflows", readReq("req-a", capA, transfer.Desc{Addr: math.MaxUint64 - 10, Len: 100}), v1.Code_CODE_OUT_OF_RANGE, "overflows"},
-		{"len overflows from a valid block", readReq("req-a", capA, transfer.Desc{Addr: a0.Addr, Len: math.MaxUint64 - a0.Addr + 1}), v1.Code_CODE_OUT_OF_RANGE, "overflows"},
-		{"valid block then out of range", readReq("req-a", capA, a0, transfer.Desc{Addr: hi, Len: bl}), v1.Code_CODE_OUT_OF_RANGE, "descriptor 1"},
-		{"zero length", readReq("req-a", capA, transfer.Desc{Addr: a0.Addr, Len: 0}), v1.Code_CODE_INVALID_ARGUMENT, "length must be > 0"},
-		{"no descriptors", readReq("req-a", capA), v1.Code_CODE_INVALID_ARGUMENT, "names 0 descriptors"},
-		{"total_len lies", with(readReq("req-a", capA, a0), func(x *v1.XferRequest) { x.TotalLen = 1 }), v1.Code_CODE_INVALID_ARGUMENT, "total_len 1"},
-		{"op unspecified", with(readReq("req-a", capA, a0), func(x *v1.XferRequest) { x.Op = 0 }), v1.Code_CODE_INVALID_ARGUMENT, "neither READ nor WRITE"},
-		{"WRITE into exported blocks", with(readReq("req-a", capA, a0), func(x *v1.XferRequest) { x.Op = v1.XferOp_XFER_OP_WRITE }), v1.Code_CODE_CAPABILITY_DENIED, "not allowed"},
-		{"blocks of B under A's capability", readReq("req-a", capA, b0), v1.Code_CODE_CAPABILITY_DENIED, "not covered"},
-		{"A's block plus one of B", readReq("req-a", capA, a0, b0), v1.Code_CODE_CAPABILITY_DENIED, "not covered"},
-		{"A's capability presented for B", readReq("req-b", capA, b0), v1.Code_CODE_CAPABILITY_DENIED, "not valid for request"},
-		{"forged with another key", readReq("req-b", forged, b0), v1.Code_CODE_CAPABILITY_DENIED, "not valid for request"},
-		{"tampered tag", readReq("req-a", tampered, a0), v1.Code_CODE_CAPABILITY_DENIED, "not valid for request"},
-		{"malformed capability", readReq("req-a", []byte("let me in"), a0), v1.Code_CODE_INVALID_ARGUMENT, "malformed"},
-		{"no capability", readReq("req-a", nil, a0), v1.Code_CODE_INVALID_ARGUMENT, "malformed"},
-		{"unknown request", readReq("req-ghost", forged, a0), v1.Code_CODE_NOT_FOUND, "req-ghost"},
-		{"indexed: B's block under A's capability", indexed(3, capA, 0), v1.Code_CODE_CAPABILITY_DENIED, "not covered"},
+		{"past the last region", readReq("req-a", exA, capA, transfer.Desc{Addr: hi, Len: bl}), v1.Code_CODE_OUT_OF_RANGE, "not inside one registered region"},
+		{"below the first region", readReq("req-a", exA, capA, transfer.Desc{Addr: lo - bl, Len: bl}), v1.Code_CODE_OUT_OF_RANGE, "not inside one registered region"},
+		{"across a region's end", readReq("req-a", exA, capA, transfer.Desc{Addr: r0.Base + r0.Len - bl/2, Len: bl}), v1.Code_CODE_OUT_OF_RANGE, "not inside one registered region"},
+		{"other device", readReq("req-a", exA, capA, transfer.Desc{Addr: a0.Addr, Len: bl, DevID: a0.DevID + 1}), v1.Code_CODE_OUT_OF_RANGE, "on device"},
+		{"addr+len overflows", readReq("req-a", exA, capA, transfer.Desc{Addr: math.MaxUint64 - 10, Len: 100}), v1.Code_CODE_OUT_OF_RANGE, "overflows"},
+		{"len overflows from a valid block", readReq("req-a", exA, capA, transfer.Desc{Addr: a0.Addr, Len: math.MaxUint64 - a0.Addr + 1}), v1.Code_CODE_OUT_OF_RANGE, "overflows"},
+		{"valid block then out of range", readReq("req-a", exA, capA, a0, transfer.Desc{Addr: hi, Len: bl}), v1.Code_CODE_OUT_OF_RANGE, "descriptor 1"},
+		{"zero length", readReq("req-a", exA, capA, transfer.Desc{Addr: a0.Addr, Len: 0}), v1.Code_CODE_INVALID_ARGUMENT, "length must be > 0"},
+		{"no descriptors", readReq("req-a", exA, capA), v1.Code_CODE_INVALID_ARGUMENT, "names 0 descriptors"},
+		{"total_len lies", with(readReq("req-a", exA, capA, a0), func(x *v1.XferRequest) { x.TotalLen = 1 }), v1.Code_CODE_INVALID_ARGUMENT, "total_len 1"},
+		{"op unspecified", with(readReq("req-a", exA, capA, a0), func(x *v1.XferRequest) { x.Op = 0 }), v1.Code_CODE_INVALID_ARGUMENT, "neither READ nor WRITE"},
+		{"WRITE into exported blocks", with(readReq("req-a", exA, capA, a0), func(x *v1.XferRequest) { x.Op = v1.XferOp_XFER_OP_WRITE }), v1.Code_CODE_CAPABILITY_DENIED, "not allowed"},
+		{"blocks of B under A's export", readReq("req-a", exA, capA, b0), v1.Code_CODE_CAPABILITY_DENIED, `is not in request "req-a"'s export`},
+		{"A's block plus one of B", readReq("req-a", exA, capA, a0, b0), v1.Code_CODE_CAPABILITY_DENIED, `is not in request "req-a"'s export`},
+		{"A's export named for B", readReq("req-b", exA, capA, b0), v1.Code_CODE_CAPABILITY_DENIED, "belongs to another request"},
+		{"A's capability presented for B's export", readReq("req-b", exB, capA, b0), v1.Code_CODE_CAPABILITY_DENIED, "not valid for export"},
+		{"forged with another key", readReq("req-b", exB, forged, b0), v1.Code_CODE_CAPABILITY_DENIED, "not valid for export"},
+		{"tampered tag", readReq("req-a", exA, tampered, a0), v1.Code_CODE_CAPABILITY_DENIED, "not valid for export"},
+		{"malformed capability", readReq("req-a", exA, []byte("let me in"), a0), v1.Code_CODE_INVALID_ARGUMENT, "not an export capability"},
+		{"no capability", readReq("req-a", exA, nil, a0), v1.Code_CODE_INVALID_ARGUMENT, "not an export capability"},
+		{"no export named", readReq("req-a", 0, capA, a0), v1.Code_CODE_CAPABILITY_DENIED, "names no export"},
+		{"unknown export", readReq("req-ghost", exA^0xffff, forged, a0), v1.Code_CODE_LEASE_EXPIRED, "req-ghost"},
+		{"indexed: B's block under A's export", indexed(3, capA, 0), v1.Code_CODE_CAPABILITY_DENIED, `is not in request "req-a"'s export`},
 		{"indexed: beyond the list", indexed(2, capA, 0, 5), v1.Code_CODE_OUT_OF_RANGE, "beyond descriptor list"},
 		{"indexed: unprepared list", indexed(9, capA, 0), v1.Code_CODE_NOT_FOUND, "not prepared"},
 		{"prepare outside regions", prep(4, transfer.Desc{Addr: hi, Len: bl}), v1.Code_CODE_OUT_OF_RANGE, "not inside one registered region"},
 		{"prepare overflowing", prep(5, transfer.Desc{Addr: a0.Addr, Len: math.MaxUint64}), v1.Code_CODE_OUT_OF_RANGE, "overflows"},
 		{"prepare zero length", prep(6, transfer.Desc{Addr: a0.Addr}), v1.Code_CODE_INVALID_ARGUMENT, "length must be > 0"},
-		{"wire version 0", &v1.PeerRequest{Body: readReq("req-a", capA, a0).GetBody()}, v1.Code_CODE_INCOMPATIBLE_MODEL, "wire version"},
+		{"wire version 0", &v1.PeerRequest{Body: readReq("req-a", exA, capA, a0).GetBody()}, v1.Code_CODE_INCOMPATIBLE_MODEL, "wire version"},
 	}
 	failuresBefore := metricWith(t, pre, "kvsidecar_transfer_failures_total")
 	refusedXfers := 0
@@ -239,7 +242,7 @@ func TestUntrustedClient(t *testing.T) {
 	pe := attach(t, pre, 256)
 	idle := pe.stats(t).GetPagesMapped()
 	src, p := prefillRequest(t, pe, "req-u", 3, 2)
-	addr := rankAddr(p)
+	addr, e := rankAddr(p), p.GetRankExports()[0]
 	good := peerTLS(t, env, "trusted")
 
 	other, err := devtls.NewCA()
@@ -272,7 +275,7 @@ func TestUntrustedClient(t *testing.T) {
 			require.NoError(t, ctx.Err(), "refused, not timed out")
 			require.ErrorContains(t, err, "certificate", "the TLS alert says why")
 			require.Equal(t, v1.Code_CODE_UNAVAILABLE, codes.Of(err), "%v", err)
-			_, err = a.Transfer(ctx, &transfer.Xfer{Op: transfer.OpRead, Peer: addr, RequestID: "req-u", Capability: p.GetCapability(),
+			_, err = a.Transfer(ctx, &transfer.Xfer{Op: transfer.OpRead, Peer: addr, RequestID: "req-u", ExportID: e.GetExportId(), Capability: e.GetCapability(),
 				Local: []transfer.Desc{{Addr: uint64(uintptr(unsafe.Pointer(&local[0]))), Len: uint64(len(local))}}, Remote: []transfer.Desc{{Addr: 1 << 40, Len: uint64(len(local))}}})
 			require.Error(t, err)
 			require.NoError(t, ctx.Err(), "refused, not timed out")
@@ -289,12 +292,12 @@ func TestUntrustedClient(t *testing.T) {
 	require.Equal(t, "prefill-u", md.EngineID)
 	ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(20*time.Second))
 	defer cancel()
-	_, err = ca.Transfer(ctx, &transfer.Xfer{Op: transfer.OpRead, Peer: addr, RequestID: "req-u", Capability: p.GetCapability(),
+	_, err = ca.Transfer(ctx, &transfer.Xfer{Op: transfer.OpRead, Peer: addr, RequestID: "req-u", ExportID: e.GetExportId(), Capability: e.GetCapability(),
 		Local: []transfer.Desc{{Addr: uint64(uintptr(unsafe.Pointer(&local[0]))), Len: uint64(len(local))}}, Remote: []transfer.Desc{blockDesc(md, 0, src[0])}})
 	require.NoError(t, err)
 	bad, first := kvgen.CheckBlock(local, shape, 3, 0, 0)
 	require.Zero(t, bad, "%d bytes differ, first at %d", bad, first)
-	require.NoError(t, ca.Notify(ctx, addr, &v1.Notification{RequestId: "req-u", Capability: p.GetCapability(),
+	require.NoError(t, ca.Notify(ctx, addr, &v1.Notification{RequestId: "req-u", ExportId: e.GetExportId(), Capability: e.GetCapability(),
 		ConsumerEngineId: "trusted", ConsumerCount: 1}))
 	pe.waitSent(t, 30*time.Second, "req-u")
 	st := pe.stats(t)
@@ -337,6 +340,8 @@ func TestBadParams(t *testing.T) {
 			tp := uint32(2)
 			p.TpSize = &tp
 			p.RemoteRankAddrs = []string{rankAddr(p), rankAddr(p)}
+			e := p.GetRankExports()[0]
+			p.RankExports = append(p.RankExports, &v1.RankExport{TpRank: 1, ExportId: e.GetExportId(), Capability: e.GetCapability()})
 		}, false, v1.Code_CODE_TP_MISMATCH, "tp_size=2"},
 		{"remote_rank_addrs short", func(p *v1.KVTransferParams) {
 			tp := uint32(2)
@@ -345,10 +350,10 @@ func TestBadParams(t *testing.T) {
 		}, true, v1.Code_CODE_INVALID_ARGUMENT, "remote_rank_addrs"},
 		{"remote block id beyond num_blocks", func(p *v1.KVTransferParams) { p.RemoteBlockIds[n-1] = 5000 }, false, v1.Code_CODE_INVALID_ARGUMENT, "remote_block_ids[3]=5000"},
 		{"remote block id beyond the regions", func(p *v1.KVTransferParams) { p.RemoteBlockIds[0] = math.MaxUint32 }, false, v1.Code_CODE_INVALID_ARGUMENT, "remote_block_ids[0]=4294967295"},
-		{"remote block id of no request", func(p *v1.KVTransferParams) { p.RemoteBlockIds[1] = 1000 }, false, v1.Code_CODE_CAPABILITY_DENIED, "not covered"},
+		{"remote block id of no request", func(p *v1.KVTransferParams) { p.RemoteBlockIds[1] = 1000 }, false, v1.Code_CODE_CAPABILITY_DENIED, "is not in request"},
 		{"remote_engine_id unknown", func(p *v1.KVTransferParams) { p.RemoteEngineId = "prefill-nope" }, false, v1.Code_CODE_NOT_FOUND, `remote_engine_id="prefill-nope"`},
 		{"remote_engine_id missing", func(p *v1.KVTransferParams) { p.RemoteEngineId = "" }, true, v1.Code_CODE_INVALID_ARGUMENT, "remote_engine_id"},
-		{"remote_request_id unknown", func(p *v1.KVTransferParams) { p.RemoteRequestId = "ghost" }, false, v1.Code_CODE_NOT_FOUND, "ghost"},
+		{"remote_request_id unknown", func(p *v1.KVTransferParams) { p.RemoteRequestId = "ghost" }, false, v1.Code_CODE_CAPABILITY_DENIED, "ghost"},
 	}
 	var ids []string
 	for i, tc := range tests {
@@ -358,7 +363,7 @@ func TestBadParams(t *testing.T) {
 			_, p := prefillRequest(t, pe, id, uint64(100+i), n)
 			tc.edit(p)
 			served := metricWith(t, pre, "kvsidecar_transfer_bytes_total", `role="server"`)
-			meta := &v1.ReqMeta{RequestId: id, LocalBlockIds: dst, Params: p}
+			meta := &v1.ReqMeta{RequestId: id, LocalBlockIds: dst, Params: p, RemoteHitBlocks: new(uint32(0))}
 			if tc.sync {
 				err := de.StartLoad(t.Context(), meta)
 				require.Equal(t, tc.code, codes.Of(err), "%v", err)

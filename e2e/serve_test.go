@@ -129,7 +129,7 @@ func TestServeTransfer(t *testing.T) {
 
 	dst, err := de.Alloc(t.Context(), 100)
 	require.NoError(t, err)
-	require.NoError(t, de.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "req-1", LocalBlockIds: dst, Params: params}))
+	require.NoError(t, de.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "req-1", LocalBlockIds: dst, Params: params, RemoteHitBlocks: new(uint32(0))}))
 	de.waitFinished(t, 30*time.Second, func(f *v1.GetFinishedReply) bool {
 		require.Empty(t, f.GetFailed())
 		return len(f.GetDoneRecving()) == 1
@@ -217,7 +217,7 @@ func TestServeSIGTERM(t *testing.T) {
 	require.NoError(t, err)
 	dst, err := de.Alloc(t.Context(), n)
 	require.NoError(t, err)
-	require.NoError(t, de.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "big", LocalBlockIds: dst, Params: params}))
+	require.NoError(t, de.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "big", LocalBlockIds: dst, Params: params, RemoteHitBlocks: new(uint32(0))}))
 	start := time.Now()
 	pre.Signal(t, syscall.SIGTERM)
 

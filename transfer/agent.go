@@ -227,7 +227,13 @@ func (a *Agent) regionSet() regionSet {
 // Close closes every connection, the listener and the socket, and waits for
 // the agent's goroutines. Transfers in flight fail with ErrUnavailable. A
 // second Close returns an error wrapping net.ErrClosed.
-func (a *Agent) Close() error {
+func (a *Agent) Close() error { return a.CloseWithReason(v1.Code_CODE_OK, "agent closing") }
+
+// CloseWithReason is Close, telling every peer why: its connections are
+// closed with code as the QUIC application error code and reason as the
+// reason phrase, which the peer's errors quote (e.g. a draining sidecar
+// whose deadline passed).
+func (a *Agent) CloseWithReason(code v1.Code, reason string) error {
 	a.mu.Lock()
 	if a.closed {
 		a.mu.Unlock()
@@ -250,7 +256,7 @@ func (a *Agent) Close() error {
 	a.mu.Unlock()
 	a.cancel(fmt.Errorf("transfer: agent closed: %w", net.ErrClosed))
 	for _, c := range conns {
-		_ = c.CloseWithError(0, "agent closing")
+		_ = c.CloseWithError(quic.ApplicationErrorCode(code), reason)
 	}
 	if a.ln != nil {
 		_ = a.ln.Close()

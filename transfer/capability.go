@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/binary"
+	"fmt"
 	"slices"
 
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
@@ -123,4 +124,62 @@ func decodeCapability(b []byte) ([]uint32, error) {
 		return nil, errorf(v1.Code_CODE_INVALID_ARGUMENT, "capability has %d trailing bytes", len(body))
 	}
 	return ids, nil
+}
+
+// ExportRef names one export: the blocks one rank holds for one request
+// under one lease (an entry of kv_transfer_params rank_exports). ExportID is
+// chosen at random by the exporting rank, so a request id reused later names
+// another export.
+type ExportRef struct {
+	RequestID string
+	TPRank    uint32
+	ExportID  uint64
+}
+
+func (e ExportRef) String() string {
+	return fmt.Sprintf("export %016x of request %q on rank %d", e.ExportID, e.RequestID, e.TPRank)
+}
+
+// capExportVersion is the first byte of an export capability.
+const capExportVersion = 2
+
+// IssueExport returns the capability of export e over blockIDs, the rank's
+// block ids in token order. Token layout: version byte 2, then the
+// HMAC-SHA256 tag over "kvsidecar-export-v2" | uvarint len(request id) |
+// request id | uvarint tp_rank | export id (8 bytes, big endian) | uvarint
+// block count | each block id as a uvarint. The token names no block: the
+// serving rank holds the export's blocks and recomputes the tag from them,
+// so a token verifies only against the exact export it was issued for.
+func (k *CapabilityKey) IssueExport(e ExportRef, blockIDs []uint32) []byte {
+	return append([]byte{capExportVersion}, k.exportMAC(e, blockIDs)...)
+}
+
+func (k *CapabilityKey) exportMAC(e ExportRef, blockIDs []uint32) []byte {
+	h := hmac.New(sha256.New, k.key)
+	b := []byte("kvsidecar-export-v2")
+	b = binary.AppendUvarint(b, uint64(len(e.RequestID)))
+	b = append(b, e.RequestID...)
+	b = binary.AppendUvarint(b, uint64(e.TPRank))
+	b = binary.BigEndian.AppendUint64(b, e.ExportID)
+	b = binary.AppendUvarint(b, uint64(len(blockIDs)))
+	for _, id := range blockIDs {
+		b = binary.AppendUvarint(b, uint64(id))
+	}
+	h.Write(b)
+	return h.Sum(nil)
+}
+
+// VerifyExport checks that capability was issued by k for export e over
+// blockIDs (in token order). It returns an error of class
+// ErrCapabilityDenied naming the export, or of class ErrInvalidArgument for
+// a token of the wrong form.
+func (k *CapabilityKey) VerifyExport(capability []byte, e ExportRef, blockIDs []uint32) error {
+	if len(capability) != 1+capMACLen || capability[0] != capExportVersion {
+		return errorf(v1.Code_CODE_INVALID_ARGUMENT, "capability of %d bytes is not an export capability (want version %d and a %d-byte tag)",
+			len(capability), capExportVersion, capMACLen)
+	}
+	if !hmac.Equal(k.exportMAC(e, blockIDs), capability[1:]) {
+		return errorf(v1.Code_CODE_CAPABILITY_DENIED, "capability is not valid for %v", e)
+	}
+	return nil
 }

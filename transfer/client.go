@@ -23,9 +23,11 @@ type Xfer struct {
 	Op Op
 	// Peer is the remote agent's host:port.
 	Peer string
-	// RequestID and Capability are the peer's request id and the capability
-	// it issued for that request's blocks (kv_transfer_params).
+	// RequestID, ExportID and Capability are the peer's request id, its
+	// export of that request and the capability it issued for the export
+	// (kv_transfer_params rank_exports).
 	RequestID  string
+	ExportID   uint64
 	Capability []byte
 	// Local descriptors name this agent's registered memory.
 	Local []Desc
@@ -331,7 +333,7 @@ func (a *Agent) Transfer(ctx context.Context, x *Xfer) (Result, error) {
 		b.release(total)
 		a.m.inflight.Sub(float64(total))
 	}()
-	req := &v1.XferRequest{Op: v1.XferOp(x.Op), RequestId: x.RequestID, Capability: x.Capability,
+	req := &v1.XferRequest{Op: v1.XferOp(x.Op), RequestId: x.RequestID, ExportId: x.ExportID, Capability: x.Capability,
 		Checksum: x.Checksum, XferId: id, TotalLen: total}
 	if x.RemoteList != nil {
 		req.Descs = &v1.XferRequest_Indexed{Indexed: &v1.IndexedDescs{DlistId: x.RemoteList.id, Indices: x.Indices}}

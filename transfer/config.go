@@ -45,14 +45,24 @@ type Access struct {
 	Peer string
 	// Op is the dialer's operation: OpRead reads this agent's memory.
 	Op Op
-	// RequestID and Capability come from the XferRequest.
+	// RequestID, ExportID and Capability come from the XferRequest.
 	RequestID  string
+	ExportID   uint64
 	Capability []byte
 	// Descs are the validated descriptors, in transfer order.
 	Descs []Desc
 	// BlockIDs are the sorted block ids the descriptors touch
 	// (offset in region / Region.BlockLen).
 	BlockIDs []uint32
+	// Abort, set by the agent, resets the served transfer's stream with
+	// err's code (a READ's reader fails with that class). The owner of the
+	// memory may call it at any time after Authorize allowed the access,
+	// e.g. to stop serving when it shuts down; after the transfer ended it
+	// does nothing.
+	Abort func(err error)
+	// Err is set by the agent before it calls Config.Release: nil when the
+	// transfer was served to its end, else why it failed.
+	Err error
 }
 
 // Config configures an Agent. The zero value works except that TLS and
@@ -84,8 +94,8 @@ type Config struct {
 	Authorize func(ctx context.Context, a *Access) error
 	// Release, when set, is called exactly once for every access Authorize
 	// allowed, after the transfer stopped touching the memory (completed,
-	// failed, reset or aborted), so an owner may pin the memory in
-	// Authorize and free it only afterwards. Default nil.
+	// failed, reset or aborted; Access.Err says which), so an owner may pin
+	// the memory in Authorize and free it only afterwards. Default nil.
 	Release func(a *Access)
 	// CapabilityKey verifies capabilities when Authorize is nil. Default nil.
 	CapabilityKey *CapabilityKey

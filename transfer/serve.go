@@ -316,7 +316,17 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 		refuse(err)
 		return
 	}
-	acc := &Access{Peer: sc.peer, Op: op, RequestID: x.GetRequestId(), Capability: x.GetCapability(), BlockIDs: ids}
+	// One reset per stream, whoever asks first: the watchdog (no progress)
+	// or the memory's owner through Access.Abort.
+	var resetOnce sync.Once
+	reset := func(code v1.Code) {
+		resetOnce.Do(func() {
+			str.CancelRead(quic.StreamErrorCode(code))
+			str.CancelWrite(quic.StreamErrorCode(code))
+		})
+	}
+	acc := &Access{Peer: sc.peer, Op: op, RequestID: x.GetRequestId(), ExportID: x.GetExportId(), Capability: x.GetCapability(),
+		BlockIDs: ids, Abort: func(err error) { reset(codes.Of(err)) }}
 	acc.Descs = make([]Desc, len(spans))
 	for i, s := range spans {
 		acc.Descs[i] = Desc{Addr: s.reg.Base + s.off, Len: s.n, DevID: s.reg.DevID}
@@ -329,7 +339,8 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 		defer a.cfg.Release(acc)
 	}
 	if err := sc.budget.acquire(ctx.Done(), func() error { return context.Cause(ctx) }, total); err != nil {
-		refuse(fmt.Errorf("%w: transfer: %w", ErrUnavailable, err))
+		acc.Err = fmt.Errorf("%w: transfer: %w", ErrUnavailable, err)
+		refuse(acc.Err)
 		return
 	}
 	a.m.inflight.Add(float64(total))
@@ -338,13 +349,7 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 		a.m.inflight.Sub(float64(total))
 	}()
 
-	var stalled sync.Once
-	wd := startWatchdog(a.cfg.ProgressTimeout, func() {
-		stalled.Do(func() {
-			str.CancelRead(quic.StreamErrorCode(v1.Code_CODE_TIMEOUT))
-			str.CancelWrite(quic.StreamErrorCode(v1.Code_CODE_TIMEOUT))
-		})
-	})
+	wd := startWatchdog(a.cfg.ProgressTimeout, func() { reset(v1.Code_CODE_TIMEOUT) })
 	defer wd.stop()
 	wd.count = a.meter(op, "server")
 	var n uint64
@@ -353,6 +358,7 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 	} else {
 		n, err = a.serveWrite(str, r, spans, x.GetChecksum(), wd, x.GetXferId())
 	}
+	acc.Err = err
 	result := "ok"
 	if err != nil {
 		result = "error"

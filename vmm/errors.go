@@ -63,12 +63,12 @@ func (e *PageError) Error() string {
 
 func (e *PageError) Unwrap() error { return e.Err }
 
-// BlockError reports a block id that breaks a rule of Free or
-// CheckAllocated.
+// BlockError reports a block id that breaks a rule of Free, CheckAllocated or
+// CheckMapped.
 type BlockError struct {
 	Block     int   // the offending id
 	NumBlocks int   // ids are valid in [1, NumBlocks)
-	Err       error // ErrBlockOutOfRange, ErrDoubleFree, ErrNullBlock or ErrNotAllocated
+	Err       error // ErrBlockOutOfRange, ErrDoubleFree, ErrNullBlock, ErrNotAllocated or ErrNotMapped
 }
 
 func (e *BlockError) Error() string {

@@ -593,7 +593,18 @@ func (p *Pool) Free(ctx context.Context, ids []int) error {
 // a reserve page that SetMemoryLimit or the refill may unmap at any time);
 // an error wrapping net.ErrClosed after Close. A block Free'd right after a
 // nil answer is the caller's race to avoid.
-func (p *Pool) CheckAllocated(ids []int) error {
+func (p *Pool) CheckAllocated(ids []int) error { return p.checkBlocks(ids, true) }
+
+// CheckMapped reports whether the page of every id in ids is mapped now,
+// allocated or not: the check of a rank whose blocks another rank allocates
+// (a coordinated TP group follower, whose pages rank 0 maps), and of a
+// server before it reads a block. Errors: a *BlockError naming the first
+// bad id, wrapping ErrBlockOutOfRange, ErrNullBlock or ErrNotMapped; an
+// error wrapping net.ErrClosed after Close.
+func (p *Pool) CheckMapped(ids []int) error { return p.checkBlocks(ids, false) }
+
+// checkBlocks is CheckAllocated (allocated) or CheckMapped.
+func (p *Pool) checkBlocks(ids []int, allocated bool) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
@@ -606,8 +617,10 @@ func (p *Pool) CheckAllocated(ids []int) error {
 			bad = ErrBlockOutOfRange
 		case b == 0:
 			bad = ErrNullBlock
-		case !p.blockUsed[b] || p.pages[b/p.bpp].status != pageMapped:
+		case allocated && (!p.blockUsed[b] || p.pages[b/p.bpp].status != pageMapped):
 			bad = ErrNotAllocated
+		case p.pages[b/p.bpp].status != pageMapped:
+			bad = ErrNotMapped
 		}
 		if bad != nil {
 			return &BlockError{Block: b, NumBlocks: p.cfg.NumBlocks, Err: bad}

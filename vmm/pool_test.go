@@ -308,6 +308,16 @@ func TestPoolCheckAllocated(t *testing.T) {
 	}
 	require.Equal(t, 31, p.Stats().BlocksUsed, "a check changes nothing")
 	checkInvariants(t, p)
+
+	// CheckMapped asks only for a mapped page: a freed block of the reserve
+	// page passes, one of an unmapped page does not.
+	require.NoError(t, p.CheckMapped([]int{held[0], last}))
+	err = p.CheckMapped([]int{held[0], 100})
+	require.ErrorIs(t, err, ErrNotMapped)
+	require.Equal(t, v1.Code_CODE_NOT_FOUND, CodeOf(err))
+	require.ErrorContains(t, err, "block 100: page not mapped")
+	require.ErrorIs(t, p.CheckMapped([]int{0}), ErrNullBlock)
+	require.ErrorIs(t, p.CheckMapped([]int{128}), ErrBlockOutOfRange)
 	require.NoError(t, p.Free(ctx, held[:1]))
 	require.ErrorIs(t, p.CheckAllocated(held[:2]), ErrNotAllocated, "a freed block")
 	require.NoError(t, p.Close())

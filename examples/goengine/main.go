@@ -19,7 +19,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -89,21 +88,17 @@ func run(ctx context.Context, bin string, tokens int, out io.Writer) (err error)
 	nblocks := (tokens + blockSize - 1) / blockSize
 	const key = 42 // the request's content key: kvgen's bytes are a function of it
 
-	// Prefill: every rank allocates the request's blocks (the same ids on
-	// every rank: the ranks make the same calls in the same order), the
-	// model writes each rank's heads of every layer, then every rank calls
-	// RequestFinished; rank 0's kv_transfer_params go to the decode.
-	var src []uint32
+	// Prefill: every rank allocates the request's blocks (each rank's own
+	// ids; they need not agree), the model writes each rank's heads of every
+	// layer, then every rank calls RequestFinished with its ids; the ranks'
+	// kv_transfer_params, merged (each rank's export), go to the decode.
+	src := make([][]uint32, prefillTP)
 	for p, lc := range prefill {
 		ids, err := lc.Alloc(ctx, nblocks)
 		if err != nil {
 			return fmt.Errorf("prefill rank %d: alloc: %w", p, err)
 		}
-		if p == 0 {
-			src = ids
-		} else if !slices.Equal(ids, src) {
-			return fmt.Errorf("prefill rank %d allocated %v, rank 0 %v: the ranks' block ids must agree", p, ids[:4], src[:4])
-		}
+		src[p] = ids
 		shape := kvgen.Shape{BlockSize: blockSize, RowBytes: rowBytes, FirstHead: p * numKVHeads / prefillTP, Heads: numKVHeads / prefillTP}
 		for r := range int(infos[lc].GetNumRegions()) {
 			for k, id := range ids {
@@ -115,15 +110,17 @@ func run(ctx context.Context, bin string, tokens int, out io.Writer) (err error)
 			}
 		}
 	}
-	var params *v1.KVTransferParams
+	var parts []*v1.KVTransferParams
 	for p, lc := range prefill {
-		got, err := lc.RequestFinished(ctx, "req-1", src, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
+		got, err := lc.RequestFinished(ctx, "req-1", src[p], v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
 		if err != nil {
 			return fmt.Errorf("prefill rank %d: RequestFinished: %w", p, err)
 		}
-		if p == 0 {
-			params = got
-		}
+		parts = append(parts, got)
+	}
+	params, err := connector.MergeExports(parts...)
+	if err != nil {
+		return err
 	}
 	// The proxy carries the params as JSON from the prefill's response to
 	// the decode's request.
@@ -143,7 +140,8 @@ func run(ctx context.Context, bin string, tokens int, out io.Writer) (err error)
 		if dst[d], err = lc.Alloc(ctx, nblocks); err != nil {
 			return fmt.Errorf("decode rank %d: alloc: %w", d, err)
 		}
-		if err := lc.StartLoad(ctx, &v1.ReqMeta{RequestId: "req-1", LocalBlockIds: dst[d], Params: params}); err != nil {
+		// No local prefix hit: remote block i lands in dst[d][i].
+		if err := lc.StartLoad(ctx, &v1.ReqMeta{RequestId: "req-1", LocalBlockIds: dst[d], Params: params, RemoteHitBlocks: new(uint32(0))}); err != nil {
 			return fmt.Errorf("decode rank %d: StartLoad: %w", d, err)
 		}
 	}

@@ -658,7 +658,7 @@ func (r *runner) request(ctx context.Context, i int, q trace.Request) (o outcome
 		return o
 	}
 	released := r.preRouter.register(preID, r.cfg.PrefillTP)
-	var params *v1.KVTransferParams
+	parts := make([]*v1.KVTransferParams, 0, len(r.pre.ranks))
 	for rank, rk := range r.pre.ranks {
 		p, err := rk.RequestFinished(ctx, preID, pids, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
 		if err == nil && p == nil {
@@ -670,9 +670,14 @@ func (r *runner) request(ctx context.Context, i int, q trace.Request) (o outcome
 			o.err = fmt.Errorf("demo: %s: prefill rank %d RequestFinished: %w", preID, rank, err)
 			return o
 		}
-		if rank == 0 {
-			params = p
-		}
+		parts = append(parts, p)
+	}
+	// Every rank exported its own copy of the request: the params carry
+	// each rank's export, as a scheduler gathering its ranks' answers does.
+	params, err := connector.MergeExports(parts...)
+	if err != nil {
+		o.err = fmt.Errorf("demo: %s: %w", preID, err)
+		return o
 	}
 	defer func() {
 		// Prefill frees once every rank released the lease (every decode
@@ -718,7 +723,7 @@ func (r *runner) request(ctx context.Context, i int, q trace.Request) (o outcome
 	start := time.Now()
 	o.loadStart = start
 	for rank, rk := range r.dec.ranks {
-		if err := rk.StartLoad(ctx, &v1.ReqMeta{RequestId: decID, LocalBlockIds: dids, Params: dparams}); err != nil {
+		if err := rk.StartLoad(ctx, &v1.ReqMeta{RequestId: decID, LocalBlockIds: dids, Params: dparams, RemoteHitBlocks: new(uint32(prefix))}); err != nil {
 			r.decRouter.deliver(decID, fmt.Errorf("demo: decode rank %d StartLoad: %w", rank, err))
 		}
 	}

@@ -166,7 +166,7 @@ def test_transfer_python_only(cluster):
         assert back == params
 
         dst = d.alloc(20)
-        d.start_load(params_pb2.ReqMeta(request_id="req-1", local_block_ids=dst, params=back))
+        d.start_load(params_pb2.ReqMeta(request_id="req-1", local_block_ids=dst, params=back, remote_hit_blocks=0))
         got = wait_finished(d, lambda f: f.done_recving or f.failed)
         assert list(got.done_recving) == ["req-1"] and not got.failed
         for r in range(info.num_regions):

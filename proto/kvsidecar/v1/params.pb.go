@@ -49,15 +49,22 @@ type KVTransferParams struct {
 	RemoteRankAddrs []string `protobuf:"bytes,9,rep,name=remote_rank_addrs,json=remoteRankAddrs,proto3" json:"remote_rank_addrs,omitempty"`
 	// Incarnation of the prefill group when the params were issued.
 	RemoteIncarnation uint64 `protobuf:"varint,10,opt,name=remote_incarnation,json=remoteIncarnation,proto3" json:"remote_incarnation,omitempty"`
-	// Opaque token bound to this request's blocks (HMAC issued by prefill).
+	// Unused since rank_exports: each rank's export carries its own
+	// capability. Kept so the field number is never reused.
 	Capability []byte `protobuf:"bytes,11,opt,name=capability,proto3" json:"capability,omitempty"`
 	// Lease expiry in Unix milliseconds; blocks may be reused after it.
 	LeaseExpiresUnixMs int64 `protobuf:"varint,12,opt,name=lease_expires_unix_ms,json=leaseExpiresUnixMs,proto3" json:"lease_expires_unix_ms,omitempty"`
 	// Number of decode ranks expected to notify before prefill frees blocks;
 	// 0 means the prefill decides (one consumer per prefill rank's readers).
 	ExpectedConsumers uint32 `protobuf:"varint,13,opt,name=expected_consumers,json=expectedConsumers,proto3" json:"expected_consumers,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// One entry per prefill rank whose export these params name, in any
+	// order, each rank at most once. A decode rank reads from prefill rank r
+	// only through r's entry; a rank without one fails the load naming it.
+	// RequestFinished on one rank returns that rank's entry; an engine whose
+	// ranks export separately merges them (connector.MergeExports).
+	RankExports   []*RankExport `protobuf:"bytes,14,rep,name=rank_exports,json=rankExports,proto3" json:"rank_exports,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *KVTransferParams) Reset() {
@@ -181,22 +188,116 @@ func (x *KVTransferParams) GetExpectedConsumers() uint32 {
 	return 0
 }
 
+func (x *KVTransferParams) GetRankExports() []*RankExport {
+	if x != nil {
+		return x.RankExports
+	}
+	return nil
+}
+
+// RankExport names one export: the blocks one prefill rank holds for one
+// request under one lease. READs, notifications and heartbeats name it by
+// export_id; the serving rank checks every block against that lease.
+type RankExport struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The prefill rank that made the export.
+	TpRank uint32 `protobuf:"varint,1,opt,name=tp_rank,json=tpRank,proto3" json:"tp_rank,omitempty"`
+	// Chosen at random by the exporting rank, unique per export: a request id
+	// reused later gets another one, so stale params never reach new KV.
+	ExportId uint64 `protobuf:"varint,2,opt,name=export_id,json=exportId,proto3" json:"export_id,omitempty"`
+	// This rank's block ids in token order, when they differ from
+	// remote_block_ids (same length); empty means remote_block_ids.
+	BlockIds []uint32 `protobuf:"varint,3,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"`
+	// HMAC-SHA256 under the engine's capability key over the request id,
+	// tp_rank, export_id and the rank's block ids in order.
+	Capability    []byte `protobuf:"bytes,4,opt,name=capability,proto3" json:"capability,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RankExport) Reset() {
+	*x = RankExport{}
+	mi := &file_kvsidecar_v1_params_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RankExport) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RankExport) ProtoMessage() {}
+
+func (x *RankExport) ProtoReflect() protoreflect.Message {
+	mi := &file_kvsidecar_v1_params_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RankExport.ProtoReflect.Descriptor instead.
+func (*RankExport) Descriptor() ([]byte, []int) {
+	return file_kvsidecar_v1_params_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *RankExport) GetTpRank() uint32 {
+	if x != nil {
+		return x.TpRank
+	}
+	return 0
+}
+
+func (x *RankExport) GetExportId() uint64 {
+	if x != nil {
+		return x.ExportId
+	}
+	return 0
+}
+
+func (x *RankExport) GetBlockIds() []uint32 {
+	if x != nil {
+		return x.BlockIds
+	}
+	return nil
+}
+
+func (x *RankExport) GetCapability() []byte {
+	if x != nil {
+		return x.Capability
+	}
+	return nil
+}
+
 // ReqMeta is what the decode worker passes to StartLoad on each rank.
 type ReqMeta struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Decode-side request id.
 	RequestId string `protobuf:"bytes,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
-	// Local block ids to fill, in token order. May be shorter than
-	// remote_block_ids when a local prefix is already cached (the tail is read).
+	// Local block ids in token order: remote block remote_hit_blocks + i
+	// lands in local_block_ids[i]; the last local_surplus_blocks are the
+	// decode's own and are never written.
 	LocalBlockIds []uint32          `protobuf:"varint,2,rep,packed,name=local_block_ids,json=localBlockIds,proto3" json:"local_block_ids,omitempty"`
 	Params        *KVTransferParams `protobuf:"bytes,3,opt,name=params,proto3" json:"params,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// Leading remote blocks whose KV the decode already holds (its local
+	// prefix cache hit); they are not read. Required when local_block_ids is
+	// not empty: local_block_ids - local_surplus_blocks must equal
+	// remote_block_ids - remote_hit_blocks, or the load is refused.
+	RemoteHitBlocks *uint32 `protobuf:"varint,4,opt,name=remote_hit_blocks,json=remoteHitBlocks,proto3,oneof" json:"remote_hit_blocks,omitempty"`
+	// Trailing local blocks the decode computes itself (allocated past the
+	// prompt, e.g. for its first generated tokens); never written.
+	LocalSurplusBlocks uint32 `protobuf:"varint,5,opt,name=local_surplus_blocks,json=localSurplusBlocks,proto3" json:"local_surplus_blocks,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *ReqMeta) Reset() {
 	*x = ReqMeta{}
-	mi := &file_kvsidecar_v1_params_proto_msgTypes[1]
+	mi := &file_kvsidecar_v1_params_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -208,7 +309,7 @@ func (x *ReqMeta) String() string {
 func (*ReqMeta) ProtoMessage() {}
 
 func (x *ReqMeta) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_params_proto_msgTypes[1]
+	mi := &file_kvsidecar_v1_params_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -221,7 +322,7 @@ func (x *ReqMeta) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReqMeta.ProtoReflect.Descriptor instead.
 func (*ReqMeta) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_params_proto_rawDescGZIP(), []int{1}
+	return file_kvsidecar_v1_params_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *ReqMeta) GetRequestId() string {
@@ -245,11 +346,25 @@ func (x *ReqMeta) GetParams() *KVTransferParams {
 	return nil
 }
 
+func (x *ReqMeta) GetRemoteHitBlocks() uint32 {
+	if x != nil && x.RemoteHitBlocks != nil {
+		return *x.RemoteHitBlocks
+	}
+	return 0
+}
+
+func (x *ReqMeta) GetLocalSurplusBlocks() uint32 {
+	if x != nil {
+		return x.LocalSurplusBlocks
+	}
+	return 0
+}
+
 var File_kvsidecar_v1_params_proto protoreflect.FileDescriptor
 
 const file_kvsidecar_v1_params_proto_rawDesc = "" +
 	"\n" +
-	"\x19kvsidecar/v1/params.proto\x12\fkvsidecar.v1\"\xb1\x04\n" +
+	"\x19kvsidecar/v1/params.proto\x12\fkvsidecar.v1\"\xee\x04\n" +
 	"\x10KVTransferParams\x12*\n" +
 	"\x11do_remote_prefill\x18\x01 \x01(\bR\x0fdoRemotePrefill\x12(\n" +
 	"\x10do_remote_decode\x18\x02 \x01(\bR\x0edoRemoteDecode\x12(\n" +
@@ -268,14 +383,26 @@ const file_kvsidecar_v1_params_proto_rawDesc = "" +
 	"capability\x18\v \x01(\fR\n" +
 	"capability\x121\n" +
 	"\x15lease_expires_unix_ms\x18\f \x01(\x03R\x12leaseExpiresUnixMs\x12-\n" +
-	"\x12expected_consumers\x18\r \x01(\rR\x11expectedConsumersB\n" +
+	"\x12expected_consumers\x18\r \x01(\rR\x11expectedConsumers\x12;\n" +
+	"\frank_exports\x18\x0e \x03(\v2\x18.kvsidecar.v1.RankExportR\vrankExportsB\n" +
 	"\n" +
-	"\b_tp_size\"\x88\x01\n" +
+	"\b_tp_size\"\x7f\n" +
+	"\n" +
+	"RankExport\x12\x17\n" +
+	"\atp_rank\x18\x01 \x01(\rR\x06tpRank\x12\x1b\n" +
+	"\texport_id\x18\x02 \x01(\x04R\bexportId\x12\x1b\n" +
+	"\tblock_ids\x18\x03 \x03(\rR\bblockIds\x12\x1e\n" +
+	"\n" +
+	"capability\x18\x04 \x01(\fR\n" +
+	"capability\"\x81\x02\n" +
 	"\aReqMeta\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12&\n" +
 	"\x0flocal_block_ids\x18\x02 \x03(\rR\rlocalBlockIds\x126\n" +
-	"\x06params\x18\x03 \x01(\v2\x1e.kvsidecar.v1.KVTransferParamsR\x06paramsB?Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1b\x06proto3"
+	"\x06params\x18\x03 \x01(\v2\x1e.kvsidecar.v1.KVTransferParamsR\x06params\x12/\n" +
+	"\x11remote_hit_blocks\x18\x04 \x01(\rH\x00R\x0fremoteHitBlocks\x88\x01\x01\x120\n" +
+	"\x14local_surplus_blocks\x18\x05 \x01(\rR\x12localSurplusBlocksB\x14\n" +
+	"\x12_remote_hit_blocksB?Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1b\x06proto3"
 
 var (
 	file_kvsidecar_v1_params_proto_rawDescOnce sync.Once
@@ -289,18 +416,20 @@ func file_kvsidecar_v1_params_proto_rawDescGZIP() []byte {
 	return file_kvsidecar_v1_params_proto_rawDescData
 }
 
-var file_kvsidecar_v1_params_proto_msgTypes = make([]protoimpl.MessageInfo, 2)
+var file_kvsidecar_v1_params_proto_msgTypes = make([]protoimpl.MessageInfo, 3)
 var file_kvsidecar_v1_params_proto_goTypes = []any{
 	(*KVTransferParams)(nil), // 0: kvsidecar.v1.KVTransferParams
-	(*ReqMeta)(nil),          // 1: kvsidecar.v1.ReqMeta
+	(*RankExport)(nil),       // 1: kvsidecar.v1.RankExport
+	(*ReqMeta)(nil),          // 2: kvsidecar.v1.ReqMeta
 }
 var file_kvsidecar_v1_params_proto_depIdxs = []int32{
-	0, // 0: kvsidecar.v1.ReqMeta.params:type_name -> kvsidecar.v1.KVTransferParams
-	1, // [1:1] is the sub-list for method output_type
-	1, // [1:1] is the sub-list for method input_type
-	1, // [1:1] is the sub-list for extension type_name
-	1, // [1:1] is the sub-list for extension extendee
-	0, // [0:1] is the sub-list for field type_name
+	1, // 0: kvsidecar.v1.KVTransferParams.rank_exports:type_name -> kvsidecar.v1.RankExport
+	0, // 1: kvsidecar.v1.ReqMeta.params:type_name -> kvsidecar.v1.KVTransferParams
+	2, // [2:2] is the sub-list for method output_type
+	2, // [2:2] is the sub-list for method input_type
+	2, // [2:2] is the sub-list for extension type_name
+	2, // [2:2] is the sub-list for extension extendee
+	0, // [0:2] is the sub-list for field type_name
 }
 
 func init() { file_kvsidecar_v1_params_proto_init() }
@@ -309,13 +438,14 @@ func file_kvsidecar_v1_params_proto_init() {
 		return
 	}
 	file_kvsidecar_v1_params_proto_msgTypes[0].OneofWrappers = []any{}
+	file_kvsidecar_v1_params_proto_msgTypes[2].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvsidecar_v1_params_proto_rawDesc), len(file_kvsidecar_v1_params_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   2,
+			NumMessages:   3,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -351,7 +351,8 @@ type XferRequest struct {
 	Op    XferOp                 `protobuf:"varint,1,opt,name=op,proto3,enum=kvsidecar.v1.XferOp" json:"op,omitempty"`
 	// The served side's request id whose capability covers the descriptors.
 	RequestId string `protobuf:"bytes,2,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
-	// Capability from kv_transfer_params, bound to request_id's blocks.
+	// The export's capability (RankExport.capability of kv_transfer_params),
+	// bound to request_id, the serving rank, export_id and its blocks.
 	Capability []byte `protobuf:"bytes,3,opt,name=capability,proto3" json:"capability,omitempty"`
 	// Types that are valid to be assigned to Descs:
 	//
@@ -364,7 +365,10 @@ type XferRequest struct {
 	// Dialer's transfer id, for logs and abort.
 	XferId uint64 `protobuf:"varint,7,opt,name=xfer_id,json=xferId,proto3" json:"xfer_id,omitempty"`
 	// Total bytes of all descriptors (a cross-check).
-	TotalLen      uint64 `protobuf:"varint,8,opt,name=total_len,json=totalLen,proto3" json:"total_len,omitempty"`
+	TotalLen uint64 `protobuf:"varint,8,opt,name=total_len,json=totalLen,proto3" json:"total_len,omitempty"`
+	// The served side's export (RankExport.export_id) the descriptors read
+	// from: every block they touch must belong to it.
+	ExportId      uint64 `protobuf:"varint,9,opt,name=export_id,json=exportId,proto3" json:"export_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -466,6 +470,13 @@ func (x *XferRequest) GetTotalLen() uint64 {
 	return 0
 }
 
+func (x *XferRequest) GetExportId() uint64 {
+	if x != nil {
+		return x.ExportId
+	}
+	return 0
+}
+
 type isXferRequest_Descs interface {
 	isXferRequest_Descs()
 }
@@ -561,6 +572,9 @@ type Notification struct {
 	ConsumerTpRank   uint32 `protobuf:"varint,5,opt,name=consumer_tp_rank,json=consumerTpRank,proto3" json:"consumer_tp_rank,omitempty"`
 	// Total consumers this decode instance will send for the request.
 	ConsumerCount uint32 `protobuf:"varint,6,opt,name=consumer_count,json=consumerCount,proto3" json:"consumer_count,omitempty"`
+	// The export the consumer finished with (RankExport.export_id). A second
+	// copy from the same consumer is acknowledged.
+	ExportId      uint64 `protobuf:"varint,7,opt,name=export_id,json=exportId,proto3" json:"export_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -637,6 +651,13 @@ func (x *Notification) GetConsumerCount() uint32 {
 	return 0
 }
 
+func (x *Notification) GetExportId() uint64 {
+	if x != nil {
+		return x.ExportId
+	}
+	return 0
+}
+
 // NotificationAck answers a Notification. CODE_NOT_FOUND or
 // CODE_LEASE_EXPIRED tells the consumer its data may be stale.
 type NotificationAck struct {
@@ -689,9 +710,11 @@ type Heartbeat struct {
 	RequestIds       []string               `protobuf:"bytes,1,rep,name=request_ids,json=requestIds,proto3" json:"request_ids,omitempty"`
 	ConsumerEngineId string                 `protobuf:"bytes,2,opt,name=consumer_engine_id,json=consumerEngineId,proto3" json:"consumer_engine_id,omitempty"`
 	ConsumerTpRank   uint32                 `protobuf:"varint,3,opt,name=consumer_tp_rank,json=consumerTpRank,proto3" json:"consumer_tp_rank,omitempty"`
-	// Capability of each request id, same order (from kv_transfer_params); a
+	// Capability of each request id, same order (RankExport.capability); a
 	// lease whose capability does not verify is not extended.
-	Capabilities  [][]byte `protobuf:"bytes,4,rep,name=capabilities,proto3" json:"capabilities,omitempty"`
+	Capabilities [][]byte `protobuf:"bytes,4,rep,name=capabilities,proto3" json:"capabilities,omitempty"`
+	// Export id of each request id, same order (RankExport.export_id).
+	ExportIds     []uint64 `protobuf:"varint,5,rep,packed,name=export_ids,json=exportIds,proto3" json:"export_ids,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -750,6 +773,13 @@ func (x *Heartbeat) GetConsumerTpRank() uint32 {
 func (x *Heartbeat) GetCapabilities() [][]byte {
 	if x != nil {
 		return x.Capabilities
+	}
+	return nil
+}
+
+func (x *Heartbeat) GetExportIds() []uint64 {
+	if x != nil {
+		return x.ExportIds
 	}
 	return nil
 }
@@ -1132,7 +1162,7 @@ const file_kvsidecar_v1_xfer_proto_rawDesc = "" +
 	"\bdlist_id\x18\x01 \x01(\x04R\adlistId\"C\n" +
 	"\fIndexedDescs\x12\x19\n" +
 	"\bdlist_id\x18\x01 \x01(\x04R\adlistId\x12\x18\n" +
-	"\aindices\x18\x02 \x03(\rR\aindices\"\xb9\x02\n" +
+	"\aindices\x18\x02 \x03(\rR\aindices\"\xd6\x02\n" +
 	"\vXferRequest\x12$\n" +
 	"\x02op\x18\x01 \x01(\x0e2\x14.kvsidecar.v1.XferOpR\x02op\x12\x1d\n" +
 	"\n" +
@@ -1144,13 +1174,14 @@ const file_kvsidecar_v1_xfer_proto_rawDesc = "" +
 	"\x04list\x18\x05 \x01(\v2\x1c.kvsidecar.v1.DescriptorListH\x00R\x04list\x12\x1a\n" +
 	"\bchecksum\x18\x06 \x01(\bR\bchecksum\x12\x17\n" +
 	"\axfer_id\x18\a \x01(\x04R\x06xferId\x12\x1b\n" +
-	"\ttotal_len\x18\b \x01(\x04R\btotalLenB\a\n" +
+	"\ttotal_len\x18\b \x01(\x04R\btotalLen\x12\x1b\n" +
+	"\texport_id\x18\t \x01(\x04R\bexportIdB\a\n" +
 	"\x05descs\"k\n" +
 	"\n" +
 	"XferStatus\x12)\n" +
 	"\x05error\x18\x01 \x01(\v2\x13.kvsidecar.v1.ErrorR\x05error\x12\x14\n" +
 	"\x05bytes\x18\x02 \x01(\x04R\x05bytes\x12\x1c\n" +
-	"\tchecksums\x18\x03 \x03(\rR\tchecksums\"\xe6\x01\n" +
+	"\tchecksums\x18\x03 \x03(\rR\tchecksums\"\x83\x02\n" +
 	"\fNotification\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x1e\n" +
@@ -1160,15 +1191,18 @@ const file_kvsidecar_v1_xfer_proto_rawDesc = "" +
 	"\apayload\x18\x03 \x01(\fR\apayload\x12,\n" +
 	"\x12consumer_engine_id\x18\x04 \x01(\tR\x10consumerEngineId\x12(\n" +
 	"\x10consumer_tp_rank\x18\x05 \x01(\rR\x0econsumerTpRank\x12%\n" +
-	"\x0econsumer_count\x18\x06 \x01(\rR\rconsumerCount\"<\n" +
+	"\x0econsumer_count\x18\x06 \x01(\rR\rconsumerCount\x12\x1b\n" +
+	"\texport_id\x18\a \x01(\x04R\bexportId\"<\n" +
 	"\x0fNotificationAck\x12)\n" +
-	"\x05error\x18\x01 \x01(\v2\x13.kvsidecar.v1.ErrorR\x05error\"\xa8\x01\n" +
+	"\x05error\x18\x01 \x01(\v2\x13.kvsidecar.v1.ErrorR\x05error\"\xc7\x01\n" +
 	"\tHeartbeat\x12\x1f\n" +
 	"\vrequest_ids\x18\x01 \x03(\tR\n" +
 	"requestIds\x12,\n" +
 	"\x12consumer_engine_id\x18\x02 \x01(\tR\x10consumerEngineId\x12(\n" +
 	"\x10consumer_tp_rank\x18\x03 \x01(\rR\x0econsumerTpRank\x12\"\n" +
-	"\fcapabilities\x18\x04 \x03(\fR\fcapabilities\"l\n" +
+	"\fcapabilities\x18\x04 \x03(\fR\fcapabilities\x12\x1d\n" +
+	"\n" +
+	"export_ids\x18\x05 \x03(\x04R\texportIds\"l\n" +
 	"\fHeartbeatAck\x12)\n" +
 	"\x05error\x18\x01 \x01(\v2\x13.kvsidecar.v1.ErrorR\x05error\x121\n" +
 	"\x15lease_expires_unix_ms\x18\x02 \x03(\x03R\x12leaseExpiresUnixMs\"\xa9\x03\n" +

@@ -1,0 +1,126 @@
+package connector
+
+import (
+	"context"
+	"slices"
+)
+
+// An engine session of the local API runs from the first attach of an
+// engine until its last attached connection closes (a vLLM scheduler and
+// its workers are different processes of one session). Exports and loads
+// carry the session that started them, so GetFinished answers a session
+// only with its own results, and the results of a session that ended are
+// dropped instead of reaching the next engine. Calls through the Go API
+// outside the local API belong to session 0, which never ends.
+
+type sessionKey struct{}
+
+// withSession returns ctx carrying engine session id.
+func withSession(ctx context.Context, id uint64) context.Context {
+	return context.WithValue(ctx, sessionKey{}, id)
+}
+
+// sessionOf returns the engine session ctx carries, 0 for none.
+func sessionOf(ctx context.Context) uint64 {
+	id, _ := ctx.Value(sessionKey{}).(uint64)
+	return id
+}
+
+// itemKind says which list of Finished an item belongs to.
+type itemKind int
+
+const (
+	itemSent itemKind = iota
+	itemRecv
+	itemFailed
+)
+
+// finishedItem is one result waiting for GetFinished.
+type finishedItem struct {
+	kind    itemKind
+	id      string
+	session uint64
+	failed  FailedLoad // itemFailed
+}
+
+// report queues a result for GetFinished; one of a session that ended is
+// logged and dropped.
+func (r *Rank) report(it finishedItem) {
+	r.mu.Lock()
+	if it.session != 0 && !r.sessions[it.session] {
+		r.mu.Unlock()
+		r.cfg.Logger.Info("dropped a result of an ended engine session", "session", it.session, "request_id", it.id,
+			"kind", it.kind.String())
+		return
+	}
+	r.items = append(r.items, it)
+	r.signalLocked()
+	r.mu.Unlock()
+}
+
+func (k itemKind) String() string {
+	switch k {
+	case itemSent:
+		return "done_sending"
+	case itemRecv:
+		return "done_recving"
+	}
+	return "failed"
+}
+
+// takeLocked returns and forgets the queued results for which keep is
+// true (all of them when keep is nil); r.mu is held.
+func (r *Rank) takeLocked(keep func(finishedItem) bool) Finished {
+	var f Finished
+	rest := r.items[:0]
+	for _, it := range r.items {
+		if keep != nil && !keep(it) {
+			rest = append(rest, it)
+			continue
+		}
+		switch it.kind {
+		case itemSent:
+			f.DoneSending = append(f.DoneSending, it.id)
+		case itemRecv:
+			f.DoneRecving = append(f.DoneRecving, it.id)
+		default:
+			f.Failed = append(f.Failed, it.failed)
+		}
+	}
+	clear(r.items[len(rest):])
+	r.items = rest
+	return f
+}
+
+// beginSession makes session id live: its results are queued.
+func (r *Rank) beginSession(id uint64) {
+	r.mu.Lock()
+	r.sessions[id] = true
+	r.mu.Unlock()
+}
+
+// takeSession returns and forgets the queued results of session id.
+func (r *Rank) takeSession(id uint64) Finished {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.takeLocked(func(it finishedItem) bool { return it.session == id })
+}
+
+// endSession ends session id: its queued results are returned (for the
+// caller to log) and forgotten, and later ones are dropped on arrival.
+func (r *Rank) endSession(id uint64) Finished {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	delete(r.sessions, id)
+	return r.takeLocked(func(it finishedItem) bool { return it.session == id })
+}
+
+// ids returns the request ids of f, sorted, for a log line.
+func (f Finished) ids() []string {
+	out := slices.Concat(f.DoneSending, f.DoneRecving)
+	for _, fl := range f.Failed {
+		out = append(out, fl.RequestID)
+	}
+	slices.Sort(out)
+	return out
+}
