@@ -66,6 +66,13 @@
 // idempotent, a READ or WRITE moves the same bytes to the same place again,
 // and a notification names its consumer, which the receiver counts once.
 //
+// A peer restarted on its address with the same StatelessResetKey answers
+// the old connection's packets with a stateless reset, but quic-go sends
+// one only in reply to a packet over 42 bytes, which its keep-alive PINGs
+// are not: every dialed connection therefore sends a 48-byte probe
+// datagram each KeepAlivePeriod, so an idle one learns of the restart
+// within a period (OnPeerGone), and a busy one from its next request.
+//
 // # Checks on the serving side
 //
 // Every descriptor, whether explicit, prepared or named by index, is checked
