@@ -14,6 +14,7 @@ import (
 	"github.com/quic-go/quic-go"
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvsidecar/kvsidecar/internal/codes"
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
 	"github.com/kvsidecar/kvsidecar/internal/testutil"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
@@ -299,4 +300,28 @@ func TestIdleDialerNoticesRestart(t *testing.T) {
 		require.False(t, cli.Alive(simServer))
 		require.Equal(t, dials, cli.DialCount(simServer), "dropped the connection, dialed nothing")
 	})
+}
+
+// TestCodedRefusalNotRedialed: a peer that refuses a READ with a code
+// (capability, lease, incompatibility, a draining peer's unavailable) is
+// answered on a live connection: the call fails with that class and
+// nothing is dialed again.
+func TestCodedRefusalNotRedialed(t *testing.T) {
+	for _, refusal := range []error{ErrCapabilityDenied, ErrLeaseExpired, ErrIncompatible, ErrUnavailable} {
+		t.Run(codes.Of(refusal).String(), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				n := testutil.NewSimNet(time.Millisecond)
+				srvTLS, cliTLS := simTLS(t)
+				srvMem, cliMem := make([]byte, 8192), make([]byte, 8192)
+				srv := startAgent(t, Config{PacketConn: n.Listen(t, simServer), ServerTLS: srvTLS, Regions: []Region{SliceRegion(srvMem, 0, 0)},
+					Authorize: func(context.Context, *Access) error { return fmt.Errorf("%w: refused", refusal) }})
+				cli := startAgent(t, Config{PacketConn: n.Listen(t, "127.0.0.2:1"), ServerTLS: srvTLS, ClientTLS: cliTLS,
+					Regions: []Region{SliceRegion(cliMem, 0, 0)}})
+				_, err := cli.Transfer(t.Context(), &Xfer{Op: OpRead, Peer: simServer,
+					Local: []Desc{{Addr: SliceRegion(cliMem, 0, 0).Base, Len: 8192}}, Remote: []Desc{{Addr: SliceRegion(srvMem, 0, 0).Base, Len: 8192}}})
+				require.ErrorIs(t, err, refusal)
+				require.Equal(t, 1, cli.DialCount(srv.Addr().String()), "a refusal is not redialed")
+			})
+		})
+	}
 }
