@@ -76,6 +76,10 @@ def p2d4(cluster):
 
 def test_prefill_tp2_to_decode_tp4_every_byte(p2d4):
     pre_sc, dec_sc, pre, dec = p2d4
+    # Prefill rank 1's pool is skewed by 5 blocks, so the two ranks stage
+    # every request in different sidecar block ids (each rank's export
+    # carries its own).
+    skew = pre.sched._scheduler.clients()[1].alloc(5)
     # One request prefilled at once, one in chunks of 100 tokens (the
     # cached-request path of the scheduler output); both end mid-block.
     reqs = {"r-short": (37, 11, None), "r-long": (517, 12, 100)}
@@ -85,6 +89,9 @@ def test_prefill_tp2_to_decode_tp4_every_byte(p2d4):
         p = params[rid]
         assert p["do_remote_prefill"] is True and p["tp_size"] == 2 and p["remote_engine_id"] == "prefill-a"
         assert len(p["remote_block_ids"]) == -(-n // BLOCK_SIZE) and len(p["remote_rank_addrs"]) == 2
+        ex = {e.get("tp_rank", 0): e for e in p["rank_exports"]}
+        assert sorted(ex) == [0, 1] and "block_ids" not in ex[0]
+        assert len(ex[1]["block_ids"]) == len(p["remote_block_ids"]) and ex[1]["block_ids"] != p["remote_block_ids"]
     for s in pre_sc:
         assert stats(s)["leases_held"] == 2, "each prefill rank holds both exports under a lease"
 
@@ -103,6 +110,7 @@ def test_prefill_tp2_to_decode_tp4_every_byte(p2d4):
     # the prefill's when its lease was notified.
     for s in dec_sc:
         assert stats(s)["blocks_used"] == 0
+    pre.sched._scheduler.clients()[1].free(skew)
     for s in pre_sc:
         wait_for(f"{s.name} freed its exports", lambda s=s: stats(s) == {"blocks_used": 0, "leases_held": 0, "loads_in_flight": 0})
 
