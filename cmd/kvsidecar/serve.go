@@ -134,6 +134,7 @@ func envName(name string) string {
 var otherEnv = map[string]bool{
 	"KVSIDECAR_TIME_SCALE": true, "KVSIDECAR_E2E_RACE": true, "KVSIDECAR_REQUIRE_GPU": true, "KVSIDECAR_TPGROUP_CHILD": true,
 	"KVSIDECAR_REQUIRE_PYTHON": true, "KVSIDECAR_BIN": true, // make test-python
+	"KVSIDECAR_REQUIRE_FAKECUDA": true, // vmm/cuda/cudatest
 }
 
 // unknownEnv returns, sorted, a description of every KVSIDECAR_* variable in

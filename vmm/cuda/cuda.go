@@ -4,10 +4,14 @@ package cuda
 
 /*
 #cgo LDFLAGS: -ldl
+#define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 // Vendored minimal CUDA driver API typedefs (no cuda.h, no toolkit). Values
 // and layouts from the CUDA Driver API reference (cuda.h 12.x): CUdeviceptr
@@ -16,7 +20,9 @@ package cuda
 //   CU_MEM_ALLOCATION_TYPE_PINNED = 1, CU_MEM_LOCATION_TYPE_DEVICE = 1,
 //   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1,
 //   CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
-//   CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0.
+//   CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
+//   CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102,
+//   CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103.
 typedef int CUresult;
 typedef int CUdevice;
 typedef struct CUctx_st *CUcontext;
@@ -43,54 +49,76 @@ enum {
 	KVS_HANDLE_POSIX_FD = 1,
 	KVS_ACCESS_RW = 3,
 	KVS_GRAN_MINIMUM = 0,
+	KVS_ATTR_VMM = 102,
+	KVS_ATTR_POSIX_FD = 103,
 };
 
-static CUresult (*p_cuInit)(unsigned int);
-static CUresult (*p_cuDeviceGet)(CUdevice *, int);
-static CUresult (*p_cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
-static CUresult (*p_cuDevicePrimaryCtxRelease)(CUdevice);
-static CUresult (*p_cuCtxSetCurrent)(CUcontext);
-static CUresult (*p_cuMemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
-static CUresult (*p_cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
-static CUresult (*p_cuMemAddressFree)(CUdeviceptr, size_t);
-static CUresult (*p_cuMemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
-static CUresult (*p_cuMemRelease)(CUmemGenericAllocationHandle);
-static CUresult (*p_cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
-static CUresult (*p_cuMemUnmap)(CUdeviceptr, size_t);
-static CUresult (*p_cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
-static CUresult (*p_cuMemExportToShareableHandle)(void *, CUmemGenericAllocationHandle, int, unsigned long long);
-static CUresult (*p_cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *, int);
-static CUresult (*p_cuMemcpyHtoD)(CUdeviceptr, const void *, size_t);
-static CUresult (*p_cuMemcpyDtoH)(void *, CUdeviceptr, size_t);
+// kvs_lib is the entry points of one loaded driver library.
+typedef struct {
+	CUresult (*cuInit)(unsigned int);
+	CUresult (*cuDriverGetVersion)(int *);
+	CUresult (*cuDeviceGet)(CUdevice *, int);
+	CUresult (*cuDeviceGetAttribute)(int *, int, CUdevice);
+	CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+	CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
+	CUresult (*cuCtxSetCurrent)(CUcontext);
+	CUresult (*cuMemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
+	CUresult (*cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+	CUresult (*cuMemAddressFree)(CUdeviceptr, size_t);
+	CUresult (*cuMemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+	CUresult (*cuMemRelease)(CUmemGenericAllocationHandle);
+	CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+	CUresult (*cuMemUnmap)(CUdeviceptr, size_t);
+	CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+	CUresult (*cuMemExportToShareableHandle)(void *, CUmemGenericAllocationHandle, int, unsigned long long);
+	CUresult (*cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *, int);
+	CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void *, size_t);
+	CUresult (*cuMemcpyDtoH)(void *, CUdeviceptr, size_t);
+} kvs_lib;
 
-// kvs_load opens libcuda.so.1 (RTLD_NOW) and resolves every symbol, the _v2
-// ones where the driver has them. It returns NULL or the missing name /
-// dlerror text.
-static const char *kvs_load(void) {
-	void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-	if (!lib) return dlerror();
-#define KVS_SYM(var, name) do { *(void **)(&var) = dlsym(lib, name); if (!var) return name; } while (0)
-	KVS_SYM(p_cuInit, "cuInit");
-	KVS_SYM(p_cuDeviceGet, "cuDeviceGet");
-	KVS_SYM(p_cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
-	KVS_SYM(p_cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
-	KVS_SYM(p_cuCtxSetCurrent, "cuCtxSetCurrent");
-	KVS_SYM(p_cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity");
-	KVS_SYM(p_cuMemAddressReserve, "cuMemAddressReserve");
-	KVS_SYM(p_cuMemAddressFree, "cuMemAddressFree");
-	KVS_SYM(p_cuMemCreate, "cuMemCreate");
-	KVS_SYM(p_cuMemRelease, "cuMemRelease");
-	KVS_SYM(p_cuMemMap, "cuMemMap");
-	KVS_SYM(p_cuMemUnmap, "cuMemUnmap");
-	KVS_SYM(p_cuMemSetAccess, "cuMemSetAccess");
-	KVS_SYM(p_cuMemExportToShareableHandle, "cuMemExportToShareableHandle");
-	KVS_SYM(p_cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle");
-	KVS_SYM(p_cuMemcpyHtoD, "cuMemcpyHtoD_v2");
-	KVS_SYM(p_cuMemcpyDtoH, "cuMemcpyDtoH_v2");
+// kvs_load opens the driver library name (RTLD_NOW | RTLD_LOCAL) and
+// resolves every entry point, the _v2 ones where the driver has them. It
+// returns 0, or -1 with the dlerror text or the missing symbol in err; path
+// receives the file the dynamic loader opened.
+static int kvs_load(const char *name, kvs_lib *l, char *path, size_t pathlen, char *err, size_t errlen) {
+	void *lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+	if (!lib) {
+		const char *e = dlerror();
+		snprintf(err, errlen, "%s", e ? e : "dlopen failed");
+		return -1;
+	}
+#define KVS_SYM(field, sym) do { \
+		*(void **)(&l->field) = dlsym(lib, sym); \
+		if (!l->field) { snprintf(err, errlen, "%s: symbol %s not found", name, sym); dlclose(lib); return -1; } \
+	} while (0)
+	KVS_SYM(cuInit, "cuInit");
+	KVS_SYM(cuDriverGetVersion, "cuDriverGetVersion");
+	KVS_SYM(cuDeviceGet, "cuDeviceGet");
+	KVS_SYM(cuDeviceGetAttribute, "cuDeviceGetAttribute");
+	KVS_SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+	KVS_SYM(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
+	KVS_SYM(cuCtxSetCurrent, "cuCtxSetCurrent");
+	KVS_SYM(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity");
+	KVS_SYM(cuMemAddressReserve, "cuMemAddressReserve");
+	KVS_SYM(cuMemAddressFree, "cuMemAddressFree");
+	KVS_SYM(cuMemCreate, "cuMemCreate");
+	KVS_SYM(cuMemRelease, "cuMemRelease");
+	KVS_SYM(cuMemMap, "cuMemMap");
+	KVS_SYM(cuMemUnmap, "cuMemUnmap");
+	KVS_SYM(cuMemSetAccess, "cuMemSetAccess");
+	KVS_SYM(cuMemExportToShareableHandle, "cuMemExportToShareableHandle");
+	KVS_SYM(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle");
+	KVS_SYM(cuMemcpyHtoD, "cuMemcpyHtoD_v2");
+	KVS_SYM(cuMemcpyDtoH, "cuMemcpyDtoH_v2");
 #undef KVS_SYM
-	return NULL;
+	Dl_info info;
+	if (dladdr(*(void **)(&l->cuInit), &info) && info.dli_fname) snprintf(path, pathlen, "%s", info.dli_fname);
+	else snprintf(path, pathlen, "%s", name);
+	return 0;
 }
 
+// kvs_prop fills the properties of every allocation: pinned device memory
+// exportable as a POSIX file descriptor.
 static void kvs_prop(CUmemAllocationProp *p, int dev) {
 	memset(p, 0, sizeof *p);
 	p->type = KVS_ALLOC_PINNED;
@@ -99,87 +127,116 @@ static void kvs_prop(CUmemAllocationProp *p, int dev) {
 	p->location.id = dev;
 }
 
-static CUresult kvs_open(int ordinal, CUdevice *dev, CUcontext *ctx, size_t *gran) {
-	CUresult r = p_cuInit(0);
+static CUresult kvs_version(const kvs_lib *l, int *v) { return l->cuDriverGetVersion(v); }
+
+static CUresult kvs_open(const kvs_lib *l, int ordinal, CUdevice *dev, CUcontext *ctx) {
+	CUresult r = l->cuInit(0);
 	if (r) return r;
-	r = p_cuDeviceGet(dev, ordinal);
+	r = l->cuDeviceGet(dev, ordinal);
 	if (r) return r;
-	r = p_cuDevicePrimaryCtxRetain(ctx, *dev);
+	r = l->cuDevicePrimaryCtxRetain(ctx, *dev);
 	if (r) return r;
-	r = p_cuCtxSetCurrent(*ctx);
-	if (r) { p_cuDevicePrimaryCtxRelease(*dev); return r; }
-	CUmemAllocationProp prop;
-	kvs_prop(&prop, *dev);
-	r = p_cuMemGetAllocationGranularity(gran, &prop, KVS_GRAN_MINIMUM);
-	if (r) p_cuDevicePrimaryCtxRelease(*dev);
+	r = l->cuCtxSetCurrent(*ctx);
+	if (r) l->cuDevicePrimaryCtxRelease(*dev);
 	return r;
 }
 
-static CUresult kvs_close(CUdevice dev) { return p_cuDevicePrimaryCtxRelease(dev); }
+static CUresult kvs_close(const kvs_lib *l, CUdevice dev) { return l->cuDevicePrimaryCtxRelease(dev); }
+
+static CUresult kvs_attr(const kvs_lib *l, CUdevice dev, int attr, int *v) { return l->cuDeviceGetAttribute(v, attr, dev); }
 
 // Every call below sets the context first: the calling OS thread may be any.
-static CUresult kvs_reserve(CUcontext ctx, size_t size, size_t align, CUdeviceptr *ptr) {
-	CUresult r = p_cuCtxSetCurrent(ctx);
-	return r ? r : p_cuMemAddressReserve(ptr, size, align, 0, 0);
-}
-
-static CUresult kvs_free(CUcontext ctx, CUdeviceptr ptr, size_t size) {
-	CUresult r = p_cuCtxSetCurrent(ctx);
-	return r ? r : p_cuMemAddressFree(ptr, size);
-}
-
-static CUresult kvs_create(CUcontext ctx, CUdevice dev, size_t size, CUmemGenericAllocationHandle *h) {
-	CUresult r = p_cuCtxSetCurrent(ctx);
+static CUresult kvs_granularity(const kvs_lib *l, CUcontext ctx, CUdevice dev, size_t *gran) {
+	CUresult r = l->cuCtxSetCurrent(ctx);
 	if (r) return r;
 	CUmemAllocationProp prop;
 	kvs_prop(&prop, dev);
-	return p_cuMemCreate(h, size, &prop, 0);
+	return l->cuMemGetAllocationGranularity(gran, &prop, KVS_GRAN_MINIMUM);
 }
 
-static CUresult kvs_release(CUcontext ctx, CUmemGenericAllocationHandle h) {
-	CUresult r = p_cuCtxSetCurrent(ctx);
-	return r ? r : p_cuMemRelease(h);
+// kvs_probe creates one page with the allocation properties, exports it as
+// a POSIX file descriptor and gives both back; *stage says which call
+// failed (0 cuMemCreate, 1 cuMemExportToShareableHandle, 2 cuMemRelease).
+static CUresult kvs_probe(const kvs_lib *l, CUcontext ctx, CUdevice dev, size_t gran, int *stage) {
+	*stage = 0;
+	CUresult r = l->cuCtxSetCurrent(ctx);
+	if (r) return r;
+	CUmemAllocationProp prop;
+	kvs_prop(&prop, dev);
+	CUmemGenericAllocationHandle h;
+	r = l->cuMemCreate(&h, gran, &prop, 0);
+	if (r) return r;
+	int fd = -1;
+	*stage = 1;
+	r = l->cuMemExportToShareableHandle(&fd, h, KVS_HANDLE_POSIX_FD, 0);
+	if (fd >= 0) close(fd);
+	CUresult rr = l->cuMemRelease(h);
+	if (!r && rr) *stage = 2;
+	return r ? r : rr;
 }
 
-static CUresult kvs_map(CUcontext ctx, CUdeviceptr ptr, size_t size, CUmemGenericAllocationHandle h) {
-	CUresult r = p_cuCtxSetCurrent(ctx);
-	return r ? r : p_cuMemMap(ptr, size, 0, h, 0);
+static CUresult kvs_reserve(const kvs_lib *l, CUcontext ctx, size_t size, size_t align, CUdeviceptr *ptr) {
+	CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuMemAddressReserve(ptr, size, align, 0, 0);
 }
 
-static CUresult kvs_unmap(CUcontext ctx, CUdeviceptr ptr, size_t size) {
-	CUresult r = p_cuCtxSetCurrent(ctx);
-	return r ? r : p_cuMemUnmap(ptr, size);
+static CUresult kvs_free(const kvs_lib *l, CUcontext ctx, CUdeviceptr ptr, size_t size) {
+	CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuMemAddressFree(ptr, size);
 }
 
-static CUresult kvs_set_access(CUcontext ctx, CUdevice dev, CUdeviceptr ptr, size_t size) {
-	CUresult r = p_cuCtxSetCurrent(ctx);
+static CUresult kvs_create(const kvs_lib *l, CUcontext ctx, CUdevice dev, size_t size, CUmemGenericAllocationHandle *h) {
+	CUresult r = l->cuCtxSetCurrent(ctx);
+	if (r) return r;
+	CUmemAllocationProp prop;
+	kvs_prop(&prop, dev);
+	return l->cuMemCreate(h, size, &prop, 0);
+}
+
+static CUresult kvs_release(const kvs_lib *l, CUcontext ctx, CUmemGenericAllocationHandle h) {
+	CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuMemRelease(h);
+}
+
+static CUresult kvs_map(const kvs_lib *l, CUcontext ctx, CUdeviceptr ptr, size_t size, CUmemGenericAllocationHandle h) {
+	CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuMemMap(ptr, size, 0, h, 0);
+}
+
+static CUresult kvs_unmap(const kvs_lib *l, CUcontext ctx, CUdeviceptr ptr, size_t size) {
+	CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuMemUnmap(ptr, size);
+}
+
+static CUresult kvs_set_access(const kvs_lib *l, CUcontext ctx, CUdevice dev, CUdeviceptr ptr, size_t size) {
+	CUresult r = l->cuCtxSetCurrent(ctx);
 	if (r) return r;
 	CUmemAccessDesc d;
 	memset(&d, 0, sizeof d);
 	d.location.type = KVS_LOC_DEVICE;
 	d.location.id = dev;
 	d.flags = KVS_ACCESS_RW;
-	return p_cuMemSetAccess(ptr, size, &d, 1);
+	return l->cuMemSetAccess(ptr, size, &d, 1);
 }
 
-static CUresult kvs_export(CUcontext ctx, CUmemGenericAllocationHandle h, int *fd) {
-	CUresult r = p_cuCtxSetCurrent(ctx);
-	return r ? r : p_cuMemExportToShareableHandle(fd, h, KVS_HANDLE_POSIX_FD, 0);
+static CUresult kvs_export(const kvs_lib *l, CUcontext ctx, CUmemGenericAllocationHandle h, int *fd) {
+	CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuMemExportToShareableHandle(fd, h, KVS_HANDLE_POSIX_FD, 0);
 }
 
-static CUresult kvs_import(CUcontext ctx, int fd, CUmemGenericAllocationHandle *h) {
-	CUresult r = p_cuCtxSetCurrent(ctx);
-	return r ? r : p_cuMemImportFromShareableHandle(h, (void *)(intptr_t)fd, KVS_HANDLE_POSIX_FD);
+static CUresult kvs_import(const kvs_lib *l, CUcontext ctx, int fd, CUmemGenericAllocationHandle *h) {
+	CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuMemImportFromShareableHandle(h, (void *)(intptr_t)fd, KVS_HANDLE_POSIX_FD);
 }
 
-static CUresult kvs_htod(CUcontext ctx, CUdeviceptr dst, const void *src, size_t n) {
-	CUresult r = p_cuCtxSetCurrent(ctx);
-	return r ? r : p_cuMemcpyHtoD(dst, src, n);
+static CUresult kvs_htod(const kvs_lib *l, CUcontext ctx, CUdeviceptr dst, const void *src, size_t n) {
+	CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuMemcpyHtoD(dst, src, n);
 }
 
-static CUresult kvs_dtoh(CUcontext ctx, void *dst, CUdeviceptr src, size_t n) {
-	CUresult r = p_cuCtxSetCurrent(ctx);
-	return r ? r : p_cuMemcpyDtoH(dst, src, n);
+static CUresult kvs_dtoh(const kvs_lib *l, CUcontext ctx, void *dst, CUdeviceptr src, size_t n) {
+	CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuMemcpyDtoH(dst, src, n);
 }
 */
 import "C"
@@ -194,18 +251,40 @@ import (
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
 
-var (
-	loadOnce sync.Once
-	loadErr  error
-)
+// library is one loaded driver library. Its C table is never freed: a
+// driver, once loaded, stays loaded for the life of the process.
+type library struct {
+	c    *C.kvs_lib
+	path string // the file the dynamic loader opened
+}
 
-func load() error {
-	loadOnce.Do(func() {
-		if msg := C.kvs_load(); msg != nil {
-			loadErr = fmt.Errorf("cuda: load libcuda.so.1: %s: %w", C.GoString(msg), ErrNoGPU)
-		}
-	})
-	return loadErr
+var libs struct {
+	sync.Mutex
+	m map[string]*library // by Config.Library
+}
+
+// load opens the driver library name once per process; a failed load is
+// tried again by the next New.
+func load(name string) (*library, error) {
+	libs.Lock()
+	defer libs.Unlock()
+	if l, ok := libs.m[name]; ok {
+		return l, nil
+	}
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	var path, msg [4096]C.char
+	tbl := (*C.kvs_lib)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvs_lib{}))))
+	if C.kvs_load(cname, tbl, &path[0], C.size_t(len(path)), &msg[0], C.size_t(len(msg))) != 0 {
+		C.free(unsafe.Pointer(tbl))
+		return nil, fmt.Errorf("cuda: load %s: %s: %w", name, C.GoString(&msg[0]), ErrNoGPU)
+	}
+	l := &library{c: tbl, path: C.GoString(&path[0])}
+	if libs.m == nil {
+		libs.m = map[string]*library{}
+	}
+	libs.m[name] = l
+	return l, nil
 }
 
 // Backend is the CUDA virtual memory management vmm.Backend of one device:
@@ -218,10 +297,12 @@ func load() error {
 // unmapping an unmapped one fails with vmm.ErrAlreadyMapped / ErrNotMapped as
 // the host backend does, before the driver is asked.
 type Backend struct {
-	dev  C.CUdevice
-	ord  int
-	ctx  C.CUcontext
-	gran uint64
+	lib     *library
+	version int
+	dev     C.CUdevice
+	ord     int
+	ctx     C.CUcontext
+	gran    uint64
 
 	mu     sync.Mutex
 	closed bool
@@ -234,29 +315,96 @@ type Backend struct {
 var _ vmm.Backend = (*Backend)(nil)
 var _ vmm.Importer = (*Backend)(nil)
 
-// New loads libcuda.so.1, initialises the driver, retains the primary
-// context of the device and queries the allocation granularity. Errors wrap
-// ErrNoGPU when the library or the device is missing.
+// New loads the driver library (Config.Library), initialises the driver,
+// retains the primary context of the device and checks, before any page is
+// needed, that the device can serve kvsidecar's pages: virtual memory
+// management supported, an allocation granularity (queried with the
+// properties every page is created with) that is a power-of-two multiple of
+// the host page, and one page created and exported as a POSIX file
+// descriptor. A failed check names the granularity or the handle type and
+// the allocation properties. Errors wrap ErrNoGPU when the library or the
+// device is missing or cannot serve pages.
 func New(cfg *Config) (*Backend, error) {
-	var c Config
-	if cfg != nil {
-		c = *cfg
-	}
+	c := cfg.withDefaults()
 	if c.Device < 0 {
 		return nil, fmt.Errorf("cuda: Config.Device %d must be >= 0: %w", c.Device, vmm.ErrInvalidConfig)
 	}
-	if err := load(); err != nil {
+	lib, err := load(c.Library)
+	if err != nil {
 		return nil, err
 	}
-	b := &Backend{ord: c.Device, res: map[uint64]uint64{}, live: map[vmm.Handle]int{},
+	b := &Backend{lib: lib, ord: c.Device, res: map[uint64]uint64{}, live: map[vmm.Handle]int{},
 		mapped: map[uint64]vmm.Handle{}, access: map[uint64]struct{}{}}
-	var gran C.size_t
-	if r := Result(C.kvs_open(C.int(c.Device), &b.dev, &b.ctx, &gran)); r != Success {
-		return nil, fmt.Errorf("cuda: open device %d: %w", c.Device, r)
+	var ver C.int
+	if C.kvs_version(lib.c, &ver) == 0 {
+		b.version = int(ver)
 	}
-	b.gran = uint64(gran)
+	if r := Result(C.kvs_open(lib.c, C.int(c.Device), &b.dev, &b.ctx)); r != Success {
+		return nil, fmt.Errorf("cuda: open device %d with %s: %w", c.Device, lib.path, r)
+	}
+	if err := b.check(); err != nil {
+		C.kvs_close(lib.c, b.dev)
+		return nil, err
+	}
 	return b, nil
 }
+
+// props describes the allocation properties of every page, for errors.
+func props(dev int) string {
+	return fmt.Sprintf("allocation properties {type: CU_MEM_ALLOCATION_TYPE_PINNED, location: CU_MEM_LOCATION_TYPE_DEVICE %d, "+
+		"requestedHandleTypes: CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR}", dev)
+}
+
+// check is New's start-up check of the device (see New).
+func (b *Backend) check() error {
+	attr := func(name string, a C.int) (int, error) {
+		var v C.int
+		if r := Result(C.kvs_attr(b.lib.c, b.dev, a, &v)); r != Success {
+			return 0, fmt.Errorf("cuda: device %d: cuDeviceGetAttribute(%s): %w", b.ord, name, r)
+		}
+		return int(v), nil
+	}
+	vmmOK, err := attr("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", C.KVS_ATTR_VMM)
+	if err != nil {
+		return err
+	}
+	if vmmOK == 0 {
+		return fmt.Errorf("cuda: device %d does not support virtual memory management (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0): %w", b.ord, ErrNoGPU)
+	}
+	fdOK, err := attr("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED", C.KVS_ATTR_POSIX_FD)
+	if err != nil {
+		return err
+	}
+	if fdOK == 0 {
+		return fmt.Errorf("cuda: device %d cannot export memory as CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR "+
+			"(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0), the handle type of the %s that the local API passes to engines: %w",
+			b.ord, props(b.ord), ErrNoGPU)
+	}
+	var gran C.size_t
+	if r := Result(C.kvs_granularity(b.lib.c, b.ctx, b.dev, &gran)); r != Success {
+		return fmt.Errorf("cuda: device %d: cuMemGetAllocationGranularity(CU_MEM_ALLOC_GRANULARITY_MINIMUM) with %s: %w", b.ord, props(b.ord), r)
+	}
+	g, host := uint64(gran), uint64(os.Getpagesize())
+	if g == 0 || g&(g-1) != 0 || g%host != 0 {
+		return fmt.Errorf("cuda: device %d: granularity %d bytes from cuMemGetAllocationGranularity(CU_MEM_ALLOC_GRANULARITY_MINIMUM) with %s is not a power-of-two multiple of the %d-byte host page: %w",
+			b.ord, g, props(b.ord), host, vmm.ErrInvalidConfig)
+	}
+	b.gran = g
+	var stage C.int
+	if r := Result(C.kvs_probe(b.lib.c, b.ctx, b.dev, gran, &stage)); r != Success {
+		op := [...]string{"cuMemCreate of one page", "cuMemExportToShareableHandle(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) of a page", "cuMemRelease of a page"}[stage]
+		return fmt.Errorf("cuda: device %d: start-up probe: %s of %d bytes with %s: %w", b.ord, op, g, props(b.ord), r)
+	}
+	return nil
+}
+
+// LibraryPath returns the file of the driver library this backend uses, as
+// the dynamic loader resolved Config.Library.
+func (b *Backend) LibraryPath() string { return b.lib.path }
+
+// DriverVersion returns cuDriverGetVersion (1000 × major + 10 × minor,
+// 12040 for CUDA 12.4), 0 when the driver did not say.
+func (b *Backend) DriverVersion() int { return b.version }
 
 func (b *Backend) closedErr() error { return fmt.Errorf("cuda: backend: %w", net.ErrClosed) }
 
@@ -279,7 +427,7 @@ func (b *Backend) Reserve(size uint64) (uint64, error) {
 		return 0, b.closedErr()
 	}
 	var ptr C.CUdeviceptr
-	if err := call("cuMemAddressReserve", Result(C.kvs_reserve(b.ctx, C.size_t(size), C.size_t(b.gran), &ptr))); err != nil {
+	if err := call("cuMemAddressReserve", Result(C.kvs_reserve(b.lib.c, b.ctx, C.size_t(size), C.size_t(b.gran), &ptr))); err != nil {
 		return 0, err
 	}
 	b.res[uint64(ptr)] = size
@@ -303,7 +451,7 @@ func (b *Backend) FreeReservation(base, size uint64) error {
 			}
 		}
 	}
-	if err := call("cuMemAddressFree", Result(C.kvs_free(b.ctx, C.CUdeviceptr(base), C.size_t(size)))); err != nil {
+	if err := call("cuMemAddressFree", Result(C.kvs_free(b.lib.c, b.ctx, C.CUdeviceptr(base), C.size_t(size)))); err != nil {
 		return err
 	}
 	delete(b.res, base)
@@ -319,7 +467,7 @@ func (b *Backend) Create() (vmm.Handle, error) {
 		return 0, b.closedErr()
 	}
 	var h C.CUmemGenericAllocationHandle
-	if err := call("cuMemCreate", Result(C.kvs_create(b.ctx, b.dev, C.size_t(b.gran), &h))); err != nil {
+	if err := call("cuMemCreate", Result(C.kvs_create(b.lib.c, b.ctx, b.dev, C.size_t(b.gran), &h))); err != nil {
 		return 0, err
 	}
 	b.live[vmm.Handle(h)] = 0
@@ -340,7 +488,7 @@ func (b *Backend) Release(h vmm.Handle) error {
 	if n > 0 {
 		return fmt.Errorf("cuda: release handle %#x: still mapped %d times: %w", uint64(h), n, vmm.ErrAlreadyMapped)
 	}
-	if err := call("cuMemRelease", Result(C.kvs_release(b.ctx, C.CUmemGenericAllocationHandle(h)))); err != nil {
+	if err := call("cuMemRelease", Result(C.kvs_release(b.lib.c, b.ctx, C.CUmemGenericAllocationHandle(h)))); err != nil {
 		return err
 	}
 	delete(b.live, h)
@@ -374,7 +522,7 @@ func (b *Backend) Map(addr uint64, h vmm.Handle) error {
 	if _, ok := b.mapped[addr]; ok {
 		return &vmm.AddrError{Op: "map", Addr: addr, Err: vmm.ErrAlreadyMapped}
 	}
-	if err := call("cuMemMap", Result(C.kvs_map(b.ctx, C.CUdeviceptr(addr), C.size_t(b.gran), C.CUmemGenericAllocationHandle(h)))); err != nil {
+	if err := call("cuMemMap", Result(C.kvs_map(b.lib.c, b.ctx, C.CUdeviceptr(addr), C.size_t(b.gran), C.CUmemGenericAllocationHandle(h)))); err != nil {
 		return err
 	}
 	b.mapped[addr] = h
@@ -396,7 +544,7 @@ func (b *Backend) Unmap(addr uint64) error {
 }
 
 func (b *Backend) unmapLocked(addr uint64) error {
-	if err := call("cuMemUnmap", Result(C.kvs_unmap(b.ctx, C.CUdeviceptr(addr), C.size_t(b.gran)))); err != nil {
+	if err := call("cuMemUnmap", Result(C.kvs_unmap(b.lib.c, b.ctx, C.CUdeviceptr(addr), C.size_t(b.gran)))); err != nil {
 		return err
 	}
 	b.live[b.mapped[addr]]--
@@ -420,7 +568,7 @@ func (b *Backend) SetAccess(addr, size uint64) error {
 			return &vmm.AddrError{Op: "set access", Addr: a, Err: vmm.ErrNotMapped}
 		}
 	}
-	if err := call("cuMemSetAccess", Result(C.kvs_set_access(b.ctx, b.dev, C.CUdeviceptr(addr), C.size_t(size)))); err != nil {
+	if err := call("cuMemSetAccess", Result(C.kvs_set_access(b.lib.c, b.ctx, b.dev, C.CUdeviceptr(addr), C.size_t(size)))); err != nil {
 		return err
 	}
 	for a := addr; a < addr+size; a += b.gran {
@@ -441,7 +589,7 @@ func (b *Backend) Export(h vmm.Handle) (*os.File, uint64, error) {
 		return nil, 0, fmt.Errorf("cuda: export handle %#x: %w: unknown handle", uint64(h), vmm.ErrInvalidConfig)
 	}
 	var fd C.int
-	if err := call("cuMemExportToShareableHandle", Result(C.kvs_export(b.ctx, C.CUmemGenericAllocationHandle(h), &fd))); err != nil {
+	if err := call("cuMemExportToShareableHandle", Result(C.kvs_export(b.lib.c, b.ctx, C.CUmemGenericAllocationHandle(h), &fd))); err != nil {
 		return nil, 0, err
 	}
 	return os.NewFile(uintptr(fd), fmt.Sprintf("cuda-page-%#x", uint64(h))), 0, nil
@@ -459,7 +607,7 @@ func (b *Backend) Import(f *os.File, off uint64) (vmm.Handle, error) {
 		return 0, b.closedErr()
 	}
 	var h C.CUmemGenericAllocationHandle
-	if err := call("cuMemImportFromShareableHandle", Result(C.kvs_import(b.ctx, C.int(f.Fd()), &h))); err != nil {
+	if err := call("cuMemImportFromShareableHandle", Result(C.kvs_import(b.lib.c, b.ctx, C.int(f.Fd()), &h))); err != nil {
 		return 0, err
 	}
 	b.live[vmm.Handle(h)] = 0
@@ -493,7 +641,7 @@ func (b *Backend) CopyIn(addr uint64, src []byte) error {
 	if err != nil {
 		return err
 	}
-	return call("cuMemcpyHtoD_v2", Result(C.kvs_htod(b.ctx, C.CUdeviceptr(addr), unsafe.Pointer(&src[0]), C.size_t(len(src)))))
+	return call("cuMemcpyHtoD_v2", Result(C.kvs_htod(b.lib.c, b.ctx, C.CUdeviceptr(addr), unsafe.Pointer(&src[0]), C.size_t(len(src)))))
 }
 
 // CopyOut copies device pages to host bytes (cuMemcpyDtoH_v2, synchronous).
@@ -507,7 +655,7 @@ func (b *Backend) CopyOut(addr uint64, dst []byte) error {
 	if err != nil {
 		return err
 	}
-	return call("cuMemcpyDtoH_v2", Result(C.kvs_dtoh(b.ctx, unsafe.Pointer(&dst[0]), C.CUdeviceptr(addr), C.size_t(len(dst)))))
+	return call("cuMemcpyDtoH_v2", Result(C.kvs_dtoh(b.lib.c, b.ctx, unsafe.Pointer(&dst[0]), C.CUdeviceptr(addr), C.size_t(len(dst)))))
 }
 
 // Close unmaps and releases every page, frees every reservation and releases
@@ -528,12 +676,12 @@ func (b *Backend) Close() error {
 		keep(b.unmapLocked(a))
 	}
 	for h := range b.live {
-		keep(call("cuMemRelease", Result(C.kvs_release(b.ctx, C.CUmemGenericAllocationHandle(h)))))
+		keep(call("cuMemRelease", Result(C.kvs_release(b.lib.c, b.ctx, C.CUmemGenericAllocationHandle(h)))))
 	}
 	for base, size := range b.res {
-		keep(call("cuMemAddressFree", Result(C.kvs_free(b.ctx, C.CUdeviceptr(base), C.size_t(size)))))
+		keep(call("cuMemAddressFree", Result(C.kvs_free(b.lib.c, b.ctx, C.CUdeviceptr(base), C.size_t(size)))))
 	}
-	keep(call("cuDevicePrimaryCtxRelease_v2", Result(C.kvs_close(b.dev))))
+	keep(call("cuDevicePrimaryCtxRelease_v2", Result(C.kvs_close(b.lib.c, b.dev))))
 	b.closed = true
 	return first
 }

@@ -1,6 +1,16 @@
 // Package cuda is the CUDA virtual memory management backend of vmm: the only
-// cgo package of kvsidecar. libcuda.so.1 is loaded with dlopen at run time
-// with vendored minimal typedefs, so it builds with no CUDA toolkit; with
-// CGO_ENABLED=0 or off Linux a stub returns errors wrapping
-// errors.ErrUnsupported. Only cmd and this package's own tests import it.
+// cgo package of kvsidecar. The driver library (libcuda.so.1, or
+// Config.Library) is loaded with dlopen at run time with vendored minimal
+// typedefs, so it builds with no CUDA toolkit; with CGO_ENABLED=0 or off
+// Linux a stub returns errors wrapping errors.ErrUnsupported. cmd, e2e and
+// this package's tests import it; connector, transfer and handshake never do
+// (deps_test.go): the local API's Go client takes it through an interface.
+//
+//	b, err := cuda.New(&cuda.Config{Device: 0}) // checks the device can serve pages
+//	pool, err := vmm.NewPool(ctx, &vmm.Config{Backend: b, Layout: l, NumBlocks: n})
+//	...
+//	pool.Close(); b.Close()
+//
+// Without a GPU its tests run against a fake driver library with the
+// driver's rules (package cudatest); make gpu-check runs them on a GPU.
 package cuda

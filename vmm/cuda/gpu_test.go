@@ -6,6 +6,7 @@ import (
 	"errors"
 	"net"
 	"os"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -14,8 +15,13 @@ import (
 	"github.com/kvsidecar/kvsidecar/vmm/vmmtest"
 )
 
-// newGPU returns a CUDA backend on device 0, skipping the test when there is
-// no GPU, or failing instead when KVSIDECAR_REQUIRE_GPU=1 (make gpu-check).
+// The GPU tests are named TestGPU*: make gpu-check runs them (and only them
+// in this package) with KVSIDECAR_REQUIRE_GPU=1. fake_test.go runs the same
+// suites against the fake driver on every machine.
+
+// newGPU returns a CUDA backend on device 0 of the real driver
+// (DefaultLibrary), skipping the test when there is no GPU, or failing
+// instead when KVSIDECAR_REQUIRE_GPU=1 (make gpu-check).
 func newGPU(t testing.TB) *Backend {
 	t.Helper()
 	b, err := New(nil)
@@ -28,6 +34,10 @@ func newGPU(t testing.TB) *Backend {
 		}
 		t.Fatal(err)
 	}
+	if strings.Contains(b.LibraryPath(), "fakecuda") {
+		t.Fatalf("the GPU tests loaded the fake driver %s: is it on LD_LIBRARY_PATH?", b.LibraryPath())
+	}
+	t.Logf("CUDA driver %d.%d from %s, device 0, granularity %d bytes", b.DriverVersion()/1000, b.DriverVersion()%1000/10, b.LibraryPath(), b.Granularity())
 	t.Cleanup(func() {
 		if err := b.Close(); err != nil && !errors.Is(err, net.ErrClosed) {
 			t.Errorf("close cuda backend: %v", err)
@@ -36,15 +46,18 @@ func newGPU(t testing.TB) *Backend {
 	return b
 }
 
-func TestConformance(t *testing.T) {
+func TestGPUConformance(t *testing.T) {
 	vmmtest.RunConformance(t, func(t testing.TB) vmm.Backend { return newGPU(t) })
 }
 
-// TestDevicePoolWriteReadBack runs a Pool on device pages: blocks written
-// with CopyIn read back with CopyOut, HostBytes refuses device memory, and a
-// page exported as a POSIX fd imports to the same bytes.
-func TestDevicePoolWriteReadBack(t *testing.T) {
-	b := newGPU(t)
+func TestGPUDevicePoolWriteReadBack(t *testing.T) {
+	devicePoolWriteReadBack(t, newGPU(t))
+}
+
+// devicePoolWriteReadBack runs a Pool on device pages: blocks written with
+// CopyIn read back with CopyOut, HostBytes refuses device memory, and a page
+// exported as a POSIX fd imports to the same bytes.
+func devicePoolWriteReadBack(t *testing.T, b *Backend) {
 	g, err := vmm.Model("llama-3.1-8b")
 	require.NoError(t, err)
 	l, err := vmm.LayoutFor(g, 0, 1)

@@ -87,10 +87,31 @@ func (r Result) Is(target error) bool {
 	return false
 }
 
+// DefaultLibrary is the driver library New loads when Config.Library is
+// empty: the soname the NVIDIA driver installs, found by the dynamic loader
+// (LD_LIBRARY_PATH, then the ld.so cache).
+const DefaultLibrary = "libcuda.so.1"
+
 // Config configures New. The zero value and nil are valid.
 type Config struct {
 	// Device is the CUDA device ordinal. Default 0.
 	Device int
+	// Library is the driver library New loads with dlopen: a file name the
+	// dynamic loader looks up, or a path (one with a slash). Default (""):
+	// DefaultLibrary. Each library is loaded once per process; backends of
+	// different libraries can coexist (each has its own entry points).
+	Library string
+}
+
+func (c *Config) withDefaults() Config {
+	var out Config
+	if c != nil {
+		out = *c
+	}
+	if out.Library == "" {
+		out.Library = DefaultLibrary
+	}
+	return out
 }
 
 func call(op string, r Result) error {

@@ -27,6 +27,12 @@ func unsupported() error { return fmt.Errorf("cuda: %w", errors.ErrUnsupported) 
 // Granularity returns 0.
 func (*Backend) Granularity() uint64 { return 0 }
 
+// LibraryPath returns "".
+func (*Backend) LibraryPath() string { return "" }
+
+// DriverVersion returns 0.
+func (*Backend) DriverVersion() int { return 0 }
+
 // DevID returns -1.
 func (*Backend) DevID() int { return -1 }
 

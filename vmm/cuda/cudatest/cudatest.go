@@ -1,0 +1,268 @@
+package cudatest
+
+import (
+	"bufio"
+	"embed"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+)
+
+//go:embed testdata/fakecuda.c testdata/rules.c testdata/cuda_abi.h
+var sources embed.FS
+
+// Environment variables the fake reads (see testdata/fakecuda.c). The first
+// four are read at each cuInit, so set them before the code under test
+// creates its backend; EnvFail and EnvTrace are picked up at the next call
+// after they change.
+const (
+	EnvDevices      = "FAKECUDA_DEVICES"       // number of devices, default 1
+	EnvGranularity  = "FAKECUDA_GRANULARITY"   // bytes, default 2 MiB
+	EnvDeviceMemory = "FAKECUDA_DEVICE_MEMORY" // bytes per device, default 16 GiB
+	EnvNoPOSIXFD    = "FAKECUDA_NO_POSIX_FD"   // "1": no POSIX-fd export
+	EnvFail         = "FAKECUDA_FAIL"          // name:k:result[,...]
+	EnvTrace        = "FAKECUDA_TRACE"         // trace file path
+	EnvVerbose      = "FAKECUDA_VERBOSE"       // "1": refusals to stderr
+)
+
+// RequireEnv, set to 1, turns a fake that cannot be built into a test
+// failure instead of a skip. .ci/run sets it.
+const RequireEnv = "KVSIDECAR_REQUIRE_FAKECUDA"
+
+var build struct {
+	once  sync.Once
+	dir   string
+	lib   string
+	rules string
+	err   error
+}
+
+// Library returns the path of the fake libcuda.so.1, built with gcc (or
+// $CC) once per process into a temporary directory that Cleanup removes.
+// Its soname is libfakecuda.so.1, not libcuda.so.1: the dynamic loader
+// matches dlopen("libcuda.so.1") against the sonames of loaded libraries,
+// so with the driver's soname a process that loaded the fake by path would
+// get the fake for every later dlopen of the real driver.
+// When it cannot be built the test is skipped, or fails when
+// KVSIDECAR_REQUIRE_FAKECUDA=1.
+func Library(t testing.TB) string {
+	t.Helper()
+	buildOnce(t)
+	return build.lib
+}
+
+// rulesProgram returns the path of the rules program (testdata/rules.c).
+func rulesProgram(t testing.TB) string {
+	t.Helper()
+	buildOnce(t)
+	return build.rules
+}
+
+func buildOnce(t testing.TB) {
+	t.Helper()
+	build.once.Do(func() { build.err = compile() })
+	if build.err == nil {
+		return
+	}
+	if os.Getenv(RequireEnv) == "1" {
+		t.Fatalf("%s=1 but the fake CUDA driver did not build: %v", RequireEnv, build.err)
+	}
+	t.Skipf("fake CUDA driver not built (set %s=1 to fail instead): %v", RequireEnv, build.err)
+}
+
+func compile() error {
+	cc := os.Getenv("CC")
+	if cc == "" {
+		cc = "gcc"
+	}
+	if _, err := exec.LookPath(cc); err != nil {
+		return fmt.Errorf("C compiler %q: %w", cc, err)
+	}
+	dir, err := os.MkdirTemp("", "kvsidecar-fakecuda-")
+	if err != nil {
+		return err
+	}
+	build.dir = dir
+	for _, name := range []string{"fakecuda.c", "rules.c", "cuda_abi.h"} {
+		src, err := sources.ReadFile("testdata/" + name)
+		if err != nil {
+			return err
+		}
+		if err := os.WriteFile(filepath.Join(dir, name), src, 0o600); err != nil {
+			return err
+		}
+	}
+	lib, rules := filepath.Join(dir, "libcuda.so.1"), filepath.Join(dir, "rules")
+	for _, args := range [][]string{
+		{"-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden", "-Wl,-soname,libfakecuda.so.1",
+			"-o", lib, filepath.Join(dir, "fakecuda.c"), "-lpthread"},
+		{"-O2", "-Wall", "-Wextra", "-o", rules, filepath.Join(dir, "rules.c"), "-ldl"},
+	} {
+		if out, err := exec.Command(cc, args...).CombinedOutput(); err != nil {
+			return fmt.Errorf("%s %s: %w\n%s", cc, strings.Join(args, " "), err, out)
+		}
+	}
+	build.lib, build.rules = lib, rules
+	return nil
+}
+
+// Cleanup removes the built fake; call it from TestMain after m.Run.
+func Cleanup() {
+	if build.dir != "" {
+		_ = os.RemoveAll(build.dir)
+	}
+}
+
+// Fault makes the N-th call (from 1) of the entry point Call return Result
+// without doing anything, counting from the first call after Inject.
+type Fault struct {
+	Call   string // an entry point name, e.g. "cuMemCreate", "cuMemcpyHtoD_v2"
+	N      int
+	Result int // a CUresult, e.g. 2 (CUDA_ERROR_OUT_OF_MEMORY)
+}
+
+// Inject arms faults in this process's fake for the rest of the test
+// (t.Setenv of FAKECUDA_FAIL; none of the test's ancestors may be
+// parallel). For a child process, put Spec(faults...) in its environment.
+func Inject(t testing.TB, faults ...Fault) {
+	t.Helper()
+	t.Setenv(EnvFail, Spec(faults...))
+}
+
+// Spec is the FAKECUDA_FAIL value of faults.
+func Spec(faults ...Fault) string {
+	parts := make([]string, len(faults))
+	for i, f := range faults {
+		parts[i] = fmt.Sprintf("%s:%d:%d", f.Call, f.N, f.Result)
+	}
+	return strings.Join(parts, ",")
+}
+
+// Call is one call the fake traced.
+type Call struct {
+	Name     string // entry point, e.g. "cuMemMap"
+	Result   int    // the CUresult it returned
+	Injected bool   // the result came from FAKECUDA_FAIL
+	Why      string // for a refused call: the rule it broke
+}
+
+func (c Call) String() string {
+	switch {
+	case c.Result == 0:
+		return c.Name
+	case c.Injected:
+		return fmt.Sprintf("%s=%d (injected)", c.Name, c.Result)
+	}
+	return fmt.Sprintf("%s=%d (%s)", c.Name, c.Result, c.Why)
+}
+
+// Trace is a file the fake appends every call to.
+type Trace struct {
+	// Path is the trace file; give it to a child process as FAKECUDA_TRACE.
+	Path string
+}
+
+// NewTrace returns a trace file in the test's temporary directory without
+// pointing this process's fake at it (for a child process).
+func NewTrace(t testing.TB, name string) *Trace {
+	t.Helper()
+	return &Trace{Path: filepath.Join(t.TempDir(), name+".fakecuda-trace")}
+}
+
+// StartTrace points this process's fake at a new trace file for the rest of
+// the test (t.Setenv of FAKECUDA_TRACE).
+func StartTrace(t testing.TB) *Trace {
+	t.Helper()
+	tr := NewTrace(t, "self")
+	t.Setenv(EnvTrace, tr.Path)
+	return tr
+}
+
+// Calls returns the calls traced so far, in order (none when the file does
+// not exist yet).
+func (tr *Trace) Calls(t testing.TB) []Call {
+	t.Helper()
+	calls, err := ReadTrace(tr.Path)
+	if err != nil {
+		t.Fatalf("fakecuda trace: %v", err)
+	}
+	return calls
+}
+
+// ReadTrace parses a trace file.
+func ReadTrace(path string) ([]Call, error) {
+	f, err := os.Open(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var calls []Call
+	sc := bufio.NewScanner(f)
+	for n := 1; sc.Scan(); n++ {
+		name, rest, _ := strings.Cut(sc.Text(), " ")
+		res, note, _ := strings.Cut(rest, " ")
+		r, err := strconv.Atoi(res)
+		if err != nil || name == "" {
+			return nil, fmt.Errorf("%s:%d: %q is not \"<name> <CUresult>[ note]\"", path, n, sc.Text())
+		}
+		c := Call{Name: name, Result: r, Injected: note == "injected"}
+		if !c.Injected {
+			c.Why = strings.TrimPrefix(note, "why: ")
+		}
+		calls = append(calls, c)
+	}
+	return calls, sc.Err()
+}
+
+// Refused returns the calls the fake refused because they broke a rule
+// (injected faults excluded): what kvsidecar's own calls must never do.
+func Refused(calls []Call) []Call {
+	var out []Call
+	for _, c := range calls {
+		if c.Result != 0 && !c.Injected {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+// Names returns the entry point names of calls, in order.
+func Names(calls []Call) []string {
+	out := make([]string, len(calls))
+	for i, c := range calls {
+		out[i] = c.Name
+	}
+	return out
+}
+
+// Held returns the allocation handles and the mappings that calls leave
+// behind: successful cuMemCreate and cuMemImportFromShareableHandle minus
+// cuMemRelease, and cuMemMap minus cuMemUnmap (one mapping per unmap, as
+// vmm/cuda unmaps page by page).
+func Held(calls []Call) (handles, mappings int) {
+	for _, c := range calls {
+		if c.Result != 0 {
+			continue
+		}
+		switch c.Name {
+		case "cuMemCreate", "cuMemImportFromShareableHandle":
+			handles++
+		case "cuMemRelease":
+			handles--
+		case "cuMemMap":
+			mappings++
+		case "cuMemUnmap":
+			mappings--
+		}
+	}
+	return handles, mappings
+}

@@ -1,0 +1,240 @@
+// rules.c: breaks one rule of the CUDA driver API against a driver library
+// (fakecuda.c) and prints what the driver answered, for cudatest's
+// TestFakeRules. Usage: rules LIBRARY RULE. It prints the CUresult of the
+// call under test on the first line ("errno N" for a host call) and the
+// library's reason (fakecuda_last_error) on the second; the rule
+// "host-touch" is expected to die of SIGSEGV instead. Exit status 2: the
+// set-up failed or the rule is unknown.
+
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "cuda_abi.h"
+
+typedef CUmemGenericAllocationHandle CUhandle;
+
+static CUresult (*cuInit)(unsigned int);
+static CUresult (*cuDeviceGet)(CUdevice *, int);
+static CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+static CUresult (*cuCtxSetCurrent)(CUcontext);
+static CUresult (*cuMemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
+static CUresult (*cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+static CUresult (*cuMemAddressFree)(CUdeviceptr, size_t);
+static CUresult (*cuMemCreate)(CUhandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+static CUresult (*cuMemRelease)(CUhandle);
+static CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUhandle, unsigned long long);
+static CUresult (*cuMemUnmap)(CUdeviceptr, size_t);
+static CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+static CUresult (*cuMemExportToShareableHandle)(void *, CUhandle, int, unsigned long long);
+static CUresult (*cuMemImportFromShareableHandle)(CUhandle *, void *, int);
+static CUresult (*cuMemcpyHtoD_v2)(CUdeviceptr, const void *, size_t);
+static CUresult (*cuMemcpyDtoH_v2)(void *, CUdeviceptr, size_t);
+static const char *(*fakecuda_last_error)(void);
+
+static size_t G;
+static CUmemAllocationProp prop;
+static CUcontext ctx;
+
+static void die(const char *what, CUresult r) {
+	fprintf(stderr, "rules: set-up %s: CUresult %d: %s\n", what, r, fakecuda_last_error ? fakecuda_last_error() : "");
+	exit(2);
+}
+
+#define MUST(call) do { CUresult r_ = (call); if (r_) die(#call, r_); } while (0)
+
+static void report(CUresult r) {
+	printf("%d\n%s\n", r, fakecuda_last_error());
+	exit(0);
+}
+
+static void init(void) {
+	CUdevice dev;
+	MUST(cuInit(0));
+	MUST(cuDeviceGet(&dev, 0));
+	MUST(cuDevicePrimaryCtxRetain(&ctx, dev));
+	MUST(cuCtxSetCurrent(ctx));
+	memset(&prop, 0, sizeof prop);
+	prop.type = 1;                 // CU_MEM_ALLOCATION_TYPE_PINNED
+	prop.requestedHandleTypes = 1; // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+	prop.location.type = 1;        // CU_MEM_LOCATION_TYPE_DEVICE
+	prop.location.id = dev;
+	MUST(cuMemGetAllocationGranularity(&G, &prop, 0));
+}
+
+static CUdeviceptr reserve(size_t n) {
+	CUdeviceptr p;
+	MUST(cuMemAddressReserve(&p, n, G, 0, 0));
+	return p;
+}
+
+static CUhandle create(size_t n) {
+	CUhandle h;
+	MUST(cuMemCreate(&h, n, &prop, 0));
+	return h;
+}
+
+static void access_rw(CUdeviceptr p, size_t n) {
+	CUmemAccessDesc d = {{1, 0}, 3}; // device 0, PROT_READWRITE
+	MUST(cuMemSetAccess(p, n, &d, 1));
+}
+
+// mapped returns a reserved, mapped page with read-write access.
+static CUdeviceptr mapped(CUhandle *h) {
+	CUdeviceptr p = reserve(G);
+	*h = create(G);
+	MUST(cuMemMap(p, G, 0, *h, 0));
+	access_rw(p, G);
+	return p;
+}
+
+int main(int argc, char **argv) {
+	if (argc != 3) {
+		fprintf(stderr, "usage: rules LIBRARY RULE\n");
+		return 2;
+	}
+	void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+	if (!lib) {
+		fprintf(stderr, "rules: %s\n", dlerror());
+		return 2;
+	}
+#define SYM(name) do { *(void **)(&name) = dlsym(lib, #name); if (!name) { fprintf(stderr, "rules: no %s\n", #name); return 2; } } while (0)
+	SYM(cuInit); SYM(cuDeviceGet); SYM(cuDevicePrimaryCtxRetain); SYM(cuCtxSetCurrent);
+	SYM(cuMemGetAllocationGranularity); SYM(cuMemAddressReserve); SYM(cuMemAddressFree);
+	SYM(cuMemCreate); SYM(cuMemRelease); SYM(cuMemMap); SYM(cuMemUnmap); SYM(cuMemSetAccess);
+	SYM(cuMemExportToShareableHandle); SYM(cuMemImportFromShareableHandle);
+	SYM(cuMemcpyHtoD_v2); SYM(cuMemcpyDtoH_v2); SYM(fakecuda_last_error);
+	const char *rule = argv[2];
+	CUhandle h, h2;
+	CUdeviceptr p, p2;
+	char buf[64] = "device bytes";
+
+	if (strcmp(rule, "call-before-init") == 0) {
+		report(cuMemCreate(&h, 2 << 20, &prop, 0));
+	}
+	init();
+	if (strcmp(rule, "create-aligned") == 0) report(cuMemCreate(&h, G, &prop, 0));
+	if (strcmp(rule, "create-misaligned-size") == 0) report(cuMemCreate(&h, G / 2, &prop, 0));
+	if (strcmp(rule, "create-bad-properties") == 0) {
+		prop.type = 0;
+		report(cuMemCreate(&h, G, &prop, 0));
+	}
+	if (strcmp(rule, "create-over-device-memory") == 0) {
+		// FAKECUDA_DEVICE_MEMORY holds one page.
+		create(G);
+		report(cuMemCreate(&h, G, &prop, 0));
+	}
+	if (strcmp(rule, "map-misaligned-address") == 0) {
+		p = reserve(2 * G);
+		report(cuMemMap(p + 4096, G, 0, create(G), 0));
+	}
+	if (strcmp(rule, "map-outside-reservation") == 0) {
+		p = reserve(G);
+		report(cuMemMap(p + G, G, 0, create(G), 0));
+	}
+	if (strcmp(rule, "map-over-mapping") == 0) {
+		p = reserve(G);
+		MUST(cuMemMap(p, G, 0, create(G), 0));
+		report(cuMemMap(p, G, 0, create(G), 0));
+	}
+	if (strcmp(rule, "export-with-handle-type") == 0) {
+		int fd = -1;
+		report(cuMemExportToShareableHandle(&fd, create(G), 1, 0));
+	}
+	if (strcmp(rule, "export-without-handle-type") == 0) {
+		prop.requestedHandleTypes = 0;
+		int fd = -1;
+		report(cuMemExportToShareableHandle(&fd, create(G), 1, 0));
+	}
+	if (strcmp(rule, "copy-before-set-access") == 0) {
+		p = reserve(G);
+		MUST(cuMemMap(p, G, 0, create(G), 0));
+		report(cuMemcpyHtoD_v2(p, buf, sizeof buf));
+	}
+	if (strcmp(rule, "copy-after-set-access") == 0) {
+		p = mapped(&h);
+		report(cuMemcpyHtoD_v2(p, buf, sizeof buf));
+	}
+	if (strcmp(rule, "copy-without-context") == 0) {
+		p = mapped(&h);
+		MUST(cuCtxSetCurrent(NULL));
+		report(cuMemcpyHtoD_v2(p, buf, sizeof buf));
+	}
+	if (strcmp(rule, "set-access-unmapped") == 0) {
+		p = reserve(2 * G);
+		MUST(cuMemMap(p, G, 0, create(G), 0));
+		CUmemAccessDesc d = {{1, 0}, 3};
+		report(cuMemSetAccess(p, 2 * G, &d, 1));
+	}
+	if (strcmp(rule, "unmap-sub-range") == 0) {
+		p = reserve(2 * G);
+		MUST(cuMemMap(p, 2 * G, 0, create(2 * G), 0));
+		report(cuMemUnmap(p, G));
+	}
+	if (strcmp(rule, "free-reservation-with-mapping") == 0) {
+		p = reserve(G);
+		MUST(cuMemMap(p, G, 0, create(G), 0));
+		report(cuMemAddressFree(p, G));
+	}
+	if (strcmp(rule, "free-reservation-wrong-size") == 0) {
+		p = reserve(2 * G);
+		report(cuMemAddressFree(p, G));
+	}
+	if (strcmp(rule, "release-while-mapped") == 0) {
+		// Legal: the memory stays until the mapping goes.
+		p = mapped(&h);
+		MUST(cuMemcpyHtoD_v2(p, buf, sizeof buf));
+		MUST(cuMemRelease(h));
+		char got[64] = {0};
+		CUresult r = cuMemcpyDtoH_v2(got, p, sizeof got);
+		if (r == 0 && memcmp(got, buf, sizeof buf) != 0) {
+			printf("mismatch\n\n");
+			return 0;
+		}
+		report(r);
+	}
+	if (strcmp(rule, "import-shows-same-bytes") == 0) {
+		p = mapped(&h);
+		MUST(cuMemcpyHtoD_v2(p + 100, buf, sizeof buf));
+		int fd = -1;
+		MUST(cuMemExportToShareableHandle(&fd, h, 1, 0));
+		MUST(cuMemImportFromShareableHandle(&h2, (void *)(intptr_t)fd, 1));
+		close(fd);
+		p2 = reserve(G);
+		MUST(cuMemMap(p2, G, 0, h2, 0));
+		access_rw(p2, G);
+		char got[64] = {0};
+		CUresult r = cuMemcpyDtoH_v2(got, p2 + 100, sizeof got);
+		if (r == 0 && memcmp(got, buf, sizeof buf) != 0) {
+			printf("mismatch\n\n");
+			return 0;
+		}
+		report(r);
+	}
+	if (strcmp(rule, "import-foreign-fd") == 0) {
+		int fd = memfd_create("not-exported", 0);
+		report(cuMemImportFromShareableHandle(&h2, (void *)(intptr_t)fd, 1));
+	}
+	if (strcmp(rule, "host-mmap-exported-fd") == 0) {
+		int fd = -1;
+		MUST(cuMemExportToShareableHandle(&fd, create(G), 1, 0));
+		void *m = mmap(NULL, G, PROT_READ, MAP_SHARED, fd, 0);
+		printf("errno %d\n\n", m == MAP_FAILED ? errno : 0);
+		return 0;
+	}
+	if (strcmp(rule, "host-touch") == 0) {
+		p = mapped(&h);
+		MUST(cuMemcpyHtoD_v2(p, buf, sizeof buf));
+		volatile char *host = (volatile char *)(uintptr_t)p;
+		printf("read %d\n\n", host[0]); // faults: device memory is not host memory
+		return 0;
+	}
+	fprintf(stderr, "rules: unknown rule %s\n", rule);
+	return 2;
+}
