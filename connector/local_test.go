@@ -3,6 +3,7 @@ package connector_test
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"net"
 	"os"
 	"path/filepath"
@@ -39,6 +40,14 @@ func newLocalSidecar(t testing.TB, engine string, reg prometheus.Registerer) *lo
 // --model), used for a create call that carries none.
 func newLocalSidecarGeom(t testing.TB, engine string, reg prometheus.Registerer, g *v1.ModelGeometry) *localSidecar {
 	t.Helper()
+	return newLocalSidecarWith(t, engine, reg, g, nil)
+}
+
+// newLocalSidecarWith is newLocalSidecarGeom with the pool's pages from
+// newBackend (nil: the host backend); a backend from it is device memory
+// and closed with the pool.
+func newLocalSidecarWith(t testing.TB, engine string, reg prometheus.Registerer, g *v1.ModelGeometry, newBackend func() (vmm.Backend, error)) *localSidecar {
+	t.Helper()
 	dir, err := os.MkdirTemp("", "kvs")
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = os.RemoveAll(dir) })
@@ -54,19 +63,34 @@ func newLocalSidecarGeom(t testing.TB, engine string, reg prometheus.Registerer,
 			return nil, err
 		}
 		tr := connector.NewPageTracker(nil)
-		pool, err := vmm.NewPool(ctx, &vmm.Config{Layout: layout, NumBlocks: int(req.GetNumBlocks()), PageHook: tr, Registerer: reg})
+		var be vmm.Backend
+		if newBackend != nil {
+			if be, err = newBackend(); err != nil {
+				return nil, err
+			}
+		}
+		closeBackend := func() error {
+			if be == nil {
+				return nil
+			}
+			return be.Close()
+		}
+		pool, err := vmm.NewPool(ctx, &vmm.Config{Backend: be, Layout: layout, NumBlocks: int(req.GetNumBlocks()), PageHook: tr, Registerer: reg})
 		if err != nil {
+			_ = closeBackend()
 			return nil, err
 		}
+		closeAll := func() error { return errors.Join(pool.Close(), closeBackend()) }
 		rank, err := connector.NewRank(ctx, &connector.Config{EngineID: engine, TPRank: int(req.GetTpRank()), TPSize: int(req.GetTpSize()),
 			Geometry: req.GetGeometry(), Pool: pool, Registerer: reg,
 			// wallclock: the local API tests run on real unix sockets, outside synctest; 5 s scaled is far above a loaded machine's stalls.
 			Transfer: &transfer.Config{ListenAddr: "127.0.0.1:0", ServerTLS: srvTLS, ClientTLS: cliTLS, ProgressTimeout: testutil.Scaled(5 * time.Second)}})
 		if err != nil {
-			_ = pool.Close()
+			_ = closeAll()
 			return nil, err
 		}
-		return &connector.LocalCache{Pool: pool, Rank: rank, Tracker: tr, Create: req, EngineID: engine, Close: pool.Close}, nil
+		return &connector.LocalCache{Pool: pool, Rank: rank, Tracker: tr, Create: req, EngineID: engine, Close: closeAll,
+			DeviceMemory: newBackend != nil}, nil
 	}
 	srv, err := connector.NewLocalServer(t.Context(), &connector.LocalServerConfig{Path: path, Open: open, Geometry: g, Registerer: reg})
 	require.NoError(t, err)

@@ -30,15 +30,22 @@ type LocalClientConfig struct {
 	MaxReplyBytes int
 	// Logger: default discards.
 	Logger *slog.Logger
+	// DeviceImporter maps the pages of a sidecar whose KV cache is device
+	// memory (--backend cuda): pass the *cuda.Backend (vmm/cuda) of the
+	// engine's device. Default nil: Attach to such a sidecar fails with an
+	// error wrapping errors.ErrUnsupported.
+	DeviceImporter DeviceImporter
 }
 
 // LocalClient is an engine's (or an operator tool's) connection to its
 // sidecar's local API. After Attach it maps the sidecar's pages into its own
 // reservation (one PROT_NONE range per region; each passed memfd range
 // mapped MAP_FIXED|MAP_SHARED at its region offset), so Region and Block
-// address the same physical memory as the sidecar. Every reply brings the
-// pages mapped and unmapped since the previous one, so a mapping of a page
-// the sidecar released never outlives the next call. Calls are serialized;
+// address the same physical memory as the sidecar. Device memory (CUDA) is
+// imported instead through LocalClientConfig.DeviceImporter into device
+// reservations: BlockAddr, ReadBlock and WriteBlock address it. Every reply
+// brings the pages mapped and unmapped since the previous one, so a mapping
+// of a page the sidecar released never outlives the next call. Calls are serialized;
 // safe for concurrent use.
 type LocalClient struct {
 	cfg  LocalClientConfig
@@ -51,8 +58,9 @@ type LocalClient struct {
 
 	mapMu   sync.RWMutex
 	info    *v1.KVCacheInfo
-	regions [][]byte // reservations, one per region
-	mapped  [][]bool // [region][page]
+	regions [][]byte   // host reservations, one per region
+	dev     *deviceMap // device memory instead of regions
+	mapped  [][]bool   // [region][page]
 	closed  bool
 }
 
@@ -163,8 +171,14 @@ func (c *LocalClient) apply(d *v1.MappingDelta) error {
 		if int(pg) >= len(c.mapped[0]) {
 			return fmt.Errorf("connector: local client: unmapped page %d outside [0, %d)", pg, len(c.mapped[0]))
 		}
-		for r := range c.regions {
-			if err := c.protNone(r, uint64(pg)*ps, ps); err != nil {
+		for r := range c.mapped {
+			var err error
+			if c.dev != nil {
+				err = c.dev.unmap(r, uint64(pg))
+			} else {
+				err = c.protNone(r, uint64(pg)*ps, ps)
+			}
+			if err != nil {
 				return err
 			}
 			c.mapped[r][pg] = false
@@ -173,15 +187,22 @@ func (c *LocalClient) apply(d *v1.MappingDelta) error {
 	for _, m := range d.GetMap() {
 		r, off, n := int(m.GetRegion()), m.GetRegionOffset(), m.GetLen()
 		switch {
-		case r >= len(c.regions):
-			return fmt.Errorf("connector: local client: mapping of region %d outside [0, %d)", r, len(c.regions))
-		case n == 0 || off%ps != 0 || n%ps != 0 || off+n < off || off+n > uint64(len(c.regions[r])):
+		case r >= len(c.mapped):
+			return fmt.Errorf("connector: local client: mapping of region %d outside [0, %d)", r, len(c.mapped))
+		case n == 0 || off%ps != 0 || n%ps != 0 || off+n < off || off+n > c.info.GetRegionLen():
 			return fmt.Errorf("connector: local client: mapping [%d, +%d) of region %d is not whole pages of %d inside %d bytes",
-				off, n, r, ps, len(c.regions[r]))
+				off, n, r, ps, c.info.GetRegionLen())
 		case int(m.GetFdIndex()) >= len(files):
 			return fmt.Errorf("connector: local client: fd_index %d outside the %d passed fds", m.GetFdIndex(), len(files))
 		}
 		f := files[m.GetFdIndex()]
+		if c.dev != nil {
+			if err := c.dev.mapPage(r, off, n, f, m.GetFdOffset()); err != nil {
+				return err
+			}
+			c.mapped[r][off/ps] = true
+			continue
+		}
 		addr := unsafe.Pointer(&c.regions[r][off])
 		if _, err := unix.MmapPtr(int(f.Fd()), int64(m.GetFdOffset()), addr, uintptr(n),
 			unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_FIXED); err != nil {
@@ -208,9 +229,9 @@ func (c *LocalClient) protNone(r int, off, n uint64) error {
 // Attach creates the sidecar's KV cache (or attaches to the existing one,
 // which must have the same geometry, tp rank and size: CODE_ALREADY_EXISTS
 // otherwise), reserves the regions in this process and maps every page
-// the sidecar has mapped. Device memory (CUDA) is refused with an error
-// wrapping errors.ErrUnsupported: its fds must be imported with
-// cuMemImportFromShareableHandle by the engine itself.
+// the sidecar has mapped. Device memory (CUDA) is imported through
+// LocalClientConfig.DeviceImporter; without one it is refused with an error
+// wrapping errors.ErrUnsupported.
 func (c *LocalClient) Attach(ctx context.Context, req *v1.CreateKVCache) (*v1.KVCacheInfo, error) {
 	c.mapMu.RLock()
 	attached := c.info != nil
@@ -262,14 +283,25 @@ func (c *LocalClient) Attach(ctx context.Context, req *v1.CreateKVCache) (*v1.KV
 func (c *LocalClient) reserve(info *v1.KVCacheInfo) error {
 	ps, rl, nr := info.GetPageSize(), info.GetRegionLen(), info.GetNumRegions()
 	switch {
-	case info.GetDeviceMemory():
-		return fmt.Errorf("connector: local client: the sidecar's pages are device memory; import its fds with cuMemImportFromShareableHandle: %w", errors.ErrUnsupported)
+	case info.GetDeviceMemory() && c.cfg.DeviceImporter == nil:
+		return fmt.Errorf("connector: local client: the sidecar's pages are device memory; set LocalClientConfig.DeviceImporter (vmm/cuda's Backend) to import their POSIX fds: %w", errors.ErrUnsupported)
 	case ps == 0 || ps%uint64(os.Getpagesize()) != 0 || rl == 0 || rl%ps != 0 || nr == 0 || info.GetBlockLen() == 0 || info.GetBlockLen() > ps:
 		return fmt.Errorf("connector: local client: cache info page_size=%d region_len=%d num_regions=%d block_len=%d is not a usable layout",
 			ps, rl, nr, info.GetBlockLen())
 	}
 	c.mapMu.Lock()
 	defer c.mapMu.Unlock()
+	if info.GetDeviceMemory() {
+		d, err := newDeviceMap(c.cfg.DeviceImporter, int(nr), ps, rl)
+		if err != nil {
+			return err
+		}
+		c.dev, c.mapped, c.info = d, make([][]bool, nr), info
+		for r := range c.mapped {
+			c.mapped[r] = make([]bool, rl/ps)
+		}
+		return nil
+	}
 	for range nr {
 		b, err := unix.Mmap(-1, 0, int(rl), unix.PROT_NONE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
 		if err != nil {
@@ -287,7 +319,12 @@ func (c *LocalClient) unreserveLocked() {
 	for _, b := range c.regions {
 		_ = unix.Munmap(b)
 	}
-	c.regions, c.mapped, c.info = nil, nil, nil
+	if c.dev != nil {
+		if err := c.dev.close(); err != nil {
+			c.cfg.Logger.Warn("local client: unmap device pages", "err", err)
+		}
+	}
+	c.regions, c.dev, c.mapped, c.info = nil, nil, nil, nil
 }
 
 // Info returns the attached cache's description (nil before Attach).
@@ -299,7 +336,7 @@ func (c *LocalClient) Info() *v1.KVCacheInfo {
 
 // Region returns region i's whole reservation in this process. Only pages
 // that are mapped may be touched (the rest fault); use Block for checked
-// access. Nil before Attach or for i out of range.
+// access. Nil before Attach, for i out of range and for device memory.
 func (c *LocalClient) Region(i int) []byte {
 	c.mapMu.RLock()
 	defer c.mapMu.RUnlock()
@@ -326,25 +363,21 @@ func (c *LocalClient) blockOffsetLocked(b int) uint64 {
 // Block returns block b of region as a slice of this process's mapping of
 // the shared page. Errors (ErrInvalidArgument): not attached, region or
 // block out of range, or the page not mapped here (the block is not
-// allocated; Sync first if it was allocated through another connection).
-// The slice stays valid while the block stays allocated.
+// allocated; Sync first if it was allocated through another connection);
+// ErrDeviceMemory when the cache is device memory. The slice stays valid
+// while the block stays allocated.
 func (c *LocalClient) Block(region, b int) ([]byte, error) {
 	c.mapMu.RLock()
 	defer c.mapMu.RUnlock()
-	switch {
-	case c.info == nil:
-		return nil, fmt.Errorf("%w: local client not attached", ErrInvalidArgument)
-	case region < 0 || region >= len(c.regions):
-		return nil, fmt.Errorf("%w: region %d outside [0, %d)", ErrInvalidArgument, region, len(c.regions))
-	case b < 0 || b >= int(c.info.GetNumBlocks()):
-		return nil, fmt.Errorf("%w: block %d outside [0, %d)", ErrInvalidArgument, b, c.info.GetNumBlocks())
+	if c.dev != nil {
+		return nil, fmt.Errorf("block %d of region %d: %w; use ReadBlock, WriteBlock or BlockAddr", b, region, ErrDeviceMemory)
 	}
-	off := c.blockOffsetLocked(b)
-	if !c.mapped[region][off/c.info.GetPageSize()] {
-		return nil, fmt.Errorf("%w: block %d of region %d: page %d is not mapped in this process",
-			ErrInvalidArgument, b, region, off/c.info.GetPageSize())
+	off, err := c.blockLocked(region, b)
+	if err != nil {
+		return nil, err
 	}
-	return c.regions[region][off : off+c.info.GetBlockLen() : off+c.info.GetBlockLen()], nil
+	bl := c.info.GetBlockLen()
+	return c.regions[region][off : off+bl : off+bl], nil
 }
 
 // Alloc allocates n blocks; the pages they need are mapped here before it

@@ -36,11 +36,10 @@ const (
 const RequireEnv = "KVSIDECAR_REQUIRE_FAKECUDA"
 
 var build struct {
-	once  sync.Once
-	dir   string
-	lib   string
-	rules string
-	err   error
+	mu  sync.Mutex
+	dir string            // the temporary directory of every output
+	out map[string]string // output name -> path
+	err map[string]error  // output name -> why it did not build
 }
 
 // Library returns the path of the fake libcuda.so.1, built with gcc (or
@@ -48,75 +47,91 @@ var build struct {
 // Its soname is libfakecuda.so.1, not libcuda.so.1: the dynamic loader
 // matches dlopen("libcuda.so.1") against the sonames of loaded libraries,
 // so with the driver's soname a process that loaded the fake by path would
-// get the fake for every later dlopen of the real driver.
-// When it cannot be built the test is skipped, or fails when
-// KVSIDECAR_REQUIRE_FAKECUDA=1.
+// get the fake for every later dlopen of the real driver. When it cannot be
+// built the test is skipped, or fails when KVSIDECAR_REQUIRE_FAKECUDA=1.
 func Library(t testing.TB) string {
 	t.Helper()
-	buildOnce(t)
-	return build.lib
+	return compile(t, "libcuda.so.1", "fakecuda.c", "-shared", "-fPIC", "-fvisibility=hidden",
+		"-Wl,-soname,libfakecuda.so.1", "-lpthread")
 }
 
 // rulesProgram returns the path of the rules program (testdata/rules.c).
 func rulesProgram(t testing.TB) string {
 	t.Helper()
-	buildOnce(t)
-	return build.rules
+	return compile(t, "rules", "rules.c", "-ldl")
 }
 
-func buildOnce(t testing.TB) {
+// compile builds testdata/src into out once per process.
+func compile(t testing.TB, out, src string, flags ...string) string {
 	t.Helper()
-	build.once.Do(func() { build.err = compile() })
-	if build.err == nil {
-		return
+	build.mu.Lock()
+	defer build.mu.Unlock()
+	if p, ok := build.out[out]; ok {
+		return p
+	}
+	err, tried := build.err[out]
+	if !tried {
+		var p string
+		if p, err = gcc(out, src, flags); err == nil {
+			if build.out == nil {
+				build.out = map[string]string{}
+			}
+			build.out[out] = p
+			return p
+		}
+		if build.err == nil {
+			build.err = map[string]error{}
+		}
+		build.err[out] = err
 	}
 	if os.Getenv(RequireEnv) == "1" {
-		t.Fatalf("%s=1 but the fake CUDA driver did not build: %v", RequireEnv, build.err)
+		t.Fatalf("%s=1 but the fake CUDA driver's %s did not build: %v", RequireEnv, out, err)
 	}
-	t.Skipf("fake CUDA driver not built (set %s=1 to fail instead): %v", RequireEnv, build.err)
+	t.Skipf("fake CUDA driver's %s not built (set %s=1 to fail instead): %v", out, RequireEnv, err)
+	return ""
 }
 
-func compile() error {
+func gcc(out, src string, flags []string) (string, error) {
 	cc := os.Getenv("CC")
 	if cc == "" {
 		cc = "gcc"
 	}
 	if _, err := exec.LookPath(cc); err != nil {
-		return fmt.Errorf("C compiler %q: %w", cc, err)
+		return "", fmt.Errorf("C compiler %q: %w", cc, err)
 	}
-	dir, err := os.MkdirTemp("", "kvsidecar-fakecuda-")
-	if err != nil {
-		return err
-	}
-	build.dir = dir
-	for _, name := range []string{"fakecuda.c", "rules.c", "cuda_abi.h"} {
-		src, err := sources.ReadFile("testdata/" + name)
+	if build.dir == "" {
+		dir, err := os.MkdirTemp("", "kvsidecar-fakecuda-")
 		if err != nil {
-			return err
+			return "", err
 		}
-		if err := os.WriteFile(filepath.Join(dir, name), src, 0o600); err != nil {
-			return err
+		for _, name := range []string{"fakecuda.c", "rules.c", "cuda_abi.h"} {
+			b, err := sources.ReadFile("testdata/" + name)
+			if err == nil {
+				err = os.WriteFile(filepath.Join(dir, name), b, 0o600)
+			}
+			if err != nil {
+				_ = os.RemoveAll(dir)
+				return "", err
+			}
 		}
+		build.dir = dir
 	}
-	lib, rules := filepath.Join(dir, "libcuda.so.1"), filepath.Join(dir, "rules")
-	for _, args := range [][]string{
-		{"-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden", "-Wl,-soname,libfakecuda.so.1",
-			"-o", lib, filepath.Join(dir, "fakecuda.c"), "-lpthread"},
-		{"-O2", "-Wall", "-Wextra", "-o", rules, filepath.Join(dir, "rules.c"), "-ldl"},
-	} {
-		if out, err := exec.Command(cc, args...).CombinedOutput(); err != nil {
-			return fmt.Errorf("%s %s: %w\n%s", cc, strings.Join(args, " "), err, out)
-		}
+	p := filepath.Join(build.dir, out)
+	args := append([]string{"-O2", "-Wall", "-Wextra", "-o", p, filepath.Join(build.dir, src)}, flags...)
+	if b, err := exec.Command(cc, args...).CombinedOutput(); err != nil {
+		return "", fmt.Errorf("%s %s: %w\n%s", cc, strings.Join(args, " "), err, b)
 	}
-	build.lib, build.rules = lib, rules
-	return nil
+	return p, nil
 }
 
-// Cleanup removes the built fake; call it from TestMain after m.Run.
+// Cleanup removes what was built; call it from TestMain after m.Run.
 func Cleanup() {
+	build.mu.Lock()
+	defer build.mu.Unlock()
 	if build.dir != "" {
 		_ = os.RemoveAll(build.dir)
 	}
+	build.dir, build.out, build.err = "", nil, nil
 }
 
 // Fault makes the N-th call (from 1) of the entry point Call return Result
