@@ -37,6 +37,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	speedup := fs.Float64("speedup", demo.DefaultSpeedup, "divide the trace's arrival times by this factor, > 0 (inf: every request at once)")
 	tracePath := fs.String("trace", "", "Mooncake JSONL trace file (default: the Mooncake conversation trace embedded in the binary)")
 	backend := fs.String("backend", "host", "page backend: host (memfd) or cuda (one GPU, device 0)")
+	cudaLibrary := fs.String("cuda-library", cuda.DefaultLibrary, "CUDA driver library to dlopen, a name the dynamic loader finds or a path (cuda backend only)")
 	concurrency := fs.Int("concurrency", demo.DefaultConcurrency, fmt.Sprintf("requests in flight at most, 1..%d", maxConcurrency))
 	cacheEntries := fs.Int("cache-entries", demo.DefaultCacheEntries, fmt.Sprintf("decode prefix cache size in 512-token hash blocks, 0..%d (0: no cache)", maxCacheEntries))
 	hsMode := fs.String("handshake-mode", "piggyback", "decode handshake mode: piggyback or legacy")
@@ -86,8 +87,13 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		Speedup: *speedup, Trace: tr, Concurrency: *concurrency, CacheEntries: cache, HandshakeMode: mode}
 	switch *backend {
 	case "host":
+		if flagSet(fs.FlagSet, "cuda-library") {
+			return usageErrorf("--cuda-library %q: only the cuda backend loads a driver", *cudaLibrary)
+		}
 	case "cuda":
-		cfg.Backend = func(string, int) (vmm.Backend, error) { return cuda.New(&cuda.Config{Device: 0}) }
+		cfg.Backend = func(string, int) (vmm.Backend, error) {
+			return cuda.New(&cuda.Config{Device: 0, Library: *cudaLibrary})
+		}
 	default:
 		return usageErrorf("--backend %q: want host or cuda", *backend)
 	}

@@ -44,6 +44,7 @@ import (
 // on the command line wins.
 type serveFlags struct {
 	engineID, role, ownership, backend, model, dtype, attention string
+	cudaLibrary                                                 string
 	tpRank, tpSize, device, layers, kvHeads, headDim, blockSize int
 	numBlocks                                                   int
 	memoryLimit, listen, advertise, rankAddrs, allowPeers       string
@@ -68,6 +69,7 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.ownership, "ownership", "local", "who frees blocks: local (each rank drives its pool, SGLang) or coordinated (rank 0 for all, vLLM)")
 	fs.StringVar(&f.backend, "backend", "host", "page backend: host (memfd) or cuda")
 	fs.IntVar(&f.device, "device", 0, "CUDA device ordinal (cuda backend only)")
+	fs.StringVar(&f.cudaLibrary, "cuda-library", cuda.DefaultLibrary, "CUDA driver library to dlopen, a name the dynamic loader finds or a path (cuda backend only)")
 	fs.StringVar(&f.model, "model", "", "model geometry by name ("+strings.Join(vmm.ModelNames(), ", ")+"); or set --layers, --kv-heads, --head-dim, --dtype; or neither to take the engine's")
 	fs.IntVar(&f.layers, "layers", 0, "explicit geometry: num_hidden_layers")
 	fs.IntVar(&f.kvHeads, "kv-heads", 0, "explicit geometry: num_key_value_heads (before the TP split)")
@@ -94,6 +96,11 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&f.progressTimeout, "progress-timeout", transfer.DefaultProgressTimeout, "how long one transfer (served or read) may go without a byte moving before it fails with CODE_TIMEOUT")
 	fs.StringVar(&f.handshakeMode, "handshake-mode", "piggyback", "piggyback or legacy")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM/SIGINT/SIGHUP, how long in-flight transfers may take before they are aborted")
+}
+
+// cudaConfig is the cuda backend's configuration from the flags.
+func (f *serveFlags) cudaConfig() *cuda.Config {
+	return &cuda.Config{Device: f.device, Library: f.cudaLibrary}
 }
 
 func defaultSocketDir() string {
@@ -267,6 +274,9 @@ func (f *serveFlags) validate() (*serveConfig, error) {
 	case "host":
 		if f.device != 0 {
 			return bad("device", "%d: only the cuda backend has devices", f.device)
+		}
+		if f.given["cuda-library"] {
+			return bad("cuda-library", "%q: only the cuda backend loads a driver", f.cudaLibrary)
 		}
 	case "cuda":
 		if f.device < 0 {
@@ -580,11 +590,14 @@ func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 		}
 	}
 	if f.backend == "cuda" {
-		// Probe now rather than when the engine creates its KV cache.
-		be, err := cuda.New(&cuda.Config{Device: f.device})
+		// Probe now rather than when the engine creates its KV cache: a
+		// device that cannot serve pages fails the start (cuda.New checks).
+		be, err := cuda.New(f.cudaConfig())
 		if err != nil {
 			return fmt.Errorf("--backend cuda --device %d: %w", f.device, err)
 		}
+		log.Info("cuda driver", "library", be.LibraryPath(), "driver_version", be.DriverVersion(), "device", f.device,
+			"granularity_bytes", be.Granularity())
 		if err := be.Close(); err != nil {
 			return fmt.Errorf("--backend cuda --device %d: %w", f.device, err)
 		}
@@ -807,7 +820,7 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 	vc := &vmm.Config{Layout: layout, NumBlocks: n, Logger: log, Registerer: reg}
 	deviceMemory := false
 	if f.backend == "cuda" {
-		be, err := cuda.New(&cuda.Config{Device: f.device})
+		be, err := cuda.New(f.cudaConfig())
 		if err != nil {
 			return nil, codes.New(v1.Code_CODE_UNAVAILABLE, "kvsidecar serve: --backend cuda: %v", err)
 		}

@@ -124,6 +124,17 @@ func gcc(out, src string, flags []string) (string, error) {
 	return p, nil
 }
 
+// M wraps a test binary's m so that Run removes what was built after the
+// tests: func TestMain(m *testing.M) { goleak.VerifyTestMain(cudatest.M(m)) }.
+func M(m interface{ Run() int }) interface{ Run() int } { return cleanupM{m} }
+
+type cleanupM struct{ m interface{ Run() int } }
+
+func (c cleanupM) Run() int {
+	defer Cleanup()
+	return c.m.Run()
+}
+
 // Cleanup removes what was built; call it from TestMain after m.Run.
 func Cleanup() {
 	build.mu.Lock()
