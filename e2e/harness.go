@@ -143,7 +143,7 @@ type Proc struct {
 // test if still running.
 func Start(t testing.TB, name string, args ...string) *Proc {
 	t.Helper()
-	return startCmd(t, name, exec.Command(Binary(t), args...))
+	return startCmd(t, name, binaryCmd(t, "", args))
 }
 
 // StartInNetns runs the binary with args inside the network namespace ns
@@ -151,12 +151,27 @@ func Start(t testing.TB, name string, args ...string) *Proc {
 // directly); it is killed at the end of the test if still running.
 func StartInNetns(t testing.TB, ns, name string, args ...string) *Proc {
 	t.Helper()
-	return startCmd(t, name, exec.Command("ip", append([]string{"netns", "exec", ns, Binary(t)}, args...)...))
+	return startCmd(t, name, binaryCmd(t, ns, args))
 }
 
+// binaryCmd runs the binary with args, inside network namespace ns unless
+// ns is empty.
+func binaryCmd(t testing.TB, ns string, args []string) *exec.Cmd {
+	t.Helper()
+	if ns == "" {
+		return exec.Command(Binary(t), args...)
+	}
+	return exec.Command("ip", append([]string{"netns", "exec", ns, Binary(t)}, args...)...)
+}
+
+// startCmd starts cmd with its Env (nil: this process's environment) and
+// QUIC_GO_DISABLE_RECEIVE_BUFFER_WARNING.
 func startCmd(t testing.TB, name string, cmd *exec.Cmd) *Proc {
 	t.Helper()
-	cmd.Env = append(os.Environ(), "QUIC_GO_DISABLE_RECEIVE_BUFFER_WARNING=true")
+	if cmd.Env == nil {
+		cmd.Env = os.Environ()
+	}
+	cmd.Env = append(cmd.Env, "QUIC_GO_DISABLE_RECEIVE_BUFFER_WARNING=true")
 	stderr, err := cmd.StderrPipe()
 	require.NoError(t, err)
 	cmd.Stdout = io.Discard
@@ -300,6 +315,8 @@ type SidecarOpts struct {
 	MetricsAddr string
 	// Netns, when set, runs the sidecar inside that network namespace.
 	Netns string
+	// Env are extra NAME=VALUE environment variables of the process.
+	Env []string
 }
 
 // Sidecar is a running `kvsidecar serve`.
@@ -338,12 +355,9 @@ func (e *Env) StartSidecar(t testing.TB, o SidecarOpts) *Sidecar {
 		"--capability-key-file", e.CapKey, "--socket-dir", e.SocketDir, "--listen", o.Listen,
 		"--metrics-addr", o.MetricsAddr, "--log-level", "debug"}
 	args = append(args, o.Args...)
-	var p *Proc
-	if o.Netns != "" {
-		p = StartInNetns(t, o.Netns, name, args...)
-	} else {
-		p = Start(t, name, args...)
-	}
+	cmd := binaryCmd(t, o.Netns, args)
+	cmd.Env = append(os.Environ(), o.Env...)
+	p := startCmd(t, name, cmd)
 	m := p.WaitLog(t, "metrics listening", StartTimeout)
 	s := p.WaitLog(t, "serving", StartTimeout)
 	return &Sidecar{Proc: p, Opts: o, Socket: s["socket"].(string), MetricsURL: "http://" + m["addr"].(string)}

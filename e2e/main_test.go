@@ -5,6 +5,8 @@ import (
 	"testing"
 
 	"go.uber.org/goleak"
+
+	"github.com/kvsidecar/kvsidecar/vmm/cuda/cudatest"
 )
 
 func TestMain(m *testing.M) {
@@ -12,12 +14,12 @@ func TestMain(m *testing.M) {
 		defer Cleanup()
 		// goleak's VerifyTestMain exits; run it through a wrapper that
 		// still removes the binary.
-		return runWithLeakCheck(m)
+		return runWithLeakCheck(cudatest.M(m))
 	}()
 	os.Exit(code)
 }
 
-func runWithLeakCheck(m *testing.M) int {
+func runWithLeakCheck(m interface{ Run() int }) int {
 	code := m.Run()
 	if code == 0 {
 		if err := goleak.Find(); err != nil {
