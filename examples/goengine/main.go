@@ -4,9 +4,12 @@
 // KV from prefill to decode through them with the local API client
 // (connector.DialLocal), checks every byte on every decode rank and prints
 // the bytes it verified. It follows docs/engine-integration.md step by step.
+// With --backend cuda the sidecars keep the KV cache in GPU memory and the
+// engine imports their pages into its own device address space through
+// vmm/cuda (connector.LocalClientConfig.DeviceImporter).
 //
 //	go build -o bin/kvsidecar ./cmd/kvsidecar
-//	go run ./examples/goengine --kvsidecar bin/kvsidecar
+//	go run ./examples/goengine --kvsidecar bin/kvsidecar [--backend cuda]
 package main
 
 import (
@@ -28,6 +31,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
 	"github.com/kvsidecar/kvsidecar/internal/kvgen"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/kvsidecar/kvsidecar/vmm/cuda"
 )
 
 // The model: llama-3.2-1b has 16 layers (32 regions: K and V of each) and 8
@@ -43,17 +47,30 @@ const (
 func main() {
 	bin := flag.String("kvsidecar", "bin/kvsidecar", "path of the kvsidecar binary")
 	tokens := flag.Int("tokens", 1000, "prompt tokens of the request")
+	backend := flag.String("backend", "host", "the sidecars' page backend: host or cuda (GPU 0)")
+	cudaLib := flag.String("cuda-library", cuda.DefaultLibrary, "CUDA driver library (cuda backend)")
 	flag.Parse()
+	lib := ""
+	switch *backend {
+	case "host":
+	case "cuda":
+		lib = *cudaLib
+	default:
+		fmt.Fprintf(os.Stderr, "goengine: --backend %q: want host or cuda\n", *backend)
+		os.Exit(2)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	if err := run(ctx, *bin, *tokens, os.Stdout); err != nil {
+	if err := run(ctx, *bin, *tokens, lib, os.Stdout); err != nil {
 		fmt.Fprintln(os.Stderr, "goengine:", err)
 		os.Exit(1)
 	}
 }
 
-// run does the whole example and writes its report to out.
-func run(ctx context.Context, bin string, tokens int, out io.Writer) (err error) {
+// run does the whole example and writes its report to out. With cudaLib
+// set, the sidecars run --backend cuda with that driver library and the
+// engine imports their device pages through a vmm/cuda backend on GPU 0.
+func run(ctx context.Context, bin string, tokens int, cudaLib string, out io.Writer) (err error) {
 	dir, err := os.MkdirTemp("", "kvsgo")
 	if err != nil {
 		return err
@@ -62,6 +79,16 @@ func run(ctx context.Context, bin string, tokens int, out io.Writer) (err error)
 	c, err := newCluster(dir, bin)
 	if err != nil {
 		return err
+	}
+	if cudaLib != "" {
+		imp, ierr := cuda.New(&cuda.Config{Library: cudaLib})
+		if ierr != nil {
+			return fmt.Errorf("the engine's CUDA device: %w", ierr)
+		}
+		// Closed after the connections that map its pages (c.stop).
+		defer func() { err = errors.Join(err, imp.Close()) }()
+		c.serveArgs = []string{"--backend", "cuda", "--cuda-library", cudaLib}
+		c.client = &connector.LocalClientConfig{DeviceImporter: imp}
 	}
 	defer func() { err = errors.Join(err, c.stop()) }()
 
@@ -99,14 +126,16 @@ func run(ctx context.Context, bin string, tokens int, out io.Writer) (err error)
 			return fmt.Errorf("prefill rank %d: alloc: %w", p, err)
 		}
 		src[p] = ids
+		// The model's output for the block, written through this process's
+		// mapping of the shared page (host or device memory).
 		shape := kvgen.Shape{BlockSize: blockSize, RowBytes: rowBytes, FirstHead: p * numKVHeads / prefillTP, Heads: numKVHeads / prefillTP}
+		b := make([]byte, infos[lc].GetBlockLen())
 		for r := range int(infos[lc].GetNumRegions()) {
 			for k, id := range ids {
-				b, err := lc.Block(r, int(id))
-				if err != nil {
+				kvgen.FillBlock(b, shape, key, r, k*blockSize)
+				if err := lc.WriteBlock(r, int(id), b); err != nil {
 					return err
 				}
-				kvgen.FillBlock(b, shape, key, r, k*blockSize)
 			}
 		}
 	}
@@ -159,10 +188,10 @@ func run(ctx context.Context, bin string, tokens int, out io.Writer) (err error)
 	var verified int64
 	for d, lc := range decode {
 		shape := kvgen.Shape{BlockSize: blockSize, RowBytes: rowBytes, FirstHead: d * numKVHeads / decodeTP, Heads: numKVHeads / decodeTP}
+		b := make([]byte, infos[lc].GetBlockLen())
 		for r := range int(infos[lc].GetNumRegions()) {
 			for k, id := range dst[d] {
-				b, err := lc.Block(r, int(id))
-				if err != nil {
+				if err := lc.ReadBlock(r, int(id), b); err != nil {
 					return err
 				}
 				if bad, first := kvgen.CheckBlock(b, shape, key, r, k*blockSize); bad != 0 {
@@ -218,6 +247,10 @@ type cluster struct {
 	procs     []*exec.Cmd
 	logs      []*os.File
 	clients   []*connector.LocalClient
+	// serveArgs are extra flags of every sidecar; client configures the
+	// engine's connections (the DeviceImporter for --backend cuda).
+	serveArgs []string
+	client    *connector.LocalClientConfig
 }
 
 func newCluster(dir, bin string) (*cluster, error) {
@@ -250,14 +283,14 @@ func (c *cluster) startInstance(ctx context.Context, engine, role string, tp int
 		if err != nil {
 			return nil, err
 		}
-		cmd := exec.Command(c.bin, "serve", "--engine-id", engine, "--role", role, "--tp-rank", strconv.Itoa(r),
+		cmd := exec.Command(c.bin, append([]string{"serve", "--engine-id", engine, "--role", role, "--tp-rank", strconv.Itoa(r),
 			"--tp-size", strconv.Itoa(tp), "--model", "llama-3.2-1b", "--num-blocks", "1024",
 			"--listen", addrs[r], "--rank-addrs", strings.Join(addrs, ","),
 			"--tls-cert", c.tls.Cert, "--tls-key", c.tls.Key, "--tls-ca", c.tls.CA,
 			"--capability-key-file", c.capKey, "--socket-dir", c.socketDir,
 			// Every rank here is on loopback: params naming any other
 			// address are refused before a packet is sent.
-			"--allow-peers", "127.0.0.0/8")
+			"--allow-peers", "127.0.0.0/8"}, c.serveArgs...)...)
 		cmd.Stderr = log
 		if err := cmd.Start(); err != nil {
 			return nil, fmt.Errorf("start %s: %w", c.bin, err)
@@ -267,7 +300,7 @@ func (c *cluster) startInstance(ctx context.Context, engine, role string, tp int
 		if err != nil {
 			return nil, err
 		}
-		lc, err := dialWhenUp(ctx, path, cmd)
+		lc, err := dialWhenUp(ctx, path, cmd, c.client)
 		if err != nil {
 			b, _ := os.ReadFile(log.Name())
 			return nil, fmt.Errorf("%s rank %d: %w\n%s", engine, r, err, b)
@@ -280,9 +313,9 @@ func (c *cluster) startInstance(ctx context.Context, engine, role string, tp int
 
 // dialWhenUp dials the socket until the sidecar answers (it listens before
 // it logs "serving") or the process exits.
-func dialWhenUp(ctx context.Context, path string, cmd *exec.Cmd) (*connector.LocalClient, error) {
+func dialWhenUp(ctx context.Context, path string, cmd *exec.Cmd, cfg *connector.LocalClientConfig) (*connector.LocalClient, error) {
 	for {
-		if lc, err := connector.DialLocal(ctx, path, nil); err == nil {
+		if lc, err := connector.DialLocal(ctx, path, cfg); err == nil {
 			if _, err := lc.Stats(ctx); err == nil {
 				return lc, nil
 			}

@@ -13,22 +13,29 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvsidecar/kvsidecar/internal/testutil"
+	"github.com/kvsidecar/kvsidecar/vmm/cuda/cudatest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { goleak.VerifyTestMain(cudatest.M(m)) }
+
+// buildKvsidecar builds the binary into the test's temporary directory.
+func buildKvsidecar(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "kvsidecar")
+	out, err := exec.Command(filepath.Join(runtime.GOROOT(), "bin", "go"), "build", "-o", bin, "../../cmd/kvsidecar").CombinedOutput()
+	require.NoError(t, err, "go build: %s", out)
+	return bin
+}
 
 // TestExample runs the example against a freshly built kvsidecar: one
 // request of 1000 tokens, prefill TP 2 -> decode TP 4, every byte checked.
 func TestExample(t *testing.T) {
-	bin := filepath.Join(t.TempDir(), "kvsidecar")
-	out, err := exec.Command(filepath.Join(runtime.GOROOT(), "bin", "go"), "build", "-o", bin, "../../cmd/kvsidecar").CombinedOutput()
-	require.NoError(t, err, "go build: %s", out)
-
+	bin := buildKvsidecar(t)
 	// wallclock: the example runs real kvsidecar processes; a generous scaled bound on the whole run.
 	ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(2*time.Minute))
 	defer cancel()
 	var report strings.Builder
-	require.NoError(t, run(ctx, bin, 1000, &report))
+	require.NoError(t, run(ctx, bin, 1000, "", &report))
 	t.Log(report.String())
 	// 63 blocks × 32 regions × 16 KiB (8 heads × 16 tokens × 128 bytes),
 	// over the four decode ranks.
