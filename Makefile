@@ -69,8 +69,8 @@ demo: ## the main job: prefill→decode on the host backend over a real trace
 	$(GO) build -o $(BIN) ./cmd/kvsidecar
 	./$(BIN) demo
 
-gpu-check: ## conformance + device write/read-back on a real GPU (fails instead of skipping)
-	CGO_ENABLED=1 KVSIDECAR_REQUIRE_GPU=1 $(GO) test -count=1 -v ./vmm/cuda/...
+gpu-check: ## on a real GPU: conformance, local API device fds (e2e), demo --backend cuda; fails at once without one
+	GO=$(GO) .ci/gpu-check
 
 clean: ## remove build outputs
 	rm -rf bin
