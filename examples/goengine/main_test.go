@@ -2,10 +2,13 @@ package main
 
 import (
 	"context"
+	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -16,15 +19,37 @@ import (
 	"github.com/kvsidecar/kvsidecar/vmm/cuda/cudatest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(cudatest.M(m)) }
+func TestMain(m *testing.M) { goleak.VerifyTestMain(cudatest.M(removeBinary{m})) }
 
-// buildKvsidecar builds the binary into the test's temporary directory.
+// built is the kvsidecar binary both tests run, built once.
+var built struct {
+	once      sync.Once
+	dir, path string
+	err       error
+}
+
+type removeBinary struct{ m *testing.M }
+
+func (r removeBinary) Run() int {
+	defer func() { _ = os.RemoveAll(built.dir) }()
+	return r.m.Run()
+}
+
+// buildKvsidecar builds the binary once per test binary.
 func buildKvsidecar(t *testing.T) string {
 	t.Helper()
-	bin := filepath.Join(t.TempDir(), "kvsidecar")
-	out, err := exec.Command(filepath.Join(runtime.GOROOT(), "bin", "go"), "build", "-o", bin, "../../cmd/kvsidecar").CombinedOutput()
-	require.NoError(t, err, "go build: %s", out)
-	return bin
+	built.once.Do(func() {
+		if built.dir, built.err = os.MkdirTemp("", "goengine-bin"); built.err != nil {
+			return
+		}
+		built.path = filepath.Join(built.dir, "kvsidecar")
+		out, err := exec.Command(filepath.Join(runtime.GOROOT(), "bin", "go"), "build", "-o", built.path, "../../cmd/kvsidecar").CombinedOutput()
+		if err != nil {
+			built.err = fmt.Errorf("go build: %w\n%s", err, out)
+		}
+	})
+	require.NoError(t, built.err)
+	return built.path
 }
 
 // TestExample runs the example against a freshly built kvsidecar: one

@@ -323,7 +323,9 @@ var _ vmm.Importer = (*Backend)(nil)
 // the host page, and one page created and exported as a POSIX file
 // descriptor. A failed check names the granularity or the handle type and
 // the allocation properties. Errors wrap ErrNoGPU when the library or the
-// device is missing or cannot serve pages.
+// device is missing or lacks virtual memory management or POSIX-fd export,
+// vmm.ErrInvalidConfig for an unusable granularity, and the driver's Result
+// otherwise (CUDA_ERROR_OUT_OF_MEMORY matches vmm.ErrOverLimit).
 func New(cfg *Config) (*Backend, error) {
 	c := cfg.withDefaults()
 	if c.Device < 0 {
