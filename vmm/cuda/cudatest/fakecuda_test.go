@@ -55,6 +55,7 @@ func TestFakeRules(t *testing.T) {
 		{"import-shows-same-bytes", nil, success, ""},
 		{"import-foreign-fd", nil, invalidValue, "is not a descriptor cuMemExportToShareableHandle made"},
 		{"host-mmap-exported-fd", nil, "errno " + strconv.Itoa(int(syscall.EBADF)), ""},
+		{"calls-counted", nil, "4 1", ""}, // fakecuda_calls: cuMemCreate, cuInit
 	}
 	for _, tc := range tests {
 		t.Run(tc.rule, func(t *testing.T) {

@@ -37,6 +37,7 @@ static CUresult (*cuMemImportFromShareableHandle)(CUhandle *, void *, int);
 static CUresult (*cuMemcpyHtoD_v2)(CUdeviceptr, const void *, size_t);
 static CUresult (*cuMemcpyDtoH_v2)(void *, CUdeviceptr, size_t);
 static const char *(*fakecuda_last_error)(void);
+static unsigned long long (*fakecuda_calls)(const char *);
 
 static size_t G;
 static CUmemAllocationProp prop;
@@ -109,7 +110,7 @@ int main(int argc, char **argv) {
 	SYM(cuMemGetAllocationGranularity); SYM(cuMemAddressReserve); SYM(cuMemAddressFree);
 	SYM(cuMemCreate); SYM(cuMemRelease); SYM(cuMemMap); SYM(cuMemUnmap); SYM(cuMemSetAccess);
 	SYM(cuMemExportToShareableHandle); SYM(cuMemImportFromShareableHandle);
-	SYM(cuMemcpyHtoD_v2); SYM(cuMemcpyDtoH_v2); SYM(fakecuda_last_error);
+	SYM(cuMemcpyHtoD_v2); SYM(cuMemcpyDtoH_v2); SYM(fakecuda_last_error); SYM(fakecuda_calls);
 	const char *rule = argv[2];
 	CUhandle h, h2;
 	CUdeviceptr p, p2;
@@ -226,6 +227,15 @@ int main(int argc, char **argv) {
 		MUST(cuMemExportToShareableHandle(&fd, create(G), 1, 0));
 		void *m = mmap(NULL, G, PROT_READ, MAP_SHARED, fd, 0);
 		printf("errno %d\n\n", m == MAP_FAILED ? errno : 0);
+		return 0;
+	}
+	if (strcmp(rule, "calls-counted") == 0) {
+		// One cuMemCreate refused, three made: all four counted.
+		(void)cuMemCreate(&h, G / 2, &prop, 0);
+		create(G);
+		create(G);
+		create(G);
+		printf("%llu %llu\n\n", fakecuda_calls("cuMemCreate"), fakecuda_calls("cuInit"));
 		return 0;
 	}
 	if (strcmp(rule, "host-touch") == 0) {
