@@ -61,6 +61,13 @@ func (r *Rank) StartLoad(ctx context.Context, meta *v1.ReqMeta) error {
 	if err := ValidateRemotePrefill(p); err != nil {
 		return err
 	}
+	// Blocks of another size do not map one to one: say so before the
+	// block counts disagree for that reason.
+	if bs, lbs := p.GetBlockSize(), r.cfg.Geometry.GetBlockSize(); bs != 0 && bs != lbs {
+		return codes.New(v1.Code_CODE_INCOMPATIBLE_MODEL,
+			"connector: kv_transfer_params block_size=%d (prefill engine %q) differs from this rank's block_size=%d: the prefill's block ids do not map to this rank's blocks; run both with one --block-size",
+			bs, p.GetRemoteEngineId(), lbs)
+	}
 	local, err := r.checkBlocks("local_block_ids", meta.GetLocalBlockIds())
 	if err != nil {
 		return err
@@ -189,7 +196,7 @@ func (r *Rank) targets(l *load) []handshake.Target {
 	ts := make([]handshake.Target, len(l.plan.Sources))
 	for i, s := range l.plan.Sources {
 		e := handshake.Expect{EngineID: p.GetRemoteEngineId(), TPRank: s.PrefillRank, TPSize: int(p.GetTpSize()),
-			ModelHash: r.modelHash, NumRegions: len(r.regions), BlockLen: l.plan.RemoteBlockLen}
+			ModelHash: r.modelHash, Geometry: r.cfg.Geometry, NumRegions: len(r.regions), BlockLen: l.plan.RemoteBlockLen}
 		if s.PrefillRank == 0 {
 			// remote_incarnation is rank 0's (the params come from its scheduler).
 			e.Incarnation = p.GetRemoteIncarnation()

@@ -1,14 +1,18 @@
 package e2e
 
 import (
+	"fmt"
 	"net"
 	"os"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvsidecar/kvsidecar/connector"
+	"github.com/kvsidecar/kvsidecar/internal/codes"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -51,4 +55,93 @@ func TestAllowPeersNoDatagram(t *testing.T) {
 	_, p = prefillRequest(t, pe, "req-ok", 6, 2)
 	require.Nil(t, de.load(t, "req-ok", dst, p), "an allowed prefill is read")
 	de.check(t, 6, dst)
+}
+
+// geomWith is geomFlags with one flag's value replaced.
+func geomWith(flag, value string) []string {
+	out := append([]string(nil), geomFlags...)
+	for i := 0; i+1 < len(out); i += 2 {
+		if out[i] == flag {
+			out[i+1] = value
+		}
+	}
+	return out
+}
+
+// TestIncompatibleGeometryNamesBothValues is issue 13 acceptance 5: a
+// prefill with another block size (32 vs the decode's 16), dtype or head
+// dim makes the first request fail naming both values, not a model hash;
+// no byte is written into the decode's blocks and nothing is served.
+func TestIncompatibleGeometryNamesBothValues(t *testing.T) {
+	env := NewEnv(t)
+	dec := env.StartSidecar(t, SidecarOpts{Engine: "decode-g", Role: "decode", Args: geomFlags})
+	de := attach(t, dec, 256)
+	const sentinel = 77
+	dst, err := de.Alloc(t.Context(), 2)
+	require.NoError(t, err)
+	de.fill(t, sentinel, dst)
+
+	tests := []struct {
+		name  string
+		args  []string
+		edit  func(p *v1.KVTransferParams)
+		local int  // local blocks for the prefill's one
+		sync  bool // StartLoad itself refuses
+		want  string
+	}{
+		// The issue's inputs: 2 local blocks for 1 remote gave "... local
+		// block_ids for ... remote_block_ids"; 1 for 1 a model hash and
+		// only the prefill's 32.
+		{"block size, two local blocks", geomWith("--block-size", "32"), nil, 2, true,
+			"kv_transfer_params block_size=32 (prefill engine \"prefill-block-size-two-local-blocks\") differs from this rank's block_size=16"},
+		{"block size, one local block", geomWith("--block-size", "32"), nil, 1, true, "block_size=32"},
+		// Params made elsewhere carry no block_size: the handshake names it.
+		{"block size, params without it", geomWith("--block-size", "32"), func(p *v1.KVTransferParams) { p.BlockSize = 0 }, 1, false,
+			"differ in block_size: peer 32, local 16"},
+		{"dtype", geomWith("--dtype", "float16"), nil, 1, false, "differ in dtype: peer DTYPE_FLOAT16, local DTYPE_BFLOAT16"},
+		{"head dim", geomWith("--head-dim", "128"), nil, 1, false, "differ in head_dim: peer 128, local 64"},
+	}
+	for i, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			engine := "prefill-" + strings.ReplaceAll(strings.ReplaceAll(tc.name, ",", ""), " ", "-")
+			pre := env.StartSidecar(t, SidecarOpts{Engine: engine, Role: "prefill", Args: tc.args})
+			pe := attachOwnGeometry(t, pre, 256)
+			src, err := pe.Alloc(t.Context(), 1)
+			require.NoError(t, err)
+			p, err := pe.RequestFinished(t.Context(), "req-g", src, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
+			require.NoError(t, err)
+			if tc.edit != nil {
+				tc.edit(p)
+			}
+			id := "geom-" + strconv.Itoa(i)
+			meta := &v1.ReqMeta{RequestId: id, LocalBlockIds: dst[:tc.local], Params: p}
+			var code v1.Code
+			var msg string
+			if tc.sync {
+				err := de.StartLoad(t.Context(), meta)
+				code, msg = codes.Of(err), fmt.Sprint(err)
+			} else {
+				failed := de.load(t, id, dst[:tc.local], p)
+				require.NotNil(t, failed, "the load must fail")
+				code, msg = failed.GetError().GetCode(), failed.GetError().GetMessage()
+			}
+			require.Equal(t, v1.Code_CODE_INCOMPATIBLE_MODEL, code, msg)
+			require.Contains(t, msg, tc.want)
+			require.Zero(t, metricWith(t, pre, "kvsidecar_transfer_bytes_total", `role="server"`), "nothing was served")
+			de.check(t, sentinel, dst)
+		})
+	}
+	require.Zero(t, metricWith(t, dec, "kvsidecar_transfer_bytes_total"), "the decode read nothing at all")
+}
+
+// attachOwnGeometry is attach with a create call that carries no geometry:
+// the engine takes the one the sidecar's flags give.
+func attachOwnGeometry(t testing.TB, s *Sidecar, blocks uint32) *engine {
+	t.Helper()
+	c, err := connector.DialLocal(t.Context(), s.Socket, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+	info, err := c.Attach(t.Context(), &v1.CreateKVCache{TpRank: uint32(s.Opts.TPRank), TpSize: uint32(s.Opts.TPSize), NumBlocks: blocks})
+	require.NoError(t, err)
+	return &engine{LocalClient: c, info: info}
 }

@@ -184,7 +184,7 @@ func (c *Client) Get(ctx context.Context, t Target) (*Metadata, error) {
 		if t.Rank0Addr == "" {
 			return nil, fmt.Errorf("handshake: legacy mode needs the address of remote rank 0")
 		}
-		r0 := Target{Expect: Expect{EngineID: t.EngineID, TPRank: 0, ModelHash: t.ModelHash, Incarnation: t.Incarnation}, Addr: t.Rank0Addr}
+		r0 := Target{Expect: Expect{EngineID: t.EngineID, TPRank: 0, ModelHash: t.ModelHash, Geometry: t.Geometry, Incarnation: t.Incarnation}, Addr: t.Rank0Addr}
 		md0, err := c.get(ctx, r0, 0)
 		if err != nil {
 			return nil, fmt.Errorf("handshake: legacy tp_size query to rank 0: %w", err)

@@ -182,6 +182,15 @@ func TestPiggybackNeedsTPSize(t *testing.T) {
 
 func TestValidationErrors(t *testing.T) {
 	wc := newGroup(t, "prefill", 2, 7)
+	// local sets the target's expectation to this rank's geometry after f.
+	local := func(f func(g *v1.ModelGeometry)) func(*handshake.Target) {
+		return func(tg *handshake.Target) {
+			g := proto.Clone(geom).(*v1.ModelGeometry)
+			g.Model = "decode-model"
+			f(g)
+			tg.ModelHash, tg.Geometry = handshake.ModelHash(g), g
+		}
+	}
 	tests := []struct {
 		name   string
 		mutate func(*handshake.Target)
@@ -190,7 +199,19 @@ func TestValidationErrors(t *testing.T) {
 	}{
 		{"unknown engine", func(tg *handshake.Target) { tg.EngineID = "other" }, codes.Sentinel(v1.Code_CODE_NOT_FOUND), `is engine_id "prefill", not "other"`},
 		{"model hash", func(tg *handshake.Target) { h := sha256.Sum256([]byte("x")); tg.ModelHash = h[:] }, handshake.ErrIncompatible, "model hash"},
-		{"region count", func(tg *handshake.Target) { tg.NumRegions = 6 }, handshake.ErrIncompatible, "has 4 regions, local layout has 6"},
+		// With the local geometry known, the fields that differ are named
+		// with both values, not a hash (the issue: block_size 32 vs 16 was
+		// reported as a model hash and only the prefill's 32).
+		{"block size", local(func(g *v1.ModelGeometry) { g.BlockSize = 32 }), handshake.ErrIncompatible,
+			`peer prefill/tp1 (model "llama-3.1-8b") and this rank (model "decode-model") differ in block_size: peer 16, local 32`},
+		{"dtype", local(func(g *v1.ModelGeometry) { g.Dtype = v1.DType_DTYPE_FLOAT16 }), handshake.ErrIncompatible,
+			"differ in dtype: peer DTYPE_BFLOAT16, local DTYPE_FLOAT16"},
+		{"head dim and heads", local(func(g *v1.ModelGeometry) { g.HeadDim, g.NumKvHeads = 64, 4 }), handshake.ErrIncompatible,
+			"differ in num_kv_heads: peer 8, local 4; head_dim: peer 128, local 64"},
+		{"layers and attention", local(func(g *v1.ModelGeometry) { g.NumLayers, g.Attention = 3, v1.Attention_ATTENTION_MLA }), handshake.ErrIncompatible,
+			"differ in num_layers: peer 2, local 3; attention: peer ATTENTION_GQA, local ATTENTION_MLA"},
+		{"region count", func(tg *handshake.Target) { tg.NumRegions = 6 }, handshake.ErrIncompatible,
+			"has 4 regions, local layout has 6 (region layout: 2 K, 2 V, 0 compound on the peer)"},
 		{"block_len", func(tg *handshake.Target) { tg.BlockLen = 4096 }, handshake.ErrIncompatible, "block_len=16384, the TP mapping needs 4096"},
 		{"incarnation", func(tg *handshake.Target) { tg.Incarnation = 8 }, handshake.ErrUnknownEngine, "incarnation 0x7"},
 	}

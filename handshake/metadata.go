@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/bits"
+	"strings"
 
 	"google.golang.org/protobuf/proto"
 
@@ -202,6 +203,10 @@ type Expect struct {
 	TPSize int
 	// ModelHash of the local geometry; must equal the peer's.
 	ModelHash []byte
+	// Geometry is the local geometry ModelHash was computed from; when the
+	// hashes differ, the error names every field that differs with both
+	// values instead of the hashes. nil: the hashes are named.
+	Geometry *v1.ModelGeometry
 	// NumRegions the local layout has; the peer must have as many.
 	NumRegions int
 	// BlockLen the TP mapping requires of every peer region; 0 = any.
@@ -222,9 +227,14 @@ func (e Expect) Check(md *Metadata) error {
 	case e.TPSize != 0 && md.TPSize != e.TPSize:
 		return fmt.Errorf("%w: peer %s has tp_size=%d, kv_transfer_params said tp_size=%d", ErrTPMismatch, md.AgentName, md.TPSize, e.TPSize)
 	case e.ModelHash != nil && string(md.ModelHash) != string(e.ModelHash):
-		return fmt.Errorf("%w: peer %s model hash %x differs from local %x (geometry %v)", ErrIncompatible, md.AgentName, md.ModelHash[:6], e.ModelHash[:6], md.Geometry)
+		if d := GeometryDiff(md.Geometry, e.Geometry); e.Geometry != nil && d != "" {
+			return fmt.Errorf("%w: peer %s (model %q) and this rank (model %q) differ in %s", ErrIncompatible, md.AgentName,
+				md.Geometry.GetModel(), e.Geometry.GetModel(), d)
+		}
+		return fmt.Errorf("%w: peer %s model hash %x differs from local %x (peer geometry %v)", ErrIncompatible, md.AgentName, md.ModelHash[:6], e.ModelHash[:6], md.Geometry)
 	case e.NumRegions != 0 && len(md.Regions) != e.NumRegions:
-		return fmt.Errorf("%w: peer %s has %d regions, local layout has %d", ErrIncompatible, md.AgentName, len(md.Regions), e.NumRegions)
+		return fmt.Errorf("%w: peer %s has %d regions, local layout has %d (region layout: %s on the peer)", ErrIncompatible, md.AgentName,
+			len(md.Regions), e.NumRegions, regionLayout(md.Regions))
 	case e.Incarnation != 0 && md.Incarnation != e.Incarnation:
 		return fmt.Errorf("%w: peer %s incarnation %#x, kv_transfer_params said %#x (the prefill restarted; its blocks are gone)", ErrUnknownEngine, md.AgentName, md.Incarnation, e.Incarnation)
 	}
@@ -236,6 +246,45 @@ func (e Expect) Check(md *Metadata) error {
 		}
 	}
 	return nil
+}
+
+// GeometryDiff names every field in which the geometries a peer and this
+// rank announce differ, with both values ("block_size: peer 32, local 16;
+// dtype: peer DTYPE_FLOAT16, local DTYPE_BFLOAT16"), in the order of the
+// fields of ModelGeometry; "" when none does. The model name is not
+// compared (ModelHash excludes it: two names of one geometry are
+// compatible).
+func GeometryDiff(peer, local *v1.ModelGeometry) string {
+	var d []string
+	add := func(field string, p, l any) {
+		if p != l {
+			d = append(d, fmt.Sprintf("%s: peer %v, local %v", field, p, l))
+		}
+	}
+	add("num_layers", peer.GetNumLayers(), local.GetNumLayers())
+	add("num_kv_heads", peer.GetNumKvHeads(), local.GetNumKvHeads())
+	add("head_dim", peer.GetHeadDim(), local.GetHeadDim())
+	add("dtype", peer.GetDtype(), local.GetDtype())
+	add("block_size", peer.GetBlockSize(), local.GetBlockSize())
+	add("layout", peer.GetLayout(), local.GetLayout())
+	add("attention", peer.GetAttention(), local.GetAttention())
+	return strings.Join(d, "; ")
+}
+
+// regionLayout counts regions by kind: "32 K, 32 V, 0 compound".
+func regionLayout(rs []Region) string {
+	k, v, c := 0, 0, 0
+	for _, r := range rs {
+		switch r.Kind {
+		case v1.RegionKind_REGION_KIND_K:
+			k++
+		case v1.RegionKind_REGION_KIND_V:
+			v++
+		case v1.RegionKind_REGION_KIND_COMPOUND:
+			c++
+		}
+	}
+	return fmt.Sprintf("%d K, %d V, %d compound", k, v, c)
 }
 
 var errNilLocal = errors.New("handshake: local metadata is nil")

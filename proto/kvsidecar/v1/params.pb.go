@@ -62,7 +62,11 @@ type KVTransferParams struct {
 	// only through r's entry; a rank without one fails the load naming it.
 	// RequestFinished on one rank returns that rank's entry; an engine whose
 	// ranks export separately merges them (connector.MergeExports).
-	RankExports   []*RankExport `protobuf:"bytes,14,rep,name=rank_exports,json=rankExports,proto3" json:"rank_exports,omitempty"`
+	RankExports []*RankExport `protobuf:"bytes,14,rep,name=rank_exports,json=rankExports,proto3" json:"rank_exports,omitempty"`
+	// Tokens per block of the prefill engine that issued the params; 0 when
+	// not known (params made elsewhere). A decode whose block_size differs
+	// refuses the load naming both before the block ids are mapped.
+	BlockSize     uint32 `protobuf:"varint,15,opt,name=block_size,json=blockSize,proto3" json:"block_size,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -193,6 +197,13 @@ func (x *KVTransferParams) GetRankExports() []*RankExport {
 		return x.RankExports
 	}
 	return nil
+}
+
+func (x *KVTransferParams) GetBlockSize() uint32 {
+	if x != nil {
+		return x.BlockSize
+	}
+	return 0
 }
 
 // RankExport names one export: the blocks one prefill rank holds for one
@@ -364,7 +375,7 @@ var File_kvsidecar_v1_params_proto protoreflect.FileDescriptor
 
 const file_kvsidecar_v1_params_proto_rawDesc = "" +
 	"\n" +
-	"\x19kvsidecar/v1/params.proto\x12\fkvsidecar.v1\"\xee\x04\n" +
+	"\x19kvsidecar/v1/params.proto\x12\fkvsidecar.v1\"\x8d\x05\n" +
 	"\x10KVTransferParams\x12*\n" +
 	"\x11do_remote_prefill\x18\x01 \x01(\bR\x0fdoRemotePrefill\x12(\n" +
 	"\x10do_remote_decode\x18\x02 \x01(\bR\x0edoRemoteDecode\x12(\n" +
@@ -384,7 +395,9 @@ const file_kvsidecar_v1_params_proto_rawDesc = "" +
 	"capability\x121\n" +
 	"\x15lease_expires_unix_ms\x18\f \x01(\x03R\x12leaseExpiresUnixMs\x12-\n" +
 	"\x12expected_consumers\x18\r \x01(\rR\x11expectedConsumers\x12;\n" +
-	"\frank_exports\x18\x0e \x03(\v2\x18.kvsidecar.v1.RankExportR\vrankExportsB\n" +
+	"\frank_exports\x18\x0e \x03(\v2\x18.kvsidecar.v1.RankExportR\vrankExports\x12\x1d\n" +
+	"\n" +
+	"block_size\x18\x0f \x01(\rR\tblockSizeB\n" +
 	"\n" +
 	"\b_tp_size\"\x7f\n" +
 	"\n" +
