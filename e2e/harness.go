@@ -317,6 +317,9 @@ type SidecarOpts struct {
 	Netns string
 	// Env are extra NAME=VALUE environment variables of the process.
 	Env []string
+	// TLS, when set, are the sidecar's certificate files instead of ones
+	// of the env's CA.
+	TLS *devtls.Files
 }
 
 // Sidecar is a running `kvsidecar serve`.
@@ -350,6 +353,9 @@ func (e *Env) StartSidecar(t testing.TB, o SidecarOpts) *Sidecar {
 	host, _, err := net.SplitHostPort(o.Listen)
 	require.NoError(t, err, "SidecarOpts.Listen")
 	tf := e.TLS(t, name, host) // peers verify the address they dial
+	if o.TLS != nil {
+		tf = *o.TLS
+	}
 	args := []string{"serve", "--engine-id", o.Engine, "--role", o.Role, "--tp-rank", strconv.Itoa(o.TPRank),
 		"--tp-size", strconv.Itoa(o.TPSize), "--tls-cert", tf.Cert, "--tls-key", tf.Key, "--tls-ca", tf.CA,
 		"--capability-key-file", e.CapKey, "--socket-dir", e.SocketDir, "--listen", o.Listen,

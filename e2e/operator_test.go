@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/devtls"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -144,4 +146,56 @@ func attachOwnGeometry(t testing.TB, s *Sidecar, blocks uint32) *engine {
 	info, err := c.Attach(t.Context(), &v1.CreateKVCache{TpRank: uint32(s.Opts.TPRank), TpSize: uint32(s.Opts.TPSize), NumBlocks: blocks})
 	require.NoError(t, err)
 	return &engine{LocalClient: c, info: info}
+}
+
+// TestForeignCAPeerRefusedOnce is issue 13 acceptance 3: a decode whose
+// certificate comes from another CA (its --tls-ca trusts both, so it starts
+// and trusts the prefill) is refused by the prefill's TLS handshake. The
+// prefill logs it with the reason and the peer's address and counts it by
+// reason (it logged and counted nothing before); the decode's failure names
+// the refusal; each request makes one attempt (one dial), no retry loop.
+func TestForeignCAPeerRefusedOnce(t *testing.T) {
+	env := NewEnv(t)
+	pre := env.StartSidecar(t, SidecarOpts{Engine: "prefill-ca", Role: "prefill", Args: geomFlags})
+	other, err := devtls.NewCA()
+	require.NoError(t, err)
+	foreign, err := other.WriteFiles(filepath.Join(env.Dir, "foreign"), "decode-ca-tp0")
+	require.NoError(t, err)
+	own := env.TLS(t, "prefill-ca-tp0") // the env CA's files, for its ca.pem
+	caPEM, err := os.ReadFile(own.CA)
+	require.NoError(t, err)
+	otherPEM, err := os.ReadFile(foreign.CA)
+	require.NoError(t, err)
+	bundle := filepath.Join(env.Dir, "both-cas.pem")
+	require.NoError(t, os.WriteFile(bundle, append(caPEM, otherPEM...), 0o644))
+	foreign.CA = bundle
+	dec := env.StartSidecar(t, SidecarOpts{Engine: "decode-ca", Role: "decode", Args: geomFlags, TLS: &foreign})
+	pe, de := attach(t, pre, 256), attach(t, dec, 256)
+	const sentinel = 31
+	dst, err := de.Alloc(t.Context(), 2)
+	require.NoError(t, err)
+	de.fill(t, sentinel, dst)
+
+	for req := 1; req <= 2; req++ {
+		id := "req-ca-" + strconv.Itoa(req)
+		_, p := prefillRequest(t, pe, id, uint64(req), 2)
+		failed := de.load(t, id, dst, p)
+		require.NotNil(t, failed, "the load must fail")
+		require.Equal(t, v1.Code_CODE_UNAVAILABLE, failed.GetError().GetCode(), failed.GetError().GetMessage())
+		require.Contains(t, failed.GetError().GetMessage(), "refused this agent's TLS handshake")
+		require.Contains(t, failed.GetError().GetMessage(), "tls: bad certificate")
+		require.InDelta(t, float64(req), metricWith(t, pre, "kvsidecar_transfer_tls_refused_total", `reason="unknown_authority"`), 0,
+			"the serving side counts each refusal by reason")
+		require.InDelta(t, float64(req), metricWith(t, pre, "kvsidecar_transfer_tls_refused_total"), 0, "and nothing else")
+		require.InDelta(t, float64(req), metricWith(t, dec, "kvsidecar_transfer_dials_total"), 0, "one attempt per request")
+	}
+	refused := pre.WaitLog(t, "transfer: refused a peer's TLS handshake", StartTimeout)
+	require.Equal(t, "unknown_authority", refused["reason"])
+	require.Equal(t, "WARN", refused["level"])
+	host, _, err := net.SplitHostPort(refused["peer"].(string))
+	require.NoError(t, err)
+	require.Equal(t, "127.0.0.1", host, "the peer's address")
+	require.Contains(t, refused["err"], "certificate signed by unknown authority")
+	require.Zero(t, metricWith(t, pre, "kvsidecar_transfer_bytes_total"), "nothing was served")
+	de.check(t, sentinel, dst)
 }

@@ -204,6 +204,19 @@ func TestHostilePeer(t *testing.T) {
 		"every refused transfer but the wrong wire version is counted by result")
 	require.Equal(t, float64(refusedXfers), metricWith(t, pre, "kvsidecar_transfer_failures_total")-failuresBefore)
 	require.False(t, pre.Exited())
+	// The refusing side says so (issue 13): the first refusal of each code
+	// is logged with the peer; repeats within 10 s are counted, not logged.
+	for _, want := range []struct{ msg, code string }{
+		{"transfer: refused a READ", "CODE_CAPABILITY_DENIED"},
+		{"transfer: refused a READ", "CODE_OUT_OF_RANGE"},
+		{"transfer: refused a descriptor list", "CODE_OUT_OF_RANGE"},
+	} {
+		found := false
+		for _, l := range pre.Logs() {
+			found = found || (l["msg"] == want.msg && l["code"] == want.code && l["level"] == "WARN" && l["peer"] != nil)
+		}
+		require.True(t, found, "the prefill logged %q with %s", want.msg, want.code)
+	}
 
 	// A real decode sidecar still gets both requests byte-exact.
 	for _, r := range []struct {

@@ -80,6 +80,7 @@ type Agent struct {
 	nextXfer atomic.Uint64
 	nextList atomic.Uint64
 	moved    atomic.Uint64 // payload bytes, counted as they move (meter)
+	refusals refusalLog    // rate limit of the refusal log lines
 }
 
 // meter returns the counter of payload bytes of transfers of op in role
@@ -180,7 +181,7 @@ func New(cfg *Config) (*Agent, error) {
 		st.MinVersion = tls.VersionTLS13
 		st.NextProtos = []string{ALPN}
 		st.ClientAuth = tls.RequireAndVerifyClientCert
-		ln, err := a.tr.ListenEarly(st, a.qconf)
+		ln, err := a.tr.ListenEarly(a.servingTLS(st), a.qconf)
 		if err != nil {
 			a.tr.Close()
 			pc.Close()

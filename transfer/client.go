@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"net"
+	"strings"
 	"sync"
 	"time"
 
@@ -297,6 +298,12 @@ func (a *Agent) streamErr(ctx context.Context, addr string, err error) error {
 	var c codes.Coder
 	if errors.As(err, &c) {
 		return err
+	}
+	if te, ok := errors.AsType[*quic.TransportError](err); ok && te.Remote && te.ErrorCode.IsCryptoError() {
+		// TLS 1.3 lets the dialer finish before the server checks its
+		// certificate: the refusal arrives on the first call.
+		return fmt.Errorf("%w: transfer: %s refused this agent's TLS handshake (%w); its log says why (%s): check that its --tls-ca signs this agent's certificate",
+			ErrUnavailable, addr, err, strings.Join(tlsRefusalReasons, ", "))
 	}
 	return fmt.Errorf("%w: transfer: %s: %w", ErrUnavailable, addr, err)
 }

@@ -22,6 +22,7 @@ type metrics struct {
 	dials      prometheus.Counter
 	zeroRTT    prometheus.Counter
 	notifs     *prometheus.CounterVec
+	tlsRefused *prometheus.CounterVec
 }
 
 // RegisterMetrics registers the package's metric families on reg, every
@@ -77,6 +78,13 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "kvsidecar_transfer_notifications_total",
 			Help: "Notifications served, by result code.",
 		}, []string{"code"}),
+		tlsRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvsidecar_transfer_tls_refused_total",
+			Help: "TLS handshakes this agent refused as the serving side, by reason (no_certificate, unknown_authority, expired, not_yet_valid, key_usage, invalid).",
+		}, []string{"reason"}),
+	}
+	for _, r := range tlsRefusalReasons {
+		m.tlsRefused.WithLabelValues(r)
 	}
 	for _, op := range []Op{OpRead, OpWrite} {
 		m.xferSecs.WithLabelValues(op.label())
@@ -99,7 +107,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		promutil.Register(reg, &m.bytes), promutil.Register(reg, &m.xfers), promutil.Register(reg, &m.xferSecs),
 		promutil.Register(reg, &m.postSecs), promutil.Register(reg, &m.failures), promutil.Register(reg, &m.inflight),
 		promutil.Register(reg, &m.reconnects), promutil.Register(reg, &m.dials), promutil.Register(reg, &m.zeroRTT),
-		promutil.Register(reg, &m.notifs),
+		promutil.Register(reg, &m.notifs), promutil.Register(reg, &m.tlsRefused),
 	} {
 		if err != nil {
 			return nil, fmt.Errorf("transfer: Config.Registerer: %w", err)

@@ -147,6 +147,9 @@ func (a *Agent) serveStream(sc *servedConn, str *quic.Stream) {
 			return
 		}
 		err := a.prepare(sc, body.Prep)
+		if err != nil {
+			a.logRefusal(sc.peer, "transfer: refused a descriptor list", err, "dlist", body.Prep.GetDlistId())
+		}
 		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Prep{Prep: codes.ToProto(err)}})
 	case *v1.PeerRequest_Unprep:
 		if waitHandshake(sc) != nil {
@@ -294,7 +297,7 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 	refuse := func(err error) {
 		a.m.failures.WithLabelValues(codes.Of(err).String()).Inc()
 		a.m.xfers.WithLabelValues(op.label(), "server", "error").Inc()
-		a.log.Debug("transfer: refused", "peer", sc.peer, "xfer", x.GetXferId(), "err", err)
+		a.logRefusal(sc.peer, "transfer: refused a "+op.String(), err, "request_id", x.GetRequestId(), "xfer", x.GetXferId())
 		str.CancelRead(quic.StreamErrorCode(codes.Of(err)))
 		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{Error: codes.ToProto(err)}}})
 	}

@@ -69,6 +69,13 @@ func (ca *CA) Leaf(cn string, hosts ...string) (tls.Certificate, error) {
 	return ca.leaf(cn, nil, hosts)
 }
 
+// LeafWith is Leaf with the template passed to edit before it is signed, so
+// a test can make a certificate that is expired, not yet valid, or lacks a
+// key usage or a name.
+func (ca *CA) LeafWith(cn string, edit func(*x509.Certificate), hosts ...string) (tls.Certificate, error) {
+	return ca.leaf(cn, edit, hosts)
+}
+
 func (ca *CA) leaf(cn string, edit func(*x509.Certificate), hosts []string) (tls.Certificate, error) {
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
