@@ -11,6 +11,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/handshake"
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
+	"github.com/kvsidecar/kvsidecar/internal/testutil"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
@@ -38,6 +39,11 @@ type HandshakeConfig struct {
 	Trials int
 	// Logger receives the ranks' logs. Default nil: discard.
 	Logger *slog.Logger
+
+	// sim, set by tests, runs both instances on a simulated network with
+	// a one-way delay of RTT/2 (under testing/synctest the figures are
+	// exact) instead of delaying loopback UDP.
+	sim *testutil.SimNet
 }
 
 // HandshakeModeResult holds one mode's medians, one entry per decode rank.
@@ -151,7 +157,7 @@ func RunHandshakeBench(ctx context.Context, cfg *HandshakeConfig) (*HandshakeRes
 	}
 	res := &HandshakeResult{Model: geom.GetModel(), PrefillTP: c.PrefillTP, DecodeTP: c.DecodeTP,
 		RTTMs: float64(c.RTT) / float64(time.Millisecond), Trials: c.Trials, Modes: map[string]*HandshakeModeResult{}}
-	base := instanceOpts{geom: geom, numBlocks: 2, delay: c.RTT / 2, srvTLS: srv, cliTLS: cli, logger: c.Logger}
+	base := instanceOpts{geom: geom, numBlocks: 2, delay: c.RTT / 2, sim: c.sim, srvTLS: srv, cliTLS: cli, logger: c.Logger}
 	for _, mode := range []handshake.Mode{handshake.ModePiggyback, handshake.ModeLegacy} {
 		mr := &HandshakeModeResult{}
 		for d := range c.DecodeTP {

@@ -3,14 +3,25 @@ package demo
 import (
 	"encoding/json"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/kvsidecar/kvsidecar/internal/testutil"
 )
 
+// TestHandshakeBenchShape runs the bench on a simulated network under
+// synctest: virtual time moves only with the injected delay, so the
+// figures are the protocol's round trips, whatever the machine's load.
 func TestHandshakeBenchShape(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) { handshakeBenchShape(t) })
+}
+
+func handshakeBenchShape(t *testing.T) {
 	const rtt = 10 * time.Millisecond
-	res, err := RunHandshakeBench(t.Context(), &HandshakeConfig{PrefillTP: 2, DecodeTP: 4, RTT: rtt, Trials: 1})
+	res, err := RunHandshakeBench(t.Context(), &HandshakeConfig{PrefillTP: 2, DecodeTP: 4, RTT: rtt, Trials: 1,
+		sim: testutil.NewSimNet(rtt / 2)})
 	require.NoError(t, err)
 	b, err := json.Marshal(res)
 	require.NoError(t, err)
@@ -21,6 +32,7 @@ func TestHandshakeBenchShape(t *testing.T) {
 			FirstContactRTT  []float64 `json:"first_contact_rtt"`
 			CachedRTT        []float64 `json:"cached_rtt"`
 			Reconnect0RTTRTT []float64 `json:"reconnect_0rtt_rtt"`
+			ZeroRTTTrials    []int     `json:"zero_rtt_trials"`
 		} `json:"modes"`
 	}
 	require.NoError(t, json.Unmarshal(b, &got))
@@ -34,15 +46,21 @@ func TestHandshakeBenchShape(t *testing.T) {
 		require.Len(t, m.CachedRTT, 4)
 		require.Len(t, m.Reconnect0RTTRTT, 4)
 		for d := range 4 {
-			// The injected delay is a floor: a dial and an exchange take at
-			// least two RTTs; CPU contention only adds time.
-			require.GreaterOrEqual(t, m.FirstContactRTT[d], 1.95, "%s rank %d", name, d)
-			require.Less(t, m.CachedRTT[d], 0.5, "%s rank %d: served from the cache", name, d)
-			require.GreaterOrEqual(t, m.Reconnect0RTTRTT[d], 0.95, "%s rank %d", name, d)
+			// Legacy mode asks rank 0 first: a rank whose target is rank 1
+			// pays for two peers, one after the other.
+			peers := 1.0
+			if name == "legacy" && m.TargetRanks[d] != 0 {
+				peers = 2
+			}
+			require.Equal(t, 2*peers, m.FirstContactRTT[d], "%s rank %d: a dial and an exchange per peer", name, d)
+			require.Zero(t, m.CachedRTT[d], "%s rank %d: served from the cache", name, d)
+			// The reconnect sends the exchange in 0-RTT when the server's
+			// session ticket arrived before the bench closed the connection
+			// and the race detector is off (transfer's noEarlyStreams);
+			// else it waits for the handshake, as a first contact does.
+			require.Contains(t, []float64{peers, 2 * peers}, m.Reconnect0RTTRTT[d], "%s rank %d: 0-RTT in %d trial(s)", name, d, m.ZeroRTTTrials[d])
 		}
 	}
-	// Legacy asks rank 0 first: ranks whose target is rank 1 pay two more.
-	require.GreaterOrEqual(t, got.Modes["legacy"].FirstContactRTT[2], 3.9)
 }
 
 func TestHandshakeConfigValidation(t *testing.T) {

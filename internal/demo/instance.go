@@ -35,7 +35,8 @@ type instanceOpts struct {
 	numBlocks int
 	ownership v1.Ownership
 	mode      handshake.Mode
-	delay     time.Duration // one-way delay on every datagram the instance sends
+	delay     time.Duration    // one-way delay on every datagram the instance sends
+	sim       *testutil.SimNet // tests: listen on this simulated network (its own delay) instead of UDP
 	srvTLS    *tls.Config
 	cliTLS    *tls.Config
 	backend   BackendFunc
@@ -84,6 +85,15 @@ func newInstance(ctx context.Context, o instanceOpts) (in *instance, err error) 
 	}()
 	// Listen first so every rank knows every rank's address.
 	for range o.tp {
+		if o.sim != nil {
+			pc, lerr := o.sim.ListenPacket("127.0.0.1:0")
+			if lerr != nil {
+				return in, lerr
+			}
+			in.pcs = append(in.pcs, pc)
+			in.addrs = append(in.addrs, pc.LocalAddr().String())
+			continue
+		}
 		udp, lerr := net.ListenPacket("udp", "127.0.0.1:0")
 		if lerr != nil {
 			return in, fmt.Errorf("demo: %s: listen: %w", o.side, lerr)

@@ -1,6 +1,7 @@
 package testutil
 
 import (
+	"fmt"
 	"net"
 	"net/netip"
 	"sync/atomic"
@@ -31,9 +32,20 @@ func NewSimNet(oneWay time.Duration) *SimNet { return &SimNet{delay: oneWay} }
 // ListenUDP.
 func (n *SimNet) Listen(t testing.TB, addr string) *PacketConn {
 	t.Helper()
+	pc, err := n.ListenPacket(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pc.Close() })
+	return pc
+}
+
+// ListenPacket is Listen for code that has no testing.TB; the caller
+// closes the socket.
+func (n *SimNet) ListenPacket(addr string) (*PacketConn, error) {
 	ap, err := netip.ParseAddrPort(addr)
 	if err != nil {
-		t.Fatalf("testutil: sim address %q: %v", addr, err)
+		return nil, fmt.Errorf("testutil: sim address %q: %w", addr, err)
 	}
 	// The 4-byte form of an IPv4 address, as the agents' resolver gives it:
 	// simnet routes by the address's bytes.
@@ -44,9 +56,7 @@ func (n *SimNet) Listen(t testing.TB, addr string) *PacketConn {
 	ua := net.UDPAddrFromAddrPort(netip.AddrPortFrom(ap.Addr().Unmap(), port))
 	sc := simnet.NewBlockingSimConn(ua, &n.router)
 	n.router.AddNode(ua, delayed{sc, n.delay})
-	pc := NewPacketConn(sc, 0)
-	t.Cleanup(func() { _ = pc.Close() })
-	return pc
+	return NewPacketConn(sc, 0), nil
 }
 
 // delayed delivers each datagram to its socket after a fixed delay.
