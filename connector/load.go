@@ -251,6 +251,20 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("connector: load %q: %w", l.id, err)
 	}
+	// A source whose capability key is not the one its export was signed
+	// with would refuse every READ: say so, naming both, before any.
+	for i, s := range l.plan.Sources {
+		if want, got := l.exports[i].GetCapabilityKeyId(), mds[i].CapabilityKeyID; want != "" && got != "" && want != got {
+			l.reached[i] = false // its notification would be refused too
+			errs[i] = codes.New(v1.Code_CODE_CAPABILITY_DENIED,
+				"connector: load %q: prefill rank %d (%s) of engine %q holds capability key id %s, but its export in kv_transfer_params was signed with key id %s "+
+					"(the rank restarted with another --capability-key-file, or the params were edited); decode rank %d reads nothing from it",
+				l.id, s.PrefillRank, ts[i].Addr, l.params.GetRemoteEngineId(), got, want, r.cfg.TPRank)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
 	if len(l.dst) == 0 {
 		return nil // nothing to read (full prefix hit): notify only
 	}

@@ -106,8 +106,9 @@ func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs [
 		RemoteRankAddrs:    append([]string(nil), r.cfg.RankAddrs...),
 		RemoteIncarnation:  r.incarnation,
 		LeaseExpiresUnixMs: expires.UnixMilli(),
-		RankExports:        []*v1.RankExport{{TpRank: uint32(r.cfg.TPRank), ExportId: export, Capability: capab}},
-		BlockSize:          r.cfg.Geometry.GetBlockSize(),
+		RankExports: []*v1.RankExport{{TpRank: uint32(r.cfg.TPRank), ExportId: export, Capability: capab,
+			CapabilityKeyId: r.capKey.ID()}},
+		BlockSize: r.cfg.Geometry.GetBlockSize(),
 	}
 	out.RemoteHost, out.RemotePort = host, port
 	r.cfg.Logger.Debug("request held for decode", "request_id", requestID, "export_id", strconv.FormatUint(export, 16),

@@ -294,7 +294,7 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 	r.local = &handshake.Metadata{EngineID: c.EngineID, AgentName: c.EngineID + "/tp" + strconv.Itoa(c.TPRank),
 		Incarnation: r.incarnation, TPRank: c.TPRank, TPSize: c.TPSize, DeviceID: c.DeviceID, ModelHash: r.modelHash,
 		Geometry: c.Geometry, BlockSize: int(c.Geometry.GetBlockSize()), NumBlocks: c.Pool.NumBlocks(),
-		HeadsPerRank: layout.HeadsPerRank, Addr: r.cfg.AdvertiseAddr}
+		HeadsPerRank: layout.HeadsPerRank, Addr: r.cfg.AdvertiseAddr, CapabilityKeyID: r.capKey.ID()}
 	for _, ri := range r.regions {
 		r.local.Regions = append(r.local.Regions, handshake.Region{Base: ri.Base, Len: ri.Len, BlockLen: ri.BlockLen,
 			DevID: uint32(ri.DevID), Layer: uint32(ri.Layer), Kind: ri.Kind, PageSize: ri.PageSize})
@@ -311,7 +311,7 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 	r.hsGone.Store(r.hs)
 	r.wg.Go(r.heartbeatLoop)
 	c.Logger.Info("rank started", "engine_id", c.EngineID, "tp_rank", c.TPRank, "tp_size", c.TPSize,
-		"addr", r.cfg.AdvertiseAddr, "incarnation", r.incarnation, "regions", len(r.regions))
+		"addr", r.cfg.AdvertiseAddr, "incarnation", r.incarnation, "regions", len(r.regions), "capability_key_id", r.capKey.ID())
 	return r, nil
 }
 

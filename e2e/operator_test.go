@@ -15,6 +15,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/internal/codes"
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
+	"github.com/kvsidecar/kvsidecar/internal/kvgen"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -198,4 +199,107 @@ func TestForeignCAPeerRefusedOnce(t *testing.T) {
 	require.Contains(t, refused["err"], "certificate signed by unknown authority")
 	require.Zero(t, metricWith(t, pre, "kvsidecar_transfer_bytes_total"), "nothing was served")
 	de.check(t, sentinel, dst)
+}
+
+// TestCapabilityKeyIDs is issue 13 acceptance 2 as per-rank exports left
+// it: each prefill rank signs and verifies its own export, so ranks of one
+// engine started with different capability keys no longer refuse each
+// other's loads (decode TP 2 and TP 4 read every byte); what an operator
+// compares is the key id, a one-way fingerprint in each rank's "serving"
+// line, its handshake metadata and its export in kv_transfer_params. A
+// source whose key id is not the one its export was signed with (a rank
+// restarted with another key, or edited params) fails the decode ranks
+// reading from it before any READ, naming the prefill rank, the decode rank
+// and both key ids; the other decode ranks read their slices, and the
+// refused prefill rank serves no byte.
+func TestCapabilityKeyIDs(t *testing.T) {
+	env := NewEnv(t)
+	otherKey := filepath.Join(env.Dir, "other.key")
+	require.NoError(t, os.WriteFile(otherKey, []byte("another-capability-secret-987654"), 0o600))
+	addrs := FreeUDPAddrs(t, "127.0.0.1", 2)
+	pre := make([]*side, 2)
+	keyIDs := make([]string, 2)
+	for r := range pre {
+		args := faultArgs("--rank-addrs", strings.Join(addrs, ","))
+		if r == 1 {
+			args = append(args, "--capability-key-file", otherKey) // the later flag wins
+		}
+		s := env.StartSidecar(t, SidecarOpts{Engine: "prefill-k", Role: "prefill", TPRank: r, TPSize: 2, Listen: addrs[r], Args: args})
+		keyIDs[r], _ = s.WaitLog(t, "serving", StartTimeout)["capability_key_id"].(string)
+		require.Regexp(t, "^[0-9a-f]{16}$", keyIDs[r], "rank %d's serving line", r)
+		pre[r] = attachSide(t, s, 1024)
+	}
+	require.NotEqual(t, keyIDs[0], keyIDs[1], "the ranks' key ids show that their keys differ")
+
+	const n = 8
+	export := func(id string, key uint64) *v1.KVTransferParams {
+		var parts []*v1.KVTransferParams
+		for r, s := range pre {
+			// The ranks' block ids may differ (rank 1 still holds the
+			// blocks of a refused load under its lease): MergeExports
+			// keeps each rank's.
+			ids, err := s.e.Alloc(t.Context(), n)
+			require.NoError(t, err)
+			s.e.fillShape(t, kvgen.Shape{BlockSize: 16, RowBytes: 128, FirstHead: 4 * r, Heads: 4}, key, ids)
+			p, err := s.e.RequestFinished(t.Context(), id, ids, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
+			require.NoError(t, err)
+			require.Equal(t, keyIDs[r], p.GetRankExports()[0].GetCapabilityKeyId(), "rank %d's export names its key id", r)
+			parts = append(parts, p)
+		}
+		params, err := connector.MergeExports(parts...)
+		require.NoError(t, err)
+		return params
+	}
+	decodes := map[int][]*side{}
+	for _, tp := range []int{2, 4} {
+		for d := range tp {
+			s := env.StartSidecar(t, SidecarOpts{Engine: "decode-k" + strconv.Itoa(tp), Role: "decode", TPRank: d, TPSize: tp, Args: faultArgs()})
+			decodes[tp] = append(decodes[tp], attachSide(t, s, 1024))
+		}
+	}
+	for _, tp := range []int{2, 4} {
+		t.Run("tp"+strconv.Itoa(tp), func(t *testing.T) {
+			dec := decodes[tp]
+			heads := 8 / tp
+			// Ranks with different keys: every decode rank reads its heads.
+			ok := "ok-" + strconv.Itoa(tp)
+			params := export(ok, uint64(100+tp))
+			dst := make([][]uint32, tp)
+			for d, s := range dec {
+				dst[d] = s.load(t, ok, params)
+			}
+			for d, s := range dec {
+				require.Nil(t, s.outcome(t, ok, 30*time.Second), "decode rank %d", d)
+				s.e.checkShape(t, kvgen.Shape{BlockSize: 16, RowBytes: 128, FirstHead: heads * d, Heads: heads}, uint64(100+tp), dst[d])
+				s.free(t, dst[d])
+			}
+
+			// Prefill rank 1's export names a key id it does not hold.
+			bad := "bad-" + strconv.Itoa(tp)
+			params = export(bad, uint64(200+tp))
+			for _, e := range params.GetRankExports() {
+				if e.GetTpRank() == 1 {
+					e.CapabilityKeyId = keyIDs[0]
+				}
+			}
+			served := pre[1].Metric(t, "kvsidecar_transfer_bytes_total")
+			for d, s := range dec {
+				dst[d] = s.load(t, bad, params)
+			}
+			for d, s := range dec {
+				f := s.outcome(t, bad, 30*time.Second)
+				if heads*d < 4 { // heads of prefill rank 0
+					require.Nil(t, f, "decode rank %d reads from prefill rank 0", d)
+					s.e.checkShape(t, kvgen.Shape{BlockSize: 16, RowBytes: 128, FirstHead: heads * d, Heads: heads}, uint64(200+tp), dst[d])
+				} else {
+					require.NotNil(t, f, "decode rank %d reads from prefill rank 1", d)
+					require.Equal(t, v1.Code_CODE_CAPABILITY_DENIED, f.GetError().GetCode(), f.GetError().GetMessage())
+					require.Contains(t, f.GetError().GetMessage(), fmt.Sprintf("prefill rank 1 (%s) of engine \"prefill-k\" holds capability key id %s, but its export in kv_transfer_params was signed with key id %s", addrs[1], keyIDs[1], keyIDs[0]))
+					require.Contains(t, f.GetError().GetMessage(), fmt.Sprintf("decode rank %d reads nothing from it", d))
+				}
+				s.free(t, dst[d])
+			}
+			require.Equal(t, served, pre[1].Metric(t, "kvsidecar_transfer_bytes_total"), "prefill rank 1 served no byte")
+		})
+	}
 }

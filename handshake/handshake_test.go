@@ -31,7 +31,7 @@ func rankMeta(engine string, r, tpSize int, inc uint64) *handshake.Metadata {
 	blockLen := uint64(16 * heads * 128 * 2)
 	md := &handshake.Metadata{EngineID: engine, AgentName: fmt.Sprintf("%s/tp%d", engine, r), Incarnation: inc,
 		TPRank: r, TPSize: tpSize, ModelHash: handshake.ModelHash(geom), Geometry: geom, BlockSize: 16,
-		NumBlocks: 64, HeadsPerRank: heads, Addr: addrOf(r)}
+		NumBlocks: 64, HeadsPerRank: heads, Addr: addrOf(r), CapabilityKeyID: fmt.Sprintf("%016x", 0xc0ffee00+r)}
 	for l := range 2 {
 		for _, k := range []v1.RegionKind{v1.RegionKind_REGION_KIND_K, v1.RegionKind_REGION_KIND_V} {
 			md.Regions = append(md.Regions, handshake.Region{Base: uint64(0x7f0000000000 + len(md.Regions)<<24),
@@ -126,6 +126,7 @@ func TestPiggybackContactsOnlyTheTarget(t *testing.T) {
 	require.Equal(t, 3, md.TPRank)
 	require.Equal(t, 4, md.TPSize)
 	require.Equal(t, uint64(16*2*128*2), md.Regions[0].BlockLen)
+	require.Equal(t, "00000000c0ffee03", md.CapabilityKeyID, "the rank's key id crossed the wire")
 	require.Equal(t, 0, wc.count(addrOf(0)), "rank 0 never contacted")
 	require.Equal(t, 1, wc.count(addrOf(3)))
 

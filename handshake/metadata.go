@@ -80,6 +80,9 @@ type Metadata struct {
 	Regions []Region
 	// Addr is the QUIC address the peer advertises (host:port).
 	Addr string
+	// CapabilityKeyID is the fingerprint of the peer's capability key
+	// (transfer.CapabilityKey.ID); "" when the peer does not say.
+	CapabilityKeyID string
 }
 
 // ModelHash returns the model compatibility hash of g: SHA-256 over the
@@ -127,20 +130,21 @@ func FromProto(m *v1.AgentMetadata) (*Metadata, error) {
 		return nil, bad("model_hash has %d bytes, want %d", len(m.GetModelHash()), sha256.Size)
 	}
 	md := &Metadata{
-		EngineID:     m.GetEngineId(),
-		AgentName:    m.GetAgentName(),
-		Incarnation:  m.GetIncarnation(),
-		TPRank:       int(m.GetTpRank()),
-		TPSize:       int(m.GetTpSize()),
-		PPRank:       int(m.GetPpRank()),
-		DeviceID:     m.GetDeviceId(),
-		ModelHash:    append([]byte(nil), m.GetModelHash()...),
-		Geometry:     proto.Clone(m.GetGeometry()).(*v1.ModelGeometry),
-		BlockSize:    int(m.GetBlockSize()),
-		NumBlocks:    int(m.GetNumBlocks()),
-		HeadsPerRank: int(m.GetHeadsPerRank()),
-		Addr:         m.GetQuicAddr(),
-		Regions:      make([]Region, len(m.GetRegions())),
+		EngineID:        m.GetEngineId(),
+		AgentName:       m.GetAgentName(),
+		Incarnation:     m.GetIncarnation(),
+		TPRank:          int(m.GetTpRank()),
+		TPSize:          int(m.GetTpSize()),
+		PPRank:          int(m.GetPpRank()),
+		DeviceID:        m.GetDeviceId(),
+		ModelHash:       append([]byte(nil), m.GetModelHash()...),
+		Geometry:        proto.Clone(m.GetGeometry()).(*v1.ModelGeometry),
+		BlockSize:       int(m.GetBlockSize()),
+		NumBlocks:       int(m.GetNumBlocks()),
+		HeadsPerRank:    int(m.GetHeadsPerRank()),
+		Addr:            m.GetQuicAddr(),
+		CapabilityKeyID: m.GetCapabilityKeyId(),
+		Regions:         make([]Region, len(m.GetRegions())),
 	}
 	for i, r := range m.GetRegions() {
 		if r.GetBlockLen() == 0 {
@@ -170,20 +174,21 @@ func FromProto(m *v1.AgentMetadata) (*Metadata, error) {
 // Proto returns the wire form of md.
 func (md *Metadata) Proto() *v1.AgentMetadata {
 	m := &v1.AgentMetadata{
-		WireVersion:  WireVersion,
-		EngineId:     md.EngineID,
-		AgentName:    md.AgentName,
-		Incarnation:  md.Incarnation,
-		TpRank:       uint32(md.TPRank),
-		TpSize:       uint32(md.TPSize),
-		PpRank:       uint32(md.PPRank),
-		DeviceId:     md.DeviceID,
-		ModelHash:    md.ModelHash,
-		Geometry:     md.Geometry,
-		BlockSize:    uint32(md.BlockSize),
-		NumBlocks:    uint32(md.NumBlocks),
-		HeadsPerRank: uint32(md.HeadsPerRank),
-		QuicAddr:     md.Addr,
+		WireVersion:     WireVersion,
+		EngineId:        md.EngineID,
+		AgentName:       md.AgentName,
+		Incarnation:     md.Incarnation,
+		TpRank:          uint32(md.TPRank),
+		TpSize:          uint32(md.TPSize),
+		PpRank:          uint32(md.PPRank),
+		DeviceId:        md.DeviceID,
+		ModelHash:       md.ModelHash,
+		Geometry:        md.Geometry,
+		BlockSize:       uint32(md.BlockSize),
+		NumBlocks:       uint32(md.NumBlocks),
+		HeadsPerRank:    uint32(md.HeadsPerRank),
+		QuicAddr:        md.Addr,
+		CapabilityKeyId: md.CapabilityKeyID,
 	}
 	for _, r := range md.Regions {
 		m.Regions = append(m.Regions, &v1.Region{Base: r.Base, Len: r.Len, BlockLen: r.BlockLen,

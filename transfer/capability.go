@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/binary"
+	"encoding/hex"
 	"fmt"
 	"slices"
 
@@ -45,6 +46,16 @@ func NewCapabilityKey() *CapabilityKey {
 // random bytes; the caller validates its length.
 func NewCapabilityKeyFromSecret(secret []byte) *CapabilityKey {
 	return &CapabilityKey{key: append([]byte(nil), secret...)}
+}
+
+// ID is a one-way fingerprint of the key: 16 hex digits of HMAC-SHA256
+// under the key of a fixed label, so ranks, peers and operators can compare
+// keys without any of them seeing one. The same secret gives the same ID in
+// every process.
+func (k *CapabilityKey) ID() string {
+	h := hmac.New(sha256.New, k.key)
+	h.Write([]byte("kvsidecar capability key id v1"))
+	return hex.EncodeToString(h.Sum(nil)[:8])
 }
 
 // Issue returns a capability for requestID covering blockIDs (in any order;

@@ -3,6 +3,9 @@ package transfer
 import (
 	"bytes"
 	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"io"
 	"math"
@@ -359,6 +362,18 @@ func TestCapabilityKeyFromSecret(t *testing.T) {
 	a, b := NewCapabilityKeyFromSecret(secret), NewCapabilityKeyFromSecret(secret)
 	require.NoError(t, b.Verify(a.Issue("r", 4), "r", []uint32{4}), "ranks sharing a secret verify each other")
 	require.ErrorIs(t, NewCapabilityKeyFromSecret([]byte("another-secret-16b")).Verify(a.Issue("r", 4), "r", []uint32{4}), ErrCapabilityDenied)
+
+	// The key id: the same for one secret in every process, another for
+	// another secret, 16 hex digits that reveal nothing of the key.
+	require.Equal(t, a.ID(), b.ID())
+	require.Regexp(t, "^[0-9a-f]{16}$", a.ID())
+	require.NotEqual(t, a.ID(), NewCapabilityKeyFromSecret([]byte("another-secret-16b")).ID())
+	require.NotContains(t, a.ID(), hex.EncodeToString(secret)[:8])
+	// A fixed vector, so the id an operator compares never changes across
+	// releases: HMAC-SHA256(secret, "kvsidecar capability key id v1")[:8].
+	mac := hmac.New(sha256.New, secret)
+	mac.Write([]byte("kvsidecar capability key id v1"))
+	require.Equal(t, hex.EncodeToString(mac.Sum(nil)[:8]), a.ID())
 }
 
 // recordingWriter records the size of every Write; it fails once failAfter

@@ -680,8 +680,15 @@ func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 	if cfg.allowed == nil {
 		log.Warn("--allow-peers is not set: a load dials any address its kv_transfer_params name, and those can come from a client's request; list the prefill ranks' networks or addresses")
 	}
+	// The fingerprint of the capability key, never the key: operators
+	// compare it across the ranks of an engine.
+	keyID := "random per start (no --capability-key-file)"
+	if cfg.secret != nil {
+		keyID = transfer.NewCapabilityKeyFromSecret(cfg.secret).ID()
+	}
 	log.Info("serving", "engine_id", f.engineID, "tp_rank", f.tpRank, "tp_size", f.tpSize, "role", f.role,
-		"backend", f.backend, "socket", path, "quic_addr", udp.LocalAddr().String(), "advertise", cfg.advertise)
+		"backend", f.backend, "socket", path, "quic_addr", udp.LocalAddr().String(), "advertise", cfg.advertise,
+		"capability_key_id", keyID)
 
 	<-ctx.Done()
 	log.Info("shutting down: refusing new requests, draining", "drain_timeout", f.drainTimeout)

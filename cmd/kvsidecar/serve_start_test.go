@@ -241,6 +241,8 @@ func TestServeStartsAndStopsOnSIGHUP(t *testing.T) {
 	require.Equal(t, "127.0.0.1", host)
 	require.NotEqual(t, "0", port)
 	require.Equal(t, quicAddr, line["advertise"])
+	require.Equal(t, transfer.NewCapabilityKeyFromSecret([]byte("0123456789abcdef0123")).ID(), line["capability_key_id"],
+		"the serving line names the key's fingerprint, never the key")
 	_, err = net.ListenPacket("udp", quicAddr)
 	require.ErrorIs(t, err, syscall.EADDRINUSE, "serve holds the QUIC socket before an engine attaches")
 	sock := line["socket"].(string)

@@ -205,9 +205,13 @@ type AgentMetadata struct {
 	// KV heads held by this rank (num_kv_heads / tp_size, at least 1).
 	HeadsPerRank uint32 `protobuf:"varint,14,opt,name=heads_per_rank,json=headsPerRank,proto3" json:"heads_per_rank,omitempty"`
 	// QUIC address this agent advertises, host:port.
-	QuicAddr      string `protobuf:"bytes,15,opt,name=quic_addr,json=quicAddr,proto3" json:"quic_addr,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	QuicAddr string `protobuf:"bytes,15,opt,name=quic_addr,json=quicAddr,proto3" json:"quic_addr,omitempty"`
+	// One-way fingerprint (16 hex digits) of this rank's capability key
+	// (transfer.CapabilityKey.ID), never the key: peers and operators compare
+	// it across ranks.
+	CapabilityKeyId string `protobuf:"bytes,16,opt,name=capability_key_id,json=capabilityKeyId,proto3" json:"capability_key_id,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *AgentMetadata) Reset() {
@@ -341,6 +345,13 @@ func (x *AgentMetadata) GetHeadsPerRank() uint32 {
 func (x *AgentMetadata) GetQuicAddr() string {
 	if x != nil {
 		return x.QuicAddr
+	}
+	return ""
+}
+
+func (x *AgentMetadata) GetCapabilityKeyId() string {
+	if x != nil {
+		return x.CapabilityKeyId
 	}
 	return ""
 }
@@ -492,7 +503,7 @@ const file_kvsidecar_v1_agent_proto_rawDesc = "" +
 	"\x06dev_id\x18\x04 \x01(\rR\x05devId\x12\x14\n" +
 	"\x05layer\x18\x05 \x01(\rR\x05layer\x12,\n" +
 	"\x04kind\x18\x06 \x01(\x0e2\x18.kvsidecar.v1.RegionKindR\x04kind\x12\x1b\n" +
-	"\tpage_size\x18\a \x01(\x04R\bpageSize\"\x9c\x04\n" +
+	"\tpage_size\x18\a \x01(\x04R\bpageSize\"\xc8\x04\n" +
 	"\rAgentMetadata\x12<\n" +
 	"\fwire_version\x18\x01 \x01(\x0e2\x19.kvsidecar.v1.WireVersionR\vwireVersion\x12\x1b\n" +
 	"\tengine_id\x18\x02 \x01(\tR\bengineId\x12\x1d\n" +
@@ -513,7 +524,8 @@ const file_kvsidecar_v1_agent_proto_rawDesc = "" +
 	"num_blocks\x18\f \x01(\rR\tnumBlocks\x12.\n" +
 	"\aregions\x18\r \x03(\v2\x14.kvsidecar.v1.RegionR\aregions\x12$\n" +
 	"\x0eheads_per_rank\x18\x0e \x01(\rR\fheadsPerRank\x12\x1b\n" +
-	"\tquic_addr\x18\x0f \x01(\tR\bquicAddr\"\x87\x02\n" +
+	"\tquic_addr\x18\x0f \x01(\tR\bquicAddr\x12*\n" +
+	"\x11capability_key_id\x18\x10 \x01(\tR\x0fcapabilityKeyId\"\x87\x02\n" +
 	"\x10HandshakeRequest\x12<\n" +
 	"\fwire_version\x18\x01 \x01(\x0e2\x19.kvsidecar.v1.WireVersionR\vwireVersion\x12,\n" +
 	"\x12expected_engine_id\x18\x02 \x01(\tR\x10expectedEngineId\x12(\n" +

@@ -221,9 +221,14 @@ type RankExport struct {
 	BlockIds []uint32 `protobuf:"varint,3,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"`
 	// HMAC-SHA256 under the engine's capability key over the request id,
 	// tp_rank, export_id and the rank's block ids in order.
-	Capability    []byte `protobuf:"bytes,4,opt,name=capability,proto3" json:"capability,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Capability []byte `protobuf:"bytes,4,opt,name=capability,proto3" json:"capability,omitempty"`
+	// One-way fingerprint (16 hex digits) of the capability key the
+	// exporting rank signed with; never the key. A decode rank whose source
+	// announces another key id at the handshake refuses the load before any
+	// READ, naming both.
+	CapabilityKeyId string `protobuf:"bytes,5,opt,name=capability_key_id,json=capabilityKeyId,proto3" json:"capability_key_id,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *RankExport) Reset() {
@@ -282,6 +287,13 @@ func (x *RankExport) GetCapability() []byte {
 		return x.Capability
 	}
 	return nil
+}
+
+func (x *RankExport) GetCapabilityKeyId() string {
+	if x != nil {
+		return x.CapabilityKeyId
+	}
+	return ""
 }
 
 // ReqMeta is what the decode worker passes to StartLoad on each rank.
@@ -399,7 +411,7 @@ const file_kvsidecar_v1_params_proto_rawDesc = "" +
 	"\n" +
 	"block_size\x18\x0f \x01(\rR\tblockSizeB\n" +
 	"\n" +
-	"\b_tp_size\"\x7f\n" +
+	"\b_tp_size\"\xab\x01\n" +
 	"\n" +
 	"RankExport\x12\x17\n" +
 	"\atp_rank\x18\x01 \x01(\rR\x06tpRank\x12\x1b\n" +
@@ -407,7 +419,8 @@ const file_kvsidecar_v1_params_proto_rawDesc = "" +
 	"\tblock_ids\x18\x03 \x03(\rR\bblockIds\x12\x1e\n" +
 	"\n" +
 	"capability\x18\x04 \x01(\fR\n" +
-	"capability\"\x81\x02\n" +
+	"capability\x12*\n" +
+	"\x11capability_key_id\x18\x05 \x01(\tR\x0fcapabilityKeyId\"\x81\x02\n" +
 	"\aReqMeta\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12&\n" +
