@@ -3,7 +3,6 @@ package transfer
 import (
 	"context"
 	"crypto/tls"
-	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -13,29 +12,32 @@ import (
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+// TestMain makes the package's shared dev CA before any test runs, on the
+// real clock: made lazily by whichever test came first, it was made inside a
+// synctest bubble when a bubble test came first (its clock starts at
+// 2000-01-01), and every later test on the real clock then failed with
+// "certificate has expired". Tests in a bubble use simTLS instead.
+func TestMain(m *testing.M) {
+	ca, err := devtls.NewCA()
+	if err != nil {
+		panic(err)
+	}
+	if caSrv, err = ca.ServerConfig(); err != nil {
+		panic(err)
+	}
+	if caCli, err = ca.ClientConfig(); err != nil {
+		panic(err)
+	}
+	goleak.VerifyTestMain(m)
+}
 
-var (
-	caOnce sync.Once
-	caSrv  *tls.Config
-	caCli  *tls.Config
-)
+// caSrv and caCli are the package's shared mutual-TLS configs, set by TestMain.
+var caSrv, caCli *tls.Config
 
-// testTLS returns mutual-TLS configs from one dev CA shared by the package.
+// testTLS returns mutual-TLS configs from the dev CA shared by the package;
+// its certificates are valid on the real clock only (see simTLS).
 func testTLS(t testing.TB) (srv, cli *tls.Config) {
 	t.Helper()
-	caOnce.Do(func() {
-		ca, err := devtls.NewCA()
-		if err != nil {
-			panic(err)
-		}
-		if caSrv, err = ca.ServerConfig(); err != nil {
-			panic(err)
-		}
-		if caCli, err = ca.ClientConfig(); err != nil {
-			panic(err)
-		}
-	})
 	return caSrv.Clone(), caCli.Clone()
 }
 
@@ -69,12 +71,14 @@ func fill(b []byte, seed byte) {
 // the end of the test.
 func startAgent(t testing.TB, cfg Config) *Agent {
 	t.Helper()
-	srv, cli := testTLS(t)
-	if cfg.ServerTLS == nil {
-		cfg.ServerTLS = srv
-	}
-	if cfg.ClientTLS == nil {
-		cfg.ClientTLS = cli
+	if cfg.ServerTLS == nil || cfg.ClientTLS == nil {
+		srv, cli := testTLS(t)
+		if cfg.ServerTLS == nil {
+			cfg.ServerTLS = srv
+		}
+		if cfg.ClientTLS == nil {
+			cfg.ClientTLS = cli
+		}
 	}
 	a, err := New(&cfg)
 	require.NoError(t, err)
