@@ -332,12 +332,6 @@ func (t *leaseTable) waitDrained(ctx context.Context) error {
 	})
 }
 
-// waitUnpinned blocks until no READ is served from leased blocks, or ctx
-// is done.
-func (t *leaseTable) waitUnpinned(ctx context.Context) error {
-	return t.waitUntil(ctx, func() bool { return t.pins == 0 })
-}
-
 // waitUntil blocks until done (called under t.mu) holds or ctx is done.
 func (t *leaseTable) waitUntil(ctx context.Context, done func() bool) error {
 	for {
@@ -384,6 +378,13 @@ func (t *leaseTable) removeLocked(l *lease, how string) {
 	}
 	t.ended.Add(l.export, &ended{id: l.id, how: how, capability: l.capability, notified: l.consumers})
 	t.signalLocked()
+}
+
+// resetStats starts counting drainStats afresh (when a drain starts).
+func (t *leaseTable) resetStats() {
+	t.mu.Lock()
+	t.stats = drainStats{}
+	t.mu.Unlock()
 }
 
 // held returns the number of leases and blocks held.

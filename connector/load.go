@@ -156,16 +156,16 @@ func (r *Rank) runLoad(ctx context.Context, l *load) {
 	err := r.load(ctx, l)
 	// Notify every source reached, read or not, whatever happened: prefill
 	// frees its blocks now instead of at lease expiry. After a successful
-	// read the notifications come first: a refusal (lease expired, unknown
-	// request) means the bytes read may be stale, so the request fails.
-	// After a failure they only spare prefill the wait for its lease, and
-	// a source that stopped answering (killed, stopped, cut off) would hold
-	// the report back for up to notifyTimeout: the failure is reported
-	// first and they are sent afterwards.
+	// load the notifications come first, so the prefill has released its
+	// lease when the request is reported done (only a full prefix hit fails
+	// on a refusal, see notifyAll). After a failure they only spare prefill
+	// the wait for its lease, and a source that stopped answering (killed,
+	// stopped, cut off) would hold the report back for up to notifyTimeout:
+	// the failure is reported first and they are sent afterwards.
 	if err == nil {
 		err = r.notifyAll(l)
 	} else {
-		defer r.notifyAll(l) // refusals are logged; the load already failed
+		defer r.notifyAll(l) // logged; the load already failed
 	}
 	r.mu.Lock()
 	delete(r.loads, l.id)
@@ -281,7 +281,12 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 			continue
 		}
 		remote := sourceBlocks(l.params, l.exports[i])[l.hit : l.hit+len(l.dst)]
-		wg.Go(func() { errs[i] = r.readSource(ctx, l, s, l.exports[i], ts[i], mds[i], remote) })
+		wg.Go(func() {
+			errs[i] = r.readSource(ctx, l, s, l.exports[i], ts[i], mds[i], remote)
+			if errs[i] != nil && codes.Of(errs[i]) == v1.Code_CODE_UNAVAILABLE && ctx.Err() == nil {
+				errs[i] = fmt.Errorf("prefill rank %d at %s stopped serving the READ (it is shutting down, or gone): %w", s.PrefillRank, ts[i].Addr, errs[i])
+			}
+		})
 	}
 	wg.Wait()
 	if err := errors.Join(errs...); err != nil {
@@ -396,9 +401,10 @@ func (r *Rank) readRegions(ctx context.Context, l *load, s Source, e *v1.RankExp
 }
 
 // notifyAll tells every source of l this rank reached that it is done with
-// the request; it returns the first refusal by a source this rank read
-// from. A source whose handshake failed is not contacted again: its lease
-// expires on its own.
+// the request. Failures are logged; only a load that read nothing (a full
+// prefix hit) returns the first one, as the sign its params are stale. A
+// source whose handshake failed is not contacted again: its lease expires
+// on its own.
 func (r *Rank) notifyAll(l *load) error {
 	ctx, cancel := context.WithTimeout(r.ctx, notifyTimeout)
 	defer cancel()
@@ -421,10 +427,10 @@ func (r *Rank) notifyAll(l *load) error {
 			continue
 		}
 		r.cfg.Logger.Warn("notification failed", "request_id", l.id, "peer", l.addrs[i], "err", err)
-		if !l.plan.Sources[i].NotifyOnly && len(l.dst) > 0 {
-			return fmt.Errorf("connector: load %q: prefill rank %d refused the notification, the bytes read may be stale: %w",
-				l.id, l.plan.Sources[i].PrefillRank, err)
-		}
+		// After READs that completed, a refused or lost notification fails
+		// nothing: every byte was served under the export's lease, pinned
+		// from the check before the first byte to the last, so none can be
+		// stale; the prefill frees its blocks at lease expiry (or is gone).
 		if len(l.dst) == 0 {
 			return fmt.Errorf("connector: load %q (full prefix hit): prefill rank %d: %w", l.id, l.plan.Sources[i].PrefillRank, err)
 		}

@@ -203,6 +203,7 @@ type Rank struct {
 	changed  chan struct{}    // closed and replaced when a finished item is added
 	draining bool
 	closed   bool
+	drained  drainStats // what the lease table saw, once closed
 }
 
 // FailedLoad is a decode request whose KV did not (fully) arrive.
@@ -427,12 +428,25 @@ func (r *Rank) Stats() Stats {
 	return Stats{LeasesHeld: l, BlocksHeld: b, LoadsInFlight: len(r.loads)}
 }
 
-// Drain refuses new requests, waits until every load in flight finished,
-// every READ being served from leased blocks ended and every lease a
-// consumer started reading was notified (so loads in flight on peers finish
-// and are accepted), or ctx is done (then aborts them); it then releases
-// every lease and closes the rank.
+// Drain refuses new requests and lets what is in flight finish before the
+// rank closes, within ctx's deadline:
+//
+//   - loads of this rank (decode side) finish, or are aborted when ctx ends;
+//   - READs this rank serves (prefill side) run to their end, and every
+//     lease a consumer started reading waits for the consumer's
+//     notification, so a decode whose READ completed has its notification
+//     accepted instead of refused by a closed agent;
+//   - READs still running when only drainNotifyGrace of the deadline is
+//     left are reset with CODE_UNAVAILABLE: their decode fails with a drain
+//     error before it reported anything done, and the rest of the deadline
+//     is left for the notifications of READs that completed.
+//
+// It then releases every lease, closes the rank (its agent tells peers it
+// is draining) and logs one summary: READs served to the end and aborted,
+// leases released by their consumers, and leases dropped with their request
+// ids.
 func (r *Rank) Drain(ctx context.Context) error {
+	start := time.Now()
 	r.mu.Lock()
 	r.draining = true
 	loads := make([]*load, 0, len(r.loads))
@@ -440,6 +454,7 @@ func (r *Rank) Drain(ctx context.Context) error {
 		loads = append(loads, l)
 	}
 	r.mu.Unlock()
+	r.leases.resetStats()
 	for _, l := range loads {
 		select {
 		case <-l.done:
@@ -448,16 +463,49 @@ func (r *Rank) Drain(ctx context.Context) error {
 			<-l.done
 		}
 	}
-	if err := r.leases.waitDrained(ctx); err != nil {
+	readCtx, cancel := ctx, context.CancelFunc(func() {})
+	if dl, ok := ctx.Deadline(); ok {
+		grace := min(time.Until(dl)/4, drainNotifyGrace)
+		readCtx, cancel = context.WithDeadline(ctx, dl.Add(-grace))
+	}
+	err := r.leases.waitDrained(readCtx)
+	cancel()
+	aborted := 0
+	if err != nil && ctx.Err() == nil {
+		// READs still running get a clear error now; the notifications of
+		// those that completed may still arrive.
+		aborted = r.abortServed(fmt.Errorf("%w: prefill rank %d of %q is shutting down and its drain deadline leaves no time to finish this READ",
+			ErrDraining, r.cfg.TPRank, r.cfg.EngineID))
+		if aborted > 0 {
+			r.cfg.Logger.Warn("drain: aborted the READs still running; waiting for notifications until the deadline", "reads", aborted)
+		}
+		err = r.leases.waitDrained(ctx)
+	}
+	if err != nil {
 		r.cfg.Logger.Warn("drain deadline passed with READs being served or read leases not yet notified; closing", "err", err)
 	}
-	return r.Close()
+	cerr := r.close(v1.Code_CODE_UNAVAILABLE, fmt.Sprintf("kvsidecar: rank %d of %q is shutting down (drained)", r.cfg.TPRank, r.cfg.EngineID))
+	r.mu.Lock()
+	st := r.drained
+	r.mu.Unlock()
+	r.cfg.Logger.Info("drain finished", "seconds", time.Since(start).Seconds(), "loads_finished", len(loads),
+		"reads_served", st.readsServed, "reads_aborted", aborted, "leases_notified", st.notified,
+		"leases_dropped", len(st.dropped), "dropped_request_ids", st.dropped, "deadline_passed", err != nil)
+	return cerr
 }
+
+// drainNotifyGrace is the most of a drain deadline kept for notifications
+// after the READs still running were aborted (a quarter of it when that is
+// less).
+const drainNotifyGrace = 2 * time.Second
 
 // Close aborts loads in flight, releases every lease (freeing its blocks
 // under local ownership), and closes the agent. A second Close returns an
 // error wrapping net.ErrClosed.
-func (r *Rank) Close() error {
+func (r *Rank) Close() error { return r.close(v1.Code_CODE_OK, "agent closing") }
+
+// close is Close, telling peers code and reason as the QUIC close reason.
+func (r *Rank) close(code v1.Code, reason string) error {
 	r.mu.Lock()
 	if r.closed {
 		r.mu.Unlock()
@@ -467,7 +515,9 @@ func (r *Rank) Close() error {
 	r.mu.Unlock()
 	r.cancel(fmt.Errorf("%w: rank closed", ErrDraining))
 	r.wg.Wait()
-	r.leases.close()
-	err := errors.Join(r.hs.Close(), r.agent.Close())
-	return err
+	st := r.leases.close()
+	r.mu.Lock()
+	r.drained = st
+	r.mu.Unlock()
+	return errors.Join(r.hs.Close(), r.agent.CloseWithReason(code, reason))
 }
