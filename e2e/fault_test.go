@@ -488,8 +488,14 @@ func TestFaultPrefillStopped(t *testing.T) {
 	f := dec.requireFailed(t, "big", dst, progress+slack)
 	require.Less(t, time.Since(start), testutil.Scaled(progress+slack))
 	require.Equal(t, v1.Code_CODE_TIMEOUT, f.GetError().GetCode(), f.GetError().GetMessage())
-	dec.e.fill(t, 88, dst) // the engine reuses the blocks
+	// Resume the prefill at once: the decode's notification for the failed
+	// load is sent right after the failure and gives up after its own
+	// deadline; filling 4000 blocks first took longer than that on a loaded
+	// machine, the notification was lost and "big" stayed leased for the
+	// whole lease TTL. The engine then reuses the blocks while a late byte
+	// of the old READ could still arrive.
 	pre.Signal(t, syscall.SIGCONT)
+	dec.e.fill(t, 88, dst) // the engine reuses the blocks
 
 	p2 := pre.export(t, "after", 6, 64)
 	dst2 := dec.load(t, "after", p2)
