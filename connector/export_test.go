@@ -3,6 +3,7 @@ package connector_test
 import (
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/proto"
 
@@ -290,4 +291,30 @@ func TestSurplusAndHitLand(t *testing.T) {
 	requireAllDone(t, dec.wait(t, "r"))
 	dec.check(t, 3, local[:1], 1)  // remote block 1
 	dec.check(t, 99, local[1:], 1) // untouched
+}
+
+// TestReadOfAnUnmappedPageRefused: an export whose page went away under
+// it (an engine freed the blocks behind the rank's back, as a coordinated
+// engine freeing through rank 0 before every rank reported done_sending
+// does to a follower) is refused before the first byte with a code and a
+// message that say so, instead of failing with CODE_INTERNAL mid-READ.
+func TestReadOfAnUnmappedPageRefused(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	pre := newInstance(t, instOpts{engine: "prefill", tp: 1, geom: gqa8, numBlocks: 256, prealloc: -1})
+	dec := newInstance(t, instOpts{engine: "decode", tp: 1, geom: gqa8, numBlocks: 256, reg: reg})
+	all := pre.alloc(t, 129) // 1..127 fill page 0; 128 and 129 open page 1
+	blocks := all[127:]
+	require.Equal(t, []uint32{128, 129}, blocks)
+	params := pre.finish(t, "x", blocks)
+	require.NoError(t, pre.pools[0].Free(t.Context(), []int{128, 129}))
+	require.Error(t, pre.pools[0].CheckMapped([]int{128}), "page 1 is gone")
+
+	local := dec.alloc(t, 2)
+	dec.startLoad(t, "x", local, params)
+	f := dec.wait(t, "x")[0]
+	require.NotNil(t, f)
+	require.Equal(t, v1.Code_CODE_NOT_FOUND, codes.Of(f.Err), "%v", f.Err)
+	require.ErrorContains(t, f.Err, `request "x" export`)
+	require.ErrorContains(t, f.Err, "block 128: its page is not mapped; no byte was read")
+	require.Zero(t, counter(t, reg, "kvsidecar_connector_read_bytes_total"))
 }

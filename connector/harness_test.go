@@ -53,6 +53,7 @@ type instOpts struct {
 	addrs     []string // fixed listen addresses (restart on the same ports)
 	secret    []byte
 	reg       prometheus.Registerer
+	prealloc  int                     // vmm.Config.PreallocPages (0: the default reserve)
 	resetKey  *quic.StatelessResetKey // the agents' stateless-reset key (a restart keeps it)
 	sim       *testutil.SimNet        // listen on this in-memory network instead of UDP (see simOpts)
 	ca        *devtls.CA              // the TLS CA; default testCA
@@ -114,7 +115,7 @@ func newInstance(t testing.TB, o instOpts) *instance {
 	for r := range o.tp {
 		layout, err := vmm.LayoutFor(o.geom, r, o.tp)
 		require.NoError(t, err)
-		pool, err := vmm.NewPool(t.Context(), &vmm.Config{Layout: layout, NumBlocks: o.numBlocks})
+		pool, err := vmm.NewPool(t.Context(), &vmm.Config{Layout: layout, NumBlocks: o.numBlocks, PreallocPages: o.prealloc})
 		require.NoError(t, err)
 		t.Cleanup(func() { require.NoError(t, pool.Close()) })
 		rank, err := connector.NewRank(t.Context(), &connector.Config{
