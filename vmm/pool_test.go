@@ -272,9 +272,12 @@ func TestPoolCheckAllocated(t *testing.T) {
 	require.NoError(t, err)
 	last := held[len(held)-1]
 	require.Equal(t, 1, last/32, "the last block lives in page 1")
-	require.NoError(t, p.Free(ctx, held[len(held)-2:]))
-	held = held[:len(held)-2]
-	require.GreaterOrEqual(t, p.Stats().ReservePages, 1, "page 1 stays mapped as reserve")
+	require.Equal(t, 1, held[len(held)-2]/32, "so does the one before it")
+	// Free one of page 1's two blocks: the other keeps page 1 mapped. (Both
+	// freed made page 1 a reserve page, which the reserve filler could trim
+	// after refilling another: a flake of 1 run in 10.)
+	require.NoError(t, p.Free(ctx, held[len(held)-1:]))
+	held = held[:len(held)-1]
 
 	tests := []struct {
 		name string
@@ -285,7 +288,7 @@ func TestPoolCheckAllocated(t *testing.T) {
 	}{
 		{"all allocated", held, nil, v1.Code_CODE_OK, ""},
 		{"empty", nil, nil, v1.Code_CODE_OK, ""},
-		{"freed block in a reserve page", []int{held[0], last}, ErrNotAllocated, v1.Code_CODE_INVALID_ARGUMENT, fmt.Sprintf("block %d", last)},
+		{"freed block in a mapped page", []int{held[0], last}, ErrNotAllocated, v1.Code_CODE_INVALID_ARGUMENT, fmt.Sprintf("block %d", last)},
 		{"never allocated, unmapped page", []int{100}, ErrNotAllocated, v1.Code_CODE_INVALID_ARGUMENT, "block 100: block not allocated"},
 		{"first bad id named", []int{held[1], 90, 0}, ErrNotAllocated, v1.Code_CODE_INVALID_ARGUMENT, "block 90"},
 		{"null block", []int{held[0], 0}, ErrNullBlock, v1.Code_CODE_INVALID_ARGUMENT, "block 0"},
@@ -306,10 +309,10 @@ func TestPoolCheckAllocated(t *testing.T) {
 			require.Contains(t, err.Error(), tc.msg)
 		})
 	}
-	require.Equal(t, 31, p.Stats().BlocksUsed, "a check changes nothing")
+	require.Equal(t, 32, p.Stats().BlocksUsed, "a check changes nothing")
 	checkInvariants(t, p)
 
-	// CheckMapped asks only for a mapped page: a freed block of the reserve
+	// CheckMapped asks only for a mapped page: a freed block of a mapped
 	// page passes, one of an unmapped page does not.
 	require.NoError(t, p.CheckMapped([]int{held[0], last}))
 	err = p.CheckMapped([]int{held[0], 100})
