@@ -173,10 +173,6 @@ def params_from_json(d: dict[str, Any]) -> params_pb2.KVTransferParams:
     return p
 
 
-def _has_field(msg: type[Message], name: str) -> bool:
-    return name in msg.DESCRIPTOR.fields_by_name
-
-
 def merge_exports(parts: Sequence[params_pb2.KVTransferParams]) -> params_pb2.KVTransferParams:
     """The decode's ``kv_transfer_params`` from every prefill rank's
     RequestFinished reply (Go: ``connector.MergeExports``, same rule).
@@ -194,7 +190,7 @@ def merge_exports(parts: Sequence[params_pb2.KVTransferParams]) -> params_pb2.KV
     """
     if not parts:
         raise errors.InvalidArgument("merge_exports: needs at least one part")
-    if not _has_field(params_pb2.KVTransferParams, "rank_exports") or not any(p.rank_exports for p in parts):
+    if not any(p.rank_exports for p in parts):
         return parts[0]
     base = next((p for p in parts if any(e.tp_rank == 0 for e in p.rank_exports)), parts[0])
     out = params_pb2.KVTransferParams()
@@ -233,16 +229,11 @@ def req_meta(request_id: str, local_block_ids: Sequence[int], params: params_pb2
     """A StartLoad request: remote block ``remote_hit_blocks + i`` lands in
     ``local_block_ids[i]``; the first ``remote_hit_blocks`` remote blocks are
     the decode's prefix hit (not read) and the last ``local_surplus_blocks``
-    local blocks its own (never written). A sidecar that predates the
-    explicit fields aligns the local blocks to the tail of the remote ones,
-    which is the same when there is no surplus."""
+    local blocks its own (never written)."""
     m = params_pb2.ReqMeta(request_id=request_id, local_block_ids=list(local_block_ids), params=params)
-    if _has_field(params_pb2.ReqMeta, "remote_hit_blocks"):
-        if local_block_ids:
-            m.remote_hit_blocks = remote_hit_blocks
-        m.local_surplus_blocks = local_surplus_blocks
-    elif local_surplus_blocks:
-        raise errors.InvalidArgument("req_meta: this kvsidecar.v1 has no local_surplus_blocks: pass only loaded blocks")
+    if local_block_ids:
+        m.remote_hit_blocks = remote_hit_blocks
+    m.local_surplus_blocks = local_surplus_blocks
     return m
 
 

@@ -465,13 +465,6 @@ class _Scheduler:
     def _finish_export(self, request: Any, exp: _Export) -> dict[str, Any] | None:
         rid = request.request_id
         status = _FINISH_STATUS.get(_role_name(request.status), local_pb2.FINISH_STATUS_ERROR)
-        per_rank = "rank_exports" in params_pb2.KVTransferParams.DESCRIPTOR.fields_by_name
-        if not per_rank and any(ids != exp.staging[0] for ids in exp.staging[1:]):
-            # This sidecar's params name one list of block ids that every
-            # prefill rank serves: ranks whose ids differ cannot be exported.
-            log.error("request %s: sidecar block ids differ across TP ranks (%s); not exported", rid,
-                      [ids[:4] for ids in exp.staging])
-            status = local_pb2.FINISH_STATUS_ERROR
         keep = params_pb2.KVTransferParams(do_remote_decode=True)
         parts: list[params_pb2.KVTransferParams] = []
         for r, c in enumerate(self.clients()):
