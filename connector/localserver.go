@@ -129,7 +129,7 @@ func (c *LocalServerConfig) withDefaults() (LocalServerConfig, error) {
 	return out, nil
 }
 
-// LocalServer serves the local API (DESIGN.md section 8) of one rank on a
+// LocalServer serves the local API (docs/engine-integration.md) of one rank on a
 // unix socket: one goroutine per connection, one call at a time per
 // connection. Every reply to a connection that attached the cache carries a
 // MappingDelta with the fds of pages to map. Bad input gets an error reply,

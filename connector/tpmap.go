@@ -102,7 +102,7 @@ func ShapeOf(g *v1.ModelGeometry) (TPShape, error) {
 }
 
 // PlanRank maps decode rank d of a decode group of size dTP to the prefill
-// ranks (group size pTP) that hold its heads (DESIGN.md section 5):
+// ranks (group size pTP) that hold its heads:
 //
 //   - dTP >= pTP (must divide): one source, prefill rank d / (dTP/pTP),
 //     read from the offset of d's first head inside the remote block;

@@ -28,7 +28,7 @@ type HostConfig struct {
 	Name string
 }
 
-// HostBackend is the Linux host-memory Backend (DESIGN.md section 3): one
+// HostBackend is the Linux host-memory Backend: one
 // memfd holds every physical page (page = a Granularity-sized slot of it,
 // the file grown with ftruncate); a reservation is a PROT_NONE anonymous
 // mapping; Map is mmap(MAP_FIXED|MAP_SHARED) of the slot over the

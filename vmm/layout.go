@@ -12,7 +12,7 @@ import (
 // Layout is the KV cache layout of one rank: Layers layers, each either a K
 // and a V region or one compound region (MLA latent, or K and V packed), of
 // blocks of BlockSize tokens × HeadsPerRank heads × HeadDim elements ×
-// DTypeBytes bytes, HND inside a block (DESIGN.md section 3).
+// DTypeBytes bytes, HND inside a block.
 type Layout struct {
 	Layers       int  // num_hidden_layers, > 0
 	Compound     bool // one region per layer (K then V packed in a block); false: a K and a V region
@@ -124,8 +124,8 @@ func geometryError(fields []string, format string, a ...any) error {
 	return &GeometryError{Fields: fields, Rule: fmt.Sprintf(format, a...)}
 }
 
-// LayoutFor derives the layout of rank tpRank of a TP group of tpSize ranks
-// (DESIGN.md section 5). GQA: each rank holds num_kv_heads / tpSize heads,
+// LayoutFor derives the layout of rank tpRank of a TP group of tpSize ranks.
+// GQA: each rank holds num_kv_heads / tpSize heads,
 // which must divide; when tpSize > num_kv_heads the heads are replicated, one
 // per rank, and tpSize must be a multiple of num_kv_heads. MLA: every rank
 // holds the whole latent, one "head" of head_dim elements (kv_lora_rank +

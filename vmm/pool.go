@@ -29,7 +29,7 @@ const DefaultUnmapHookTimeout = 30 * time.Second
 const MaxUnmapHookTimeout = 10 * time.Minute
 
 // PageHook is told about page indices a coordinated-mode rank 0 maps and
-// unmaps, so ranks 1..N-1 map the same pages (DESIGN.md section 3, TP group).
+// unmaps, so ranks 1..N-1 map the same pages.
 //
 // MapPages is called after the pages were mapped locally and checked, before
 // any block in them is handed out (for Alloc) or before they join the

@@ -9,7 +9,7 @@ import (
 )
 
 // TestNoCgoInLibraries fails when connector, transfer or handshake import
-// vmm/cuda, the only cgo package (DESIGN.md section 2): only cmd may.
+// vmm/cuda, the only cgo package: only cmd may.
 func TestNoCgoInLibraries(t *testing.T) {
 	goBin, err := exec.LookPath("go")
 	if err != nil {

@@ -1,7 +1,6 @@
 // Package tpgroup is the TP group of sidecars on one node: the N sidecars of
 // one engine instance with tensor parallelism N, one per rank, and the
-// coordination of elastic-page map/unmap between them (DESIGN.md section 3,
-// "TP group").
+// coordination of elastic-page map/unmap between them.
 //
 // It is built so that none of the kvcached TP bugs can happen:
 //

@@ -1,4 +1,4 @@
-// The transfer protocol between agents over QUIC (DESIGN.md section 7).
+// The transfer protocol between agents over QUIC.
 //
 // Every QUIC stream starts with one PeerRequest frame from the dialer and is
 // answered with PeerResponse frames. READ: the response header is followed by
