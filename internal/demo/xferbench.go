@@ -170,6 +170,33 @@ func (c *TransferConfig) withDefaults() (TransferConfig, error) {
 	return out, nil
 }
 
+// skippedCells lists the (block, batch) cells of the sweep whose
+// block × batch exceeds MaxTransferBytes, in sweep order.
+func (c *TransferConfig) skippedCells() []SkippedCell {
+	var out []SkippedCell
+	for _, bs := range c.BlockSizes {
+		for _, n := range c.BatchSizes {
+			if bs*n > c.MaxTransferBytes {
+				out = append(out, SkippedCell{BlockSize: bs, Batch: n})
+			}
+		}
+	}
+	return out
+}
+
+// bulkPlan picks the bulk comparison's shape: the largest block size
+// within MaxTransferBytes, and as many of them as fit in MaxTransferBytes,
+// at most transfer.DefaultMaxDescsPerTransfer (one READ's descriptor
+// limit). c must have passed withDefaults (one block size fits).
+func (c *TransferConfig) bulkPlan() (blockBytes, descs int) {
+	for _, x := range c.BlockSizes {
+		if x <= c.MaxTransferBytes {
+			blockBytes = max(blockBytes, x)
+		}
+	}
+	return blockBytes, min(c.MaxTransferBytes/blockBytes, transfer.DefaultMaxDescsPerTransfer)
+}
+
 // RunTransferBench runs the sweep (READ and WRITE, every block and batch
 // size whose product fits MaxTransferBytes; the others are listed in
 // Skipped) between two agents on loopback, then the bulk comparison against
@@ -218,14 +245,7 @@ func RunTransferBench(ctx context.Context, cfg *TransferConfig) (_ *TransferResu
 	if _, err := b.xfer(ctx, transfer.OpRead, 4096, 1); err != nil {
 		return nil, err
 	}
-	res := &TransferResult{}
-	for _, bs := range c.BlockSizes {
-		for _, n := range c.BatchSizes {
-			if bs*n > c.MaxTransferBytes {
-				res.Skipped = append(res.Skipped, SkippedCell{BlockSize: bs, Batch: n})
-			}
-		}
-	}
+	res := &TransferResult{Skipped: c.skippedCells()}
 	for _, op := range c.Ops {
 		for _, bs := range c.BlockSizes {
 			for _, n := range c.BatchSizes {
@@ -348,13 +368,7 @@ func (b *xferBench) cell(ctx context.Context, op transfer.Op, bs, n int) (Transf
 
 // bulk compares a sidecar READ with the baselines at the largest block.
 func (b *xferBench) bulk(ctx context.Context, res *TransferResult, st, ct *tls.Config) error {
-	bs := 0
-	for _, x := range b.c.BlockSizes {
-		if x <= b.c.MaxTransferBytes {
-			bs = max(bs, x)
-		}
-	}
-	n := min(b.c.MaxTransferBytes/bs, transfer.DefaultMaxDescsPerTransfer)
+	bs, n := b.c.bulkPlan()
 	total := bs * n
 	res.BulkBlockSize, res.BulkBytes = bs, total
 	best := func(cur *time.Duration, d time.Duration) {

@@ -77,15 +77,21 @@ func TestTransferConfigValidation(t *testing.T) {
 // TestTransferBenchSkipsAndCaps is a regression test: a block size above
 // MaxTransferBytes failed the run although its cells are skipped, and the
 // bulk run at small blocks asked for more descriptors than one transfer
-// takes (131072, want 1..65536) after the table was printed.
+// takes (131072, want 1..65536) after the table was printed. It checks the
+// plan RunTransferBench follows (TestTransferBenchShape runs one on the
+// wire); running this one would move 65536 descriptors of 8 bytes, whose
+// time on a loaded machine says nothing about the plan.
 func TestTransferBenchSkipsAndCaps(t *testing.T) {
-	res, err := RunTransferBench(t.Context(), &TransferConfig{BlockSizes: []int{8, 2 << 20}, BatchSizes: []int{1},
-		Ops: []transfer.Op{transfer.OpRead}, MaxTransferBytes: 1 << 20, CellTime: time.Millisecond, BulkRounds: 1})
+	c, err := (&TransferConfig{BlockSizes: []int{8, 2 << 20}, BatchSizes: []int{1},
+		Ops: []transfer.Op{transfer.OpRead}, MaxTransferBytes: 1 << 20, CellTime: time.Millisecond, BulkRounds: 1}).withDefaults()
 	require.NoError(t, err)
-	require.Len(t, res.Rows, 1)
-	require.Equal(t, 8, res.Rows[0].BlockSize)
-	require.Equal(t, []SkippedCell{{BlockSize: 2 << 20, Batch: 1}}, res.Skipped)
-	require.Equal(t, 8, res.BulkBlockSize, "the largest block that fits")
-	require.Equal(t, 8*transfer.DefaultMaxDescsPerTransfer, res.BulkBytes, "capped at one transfer's descriptors")
-	require.Positive(t, res.SidecarReadGBPerS)
+	require.Equal(t, []SkippedCell{{BlockSize: 2 << 20, Batch: 1}}, c.skippedCells())
+	bs, n := c.bulkPlan()
+	require.Equal(t, 8, bs, "the largest block that fits")
+	require.Equal(t, transfer.DefaultMaxDescsPerTransfer, n, "capped at one transfer's descriptors")
+	// Without the descriptor cap the plan is as many blocks as fit.
+	c.BlockSizes = []int{4 << 10, 2 << 20}
+	bs, n = c.bulkPlan()
+	require.Equal(t, 4<<10, bs)
+	require.Equal(t, 256, n)
 }
