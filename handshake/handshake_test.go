@@ -201,7 +201,7 @@ func TestValidationErrors(t *testing.T) {
 		{"unknown engine", func(tg *handshake.Target) { tg.EngineID = "other" }, codes.Sentinel(v1.Code_CODE_NOT_FOUND), `is engine_id "prefill", not "other"`},
 		{"model hash", func(tg *handshake.Target) { h := sha256.Sum256([]byte("x")); tg.ModelHash = h[:] }, handshake.ErrIncompatible, "model hash"},
 		// With the local geometry known, the fields that differ are named
-		// with both values, not a hash (the issue: block_size 32 vs 16 was
+		// with both values, not a hash (the reported case: block_size 32 vs 16 was
 		// reported as a model hash and only the prefill's 32).
 		{"block size", local(func(g *v1.ModelGeometry) { g.BlockSize = 32 }), handshake.ErrIncompatible,
 			`peer prefill/tp1 (model "llama-3.1-8b") and this rank (model "decode-model") differ in block_size: peer 16, local 32`},

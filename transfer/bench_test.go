@@ -13,7 +13,7 @@ import (
 // BenchmarkReadVsBaselines runs, in each iteration, a raw quic-go one-stream
 // transfer, Go TLS 1.3 over TCP, and a sidecar READ of 64 × 2 MiB
 // descriptors, all of 128 MiB on loopback, and reports each throughput and
-// the ratios sidecar/quic (acceptance: ≥ 0.85) and sidecar/tls-tcp.
+// the ratios sidecar/quic (the target: ≥ 0.85) and sidecar/tls-tcp.
 func BenchmarkReadVsBaselines(b *testing.B) {
 	const (
 		descs   = 64

@@ -200,10 +200,9 @@ func LayoutFor(g *v1.ModelGeometry, tpRank, tpSize int) (Layout, error) {
 // vLLM's default block_size on CUDA (vllm/config/cache.py, 16).
 const DefaultBlockSize = 16
 
-// models is the KV geometry of public models, copied from
-// /work/shared/models.json, which took them from each model's published
-// config.json (num_hidden_layers, num_key_value_heads, head_dim, torch_dtype;
-// for MLA kv_lora_rank 512 + qk_rope_head_dim 64 = 576).
+// models is the KV geometry of public models, taken from each model's
+// published config.json (num_hidden_layers, num_key_value_heads, head_dim,
+// torch_dtype; for MLA kv_lora_rank 512 + qk_rope_head_dim 64 = 576).
 var models = map[string]*v1.ModelGeometry{
 	"llama-3.1-8b":     gqa("llama-3.1-8b", 32, 8, 128),
 	"llama-3.1-70b":    gqa("llama-3.1-70b", 80, 8, 128),

@@ -66,7 +66,7 @@ func TestLayoutForRejects(t *testing.T) {
 		{"rank beyond size", g, 4, 4, "tp_rank=4", []string{"tp_rank"}},
 		{"zero size", g, 0, 0, "tp_size=0", []string{"tp_size"}},
 		{"no dtype", noDtype, 0, 1, "dtype", []string{"dtype"}},
-		// The input: a DeepSeek-style latent declared with 16 heads
+		// The reported input: a DeepSeek-style latent declared with 16 heads
 		// made blocks 16 times too large and failed every load later.
 		{"mla with 16 heads", with(func(g *v1.ModelGeometry) {
 			g.Attention, g.NumKvHeads, g.HeadDim, g.NumLayers = v1.Attention_ATTENTION_MLA, 16, 576, 2

@@ -378,7 +378,7 @@ func TestServeUsageErrorNamesStrayEnv(t *testing.T) {
 
 // TestServeGeometryRules: a geometry the sidecar cannot serve is refused at
 // start as a usage error (exit 2) naming the flags and the rule, before
-// "serving"; the issue's MLA case made blocks 16 times too large and failed
+// "serving"; the reported MLA case made blocks 16 times too large and failed
 // every load with CODE_INTERNAL instead.
 func TestServeGeometryRules(t *testing.T) {
 	env := newServeEnv(t)
@@ -506,7 +506,7 @@ func hostCheckCases(t *testing.T, env serveEnv) []startCase {
 		{"expired certificate", certOf(expired), 1, []string{"--tls-cert " + expired.Cert + ": expired at "}},
 		{"certificate not yet valid", certOf(future), 1, []string{"--tls-cert " + future.Cert + ": not valid before "}},
 		{"certificate without clientAuth", certOf(serverOnly), 1, []string{"--tls-cert " + serverOnly.Cert + ": not valid for clientAuth"}},
-		// The issue's input: the certificate names 127.0.0.1, the rank is
+		// The reported input: the certificate names 127.0.0.1, the rank is
 		// advertised at 127.0.0.2; peers got "certificate is valid for
 		// 127.0.0.1, not 127.0.0.2" at the first request.
 		{"sans miss the advertised host", []string{"--listen", "127.0.0.2:0"}, 1, []string{"--tls-cert " + env.tls.Cert +

@@ -1,10 +1,13 @@
 // Package devtls makes a throwaway development certificate authority and the
 // server and client certificates kvsidecar agents use for mutual TLS on
-// loopback. It exists for tests and the demo only: keys are generated in
-// memory per call, never persisted unless WriteFiles is called, and the CA
-// signs certificates for 127.0.0.1, ::1 and localhost only.
+// loopback, for tests and the demo: keys are generated in memory per call,
+// never persisted unless WriteFiles is called, and every certificate names
+// 127.0.0.1, ::1 and localhost plus the hosts Leaf is given.
 //
 //	ca, err := devtls.NewCA()
 //	srv, err := ca.ServerConfig() // tls.Config requiring a client cert
 //	cli, err := ca.ClientConfig()
+//
+// LoadConfigs reads PEM files (WriteFiles' or a real CA's) into the same
+// pair of configs; `kvsidecar serve` loads its --tls-* files with it.
 package devtls
