@@ -15,9 +15,11 @@ import (
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
-// TestConnectionsOnlyToTargets is acceptance 2: in piggyback mode each
-// decode rank dials only the prefill ranks that hold its heads; in legacy
-// mode a rank whose target is not rank 0 dials rank 0 first.
+// TestConnectionsOnlyToTargets: in piggyback mode each decode rank dials
+// only the prefill ranks that hold its heads; in legacy mode a rank whose
+// target is not rank 0 dials rank 0 first.
+//
+// fault-matrix: connections-only-to-targets
 func TestConnectionsOnlyToTargets(t *testing.T) {
 	for _, mode := range []handshake.Mode{handshake.ModePiggyback, handshake.ModeLegacy} {
 		for _, pd := range [][2]int{{2, 4}, {4, 2}} {
@@ -52,7 +54,11 @@ func TestConnectionsOnlyToTargets(t *testing.T) {
 	}
 }
 
-// TestTPSizeChecks is acceptance 3.
+// TestTPSizeChecks: a missing tp_size is refused at StartLoad; one that
+// disagrees with the prefill group fails every decode rank with
+// CODE_TP_MISMATCH, and nothing is read.
+//
+// fault-matrix: bad-params
 func TestTPSizeChecks(t *testing.T) {
 	pre := newInstance(t, instOpts{engine: "prefill", tp: 4, geom: gqa8})
 	reg := prometheus.NewRegistry()
@@ -116,9 +122,11 @@ func counter(t testing.TB, reg *prometheus.Registry, name string) float64 {
 	return sum
 }
 
-// TestExpiredLeaseFailsTheLoad is acceptance 4 end to end: a READ after the
-// lease expired is refused with lease-expired, and decode reports the
-// blocks as failed, never as done.
+// TestExpiredLeaseFailsTheLoad: a READ after the lease expired is refused
+// with lease-expired, and decode reports the blocks as failed, never as
+// done.
+//
+// fault-matrix: unknown-or-expired-export
 func TestExpiredLeaseFailsTheLoad(t *testing.T) {
 	pre := newInstance(t, instOpts{engine: "prefill", tp: 2, geom: gqa8, leaseTTL: 20 * time.Millisecond})
 	dec := newInstance(t, instOpts{engine: "decode", tp: 2, geom: gqa8})
@@ -139,9 +147,10 @@ func TestExpiredLeaseFailsTheLoad(t *testing.T) {
 	}
 }
 
-// TestPrefixHits is acceptance 5 (first half): a partial prefix hit reads
-// only the tail; a full hit (no local blocks) only notifies, finishes, and
-// the prefill frees its blocks.
+// TestPrefixHits: a partial prefix hit reads only the tail; a full hit (no
+// local blocks) only notifies, finishes, and the prefill frees its blocks.
+//
+// fault-matrix: prefix-hit
 func TestPrefixHits(t *testing.T) {
 	pre := newInstance(t, instOpts{engine: "prefill", tp: 2, geom: gqa8})
 	dec := newInstance(t, instOpts{engine: "decode", tp: 4, geom: gqa8})
@@ -169,9 +178,11 @@ func TestPrefixHits(t *testing.T) {
 	}
 }
 
-// TestAbortStopsTheRead is acceptance 5 (second half): Abort returns only
-// once no READ runs into the blocks; the request is reported failed with
-// CODE_ABORTED, and the blocks can be reused without a late write.
+// TestAbortStopsTheRead: Abort returns only once no READ runs into the
+// blocks; the request is reported failed with CODE_ABORTED, and the blocks
+// can be reused without a late write.
+//
+// fault-matrix: decode-abort-mid-read
 func TestAbortStopsTheRead(t *testing.T) {
 	pre := newInstance(t, instOpts{engine: "prefill", tp: 1, geom: gqa8, numBlocks: 512, delay: 5 * time.Millisecond})
 	dec := newInstance(t, instOpts{engine: "decode", tp: 1, geom: gqa8, numBlocks: 512})
@@ -200,8 +211,10 @@ func TestAbortStopsTheRead(t *testing.T) {
 	dec.check(t, 77, local, 0)
 }
 
-// TestPrefillRestart is acceptance 6: a prefill restarted on the same
-// address (new incarnation) is handshaked again, and the request succeeds.
+// TestPrefillRestart: a prefill restarted on the same address (new
+// incarnation) is handshaked again, and the request succeeds.
+//
+// fault-matrix: prefill-restart-same-port
 func TestPrefillRestart(t *testing.T) {
 	pre := newInstance(t, instOpts{engine: "prefill", tp: 2, geom: gqa8})
 	dec := newInstance(t, instOpts{engine: "decode", tp: 2, geom: gqa8})
@@ -227,10 +240,12 @@ func TestPrefillRestart(t *testing.T) {
 	}
 }
 
-// TestHandshakeRTTs is acceptance 7 at an RTT of 20 ms on an in-memory
-// network under synctest: virtual time moves only with the network's
-// delays, so the CPU cost of TLS and QUIC (on a loaded machine, under the
-// race detector) is no round trip, and the figures are exact.
+// TestHandshakeRTTs: the handshake's round trips at an RTT of 20 ms on an
+// in-memory network under synctest: virtual time moves only with the
+// network's delays, so the CPU cost of TLS and QUIC (on a loaded machine,
+// under the race detector) is no round trip, and the figures are exact.
+//
+// fault-matrix: handshake-round-trips
 func TestHandshakeRTTs(t *testing.T) {
 	const rtt = 20 * time.Millisecond
 	// rtts returns the round trips of the first contact and of the cached
@@ -354,8 +369,8 @@ func TestLeasedBlocksAreGuarded(t *testing.T) {
 }
 
 // TestStartLoadIntoFreeBlocksRefused: a READ may write only into allocated
-// blocks (a free block can sit in a reserve page that a lower limit
-// unmaps mid-READ).
+// blocks (a free block can sit in a reserve page that a lower limit unmaps
+// mid-READ).
 func TestStartLoadIntoFreeBlocksRefused(t *testing.T) {
 	pre := newInstance(t, instOpts{engine: "prefill", tp: 1, geom: gqa8})
 	dec := newInstance(t, instOpts{engine: "decode", tp: 1, geom: gqa8})

@@ -51,11 +51,13 @@ func (in *instance) finishRanks(t testing.TB, id string, blocks [][]uint32) []*v
 	return parts
 }
 
-// TestRanksWithDifferentBlockIDs is item 1 of issue 12: prefill ranks
-// that hold one request in different block ids (rank 1 restarted, or
-// freed in another order) are each read at their own ids, by decode TP 2
-// and TP 1, byte-exact; with only rank 0's params a decode rank that needs
-// rank 1 fails naming it, every local block reported, and reads nothing.
+// TestRanksWithDifferentBlockIDs: prefill ranks that hold one request in
+// different block ids (rank 1 restarted, or freed in another order) are each
+// read at their own ids, by decode TP 2 and TP 1, byte-exact; with only rank
+// 0's params a decode rank that needs rank 1 fails naming it, every local
+// block reported, and reads nothing.
+//
+// fault-matrix: ranks-disagree-on-block-ids
 func TestRanksWithDifferentBlockIDs(t *testing.T) {
 	pre := newInstance(t, instOpts{engine: "prefill", tp: 2, geom: gqa8, numBlocks: 256})
 	const n = 40
@@ -126,10 +128,11 @@ func roundTrip(t testing.TB, p *v1.KVTransferParams) *v1.KVTransferParams {
 	return out
 }
 
-// TestStaleParamsOfAReusedRequestID is item 2 of issue 12: the params of
-// an export that ended, for a request id a new export reuses over the same
-// blocks, read nothing and release nothing; the new export's own load is
-// byte-exact afterwards.
+// TestStaleParamsOfAReusedRequestID: the params of an export that ended, for
+// a request id a new export reuses over the same blocks, read nothing and
+// release nothing; the new export's own load is byte-exact afterwards.
+//
+// fault-matrix: stale-reused-request-id
 func TestStaleParamsOfAReusedRequestID(t *testing.T) {
 	pre := newInstance(t, instOpts{engine: "prefill", tp: 1, geom: gqa8})
 	dec := newInstance(t, instOpts{engine: "decode", tp: 1, geom: gqa8})
@@ -275,9 +278,10 @@ func TestAlignBlocks(t *testing.T) {
 	}
 }
 
-// TestSurplusAndHitLand is item 6 of issue 12 on ranks: remote block 1
-// lands in local[0] when the decode says one remote block is a hit, and the
-// surplus local[1] keeps its bytes.
+// TestSurplusAndHitLand: remote block 1 lands in local[0] when the decode
+// says one remote block is a hit, and the surplus local[1] keeps its bytes.
+//
+// fault-matrix: load-alignment
 func TestSurplusAndHitLand(t *testing.T) {
 	pre := newInstance(t, instOpts{engine: "prefill", tp: 1, geom: gqa8})
 	dec := newInstance(t, instOpts{engine: "decode", tp: 1, geom: gqa8})
@@ -293,11 +297,11 @@ func TestSurplusAndHitLand(t *testing.T) {
 	dec.check(t, 99, local[1:], 1) // untouched
 }
 
-// TestReadOfAnUnmappedPageRefused: an export whose page went away under
-// it (an engine freed the blocks behind the rank's back, as a coordinated
-// engine freeing through rank 0 before every rank reported done_sending
-// does to a follower) is refused before the first byte with a code and a
-// message that say so, instead of failing with CODE_INTERNAL mid-READ.
+// TestReadOfAnUnmappedPageRefused: an export whose page went away under it
+// (an engine freed the blocks behind the rank's back, as a coordinated
+// engine freeing through rank 0 before every rank reported done_sending does
+// to a follower) is refused before the first byte with a code and a message
+// that say so, instead of failing with CODE_INTERNAL mid-READ.
 func TestReadOfAnUnmappedPageRefused(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	pre := newInstance(t, instOpts{engine: "prefill", tp: 1, geom: gqa8, numBlocks: 256, prealloc: -1})

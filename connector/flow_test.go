@@ -40,8 +40,10 @@ func runPair(t *testing.T, geom *v1.ModelGeometry, p, d, nBlocks int) {
 	}
 }
 
-// TestHeterogeneousTP is acceptance 1: every (P, D) in {1,2,4,8}² with 8
-// KV heads, 2 KV heads with D=4 (replicated heads), and MLA.
+// TestHeterogeneousTP: every (P, D) in {1,2,4,8}² with 8 KV heads, 2 KV
+// heads with D=4 (replicated heads), and MLA.
+//
+// fault-matrix: heterogeneous-tp
 func TestHeterogeneousTP(t *testing.T) {
 	for _, p := range []int{1, 2, 4, 8} {
 		for _, d := range []int{1, 2, 4, 8} {

@@ -13,9 +13,9 @@ import (
 	"github.com/kvsidecar/kvsidecar/transfer"
 )
 
-// FuzzLeaseTable is the property test of the lease tables of two ranks
-// (issue 12): a random sequence of exports, READs, notifications,
-// heartbeats, READ ends and clock steps, with request ids and blocks reused
+// FuzzLeaseTable is the property test of the lease tables of two ranks: a
+// random sequence of exports, READs, notifications, heartbeats, READ ends
+// and clock steps, with request ids and blocks reused
 // and export ids that collide across the ranks (each rank numbers its own),
 // where every message names an export through params issued earlier, stale
 // or live, presented to its own rank or the other one. The serving checks
@@ -30,6 +30,8 @@ import (
 //     one for an ended export is acknowledged only as a resend of a
 //     consumer that had notified it;
 //   - a heartbeat extends only its own, live export.
+//
+// fault-matrix: stale-reused-request-id
 func FuzzLeaseTable(f *testing.F) {
 	// Seeds: export A on rank 0 then read, notify, re-export A over the
 	// same block, read and notify with the stale params; a foreign-rank

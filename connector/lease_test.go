@@ -118,10 +118,9 @@ func TestLeasesExpireInDeadlineOrder(t *testing.T) {
 }
 
 // TestNotifyIsIdempotentPerExport: a consumer's notification resent after
-// the lease was released (its acknowledgement was lost on a dead
-// connection) is acknowledged, not turned into CODE_LEASE_EXPIRED for a
-// load that succeeded; another consumer's, or one with another capability,
-// is not.
+// the lease was released (its acknowledgement was lost on a dead connection)
+// is acknowledged, not turned into CODE_LEASE_EXPIRED for a load that
+// succeeded; another consumer's, or one with another capability, is not.
 func TestNotifyIsIdempotentPerExport(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		lt, freedList := newTestTable(t, time.Minute)
@@ -142,9 +141,10 @@ func TestNotifyIsIdempotentPerExport(t *testing.T) {
 	})
 }
 
-// TestStaleExportNeverReachesANewOne is item 2 of issue 12 on the table: a
-// request id reused by a new export; the first export's id neither reads
-// nor releases the new one.
+// TestStaleExportNeverReachesANewOne: a request id reused by a new export;
+// the first export's id neither reads nor releases the new one.
+//
+// fault-matrix: stale-reused-request-id
 func TestStaleExportNeverReachesANewOne(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		lt, freedList := newTestTable(t, time.Minute)
@@ -188,8 +188,8 @@ func TestLeaseCloseReleasesAll(t *testing.T) {
 }
 
 // TestPinnedLeaseFreesAfterTheRead: a lease that expires (or is notified)
-// while a READ is being served from its blocks frees them only when the
-// READ ends, so no page is unmapped under a running READ.
+// while a READ is being served from its blocks frees them only when the READ
+// ends, so no page is unmapped under a running READ.
 func TestPinnedLeaseFreesAfterTheRead(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		lt, freedList := newTestTable(t, 10*time.Second)

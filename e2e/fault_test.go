@@ -17,13 +17,14 @@ import (
 	"github.com/kvsidecar/kvsidecar/transfer"
 )
 
-// The fault matrix of issue 9 (items 1-11; item 12 is in netns_test.go).
-// Every test runs real `kvsidecar serve` processes on loopback, drives them
-// through Go engines on their local sockets, injects the fault with a
-// signal, a flag, ctl or a peer in the test process, and ends with the
-// "nothing lost" checks: no request reported done whose bytes differ, and
-// every surviving sidecar back at its idle page count with no lease and no
-// load left (processes are killed by t.Cleanup).
+// The faults between prefill and decode of docs/fault-matrix.md
+// (prefill-across-nodes is in netns_test.go). Every test runs real
+// `kvsidecar serve` processes on loopback, drives them through Go engines on
+// their local sockets, injects the fault with a signal, a flag, ctl or a
+// peer in the test process, and ends with the "nothing lost" checks: no
+// request reported done whose bytes differ, and every surviving sidecar back
+// at its idle page count with no lease and no load left (processes are
+// killed by t.Cleanup).
 
 // Fault-matrix timings, all scaled by KVSIDECAR_TIME_SCALE.
 const (
@@ -219,9 +220,11 @@ func warm(t testing.TB, pre, dec *side) {
 	pre.waitSent(t, "warm", 30*time.Second)
 }
 
-// TestFaultPrefillKilledMidRead is item 1: prefill SIGKILLed while decode
-// READs from it → decode reports the request failed with its local block
-// ids within the progress deadline.
+// TestFaultPrefillKilledMidRead: prefill SIGKILLed while decode READs from
+// it → decode reports the request failed with its local block ids within the
+// progress deadline.
+//
+// fault-matrix: prefill-killed-mid-read
 func TestFaultPrefillKilledMidRead(t *testing.T) {
 	env := NewEnv(t)
 	pre := startSide(t, env, "pre", 8192)
@@ -241,9 +244,11 @@ func TestFaultPrefillKilledMidRead(t *testing.T) {
 	dec.requireIdle(t)
 }
 
-// TestFaultDecodeKilledMidRead is item 2: decode SIGKILLed while it READs →
-// prefill frees the blocks when the lease expires (the READ it served
-// stops at its progress deadline and unpins the lease).
+// TestFaultDecodeKilledMidRead: decode SIGKILLed while it READs → prefill
+// frees the blocks when the lease expires (the READ it served stops at its
+// progress deadline and unpins the lease).
+//
+// fault-matrix: decode-killed-mid-read
 func TestFaultDecodeKilledMidRead(t *testing.T) {
 	const ttl = 2 * time.Second
 	env := NewEnv(t)
@@ -262,10 +267,12 @@ func TestFaultDecodeKilledMidRead(t *testing.T) {
 	pre.requireIdle(t)
 }
 
-// TestFaultDecodeAbortMidRead is item 3: decode aborts while the READ
-// runs → Abort returns only after the stream stopped, so blocks freed and
-// allocated right after to another request get that request's bytes
-// intact, and nothing of the aborted READ lands later.
+// TestFaultDecodeAbortMidRead: decode aborts while the READ runs → Abort
+// returns only after the stream stopped, so blocks freed and allocated right
+// after to another request get that request's bytes intact, and nothing of
+// the aborted READ lands later.
+//
+// fault-matrix: decode-abort-mid-read
 func TestFaultDecodeAbortMidRead(t *testing.T) {
 	env := NewEnv(t)
 	pre := startSide(t, env, "pre", 8192)
@@ -311,10 +318,12 @@ func TestFaultDecodeAbortMidRead(t *testing.T) {
 	dec.requireIdle(t)
 }
 
-// TestFaultLeaseOrderWithHeartbeats is item 4: three leases; a consumer in
-// the test process heartbeats A only → B and C are freed when their lease
-// expires, not before and not much later; A outlives its first expiry and
-// is still read intact.
+// TestFaultLeaseOrderWithHeartbeats: three leases; a consumer in the test
+// process heartbeats A only → B and C are freed when their lease expires,
+// not before and not much later; A outlives its first expiry and is still
+// read intact.
+//
+// fault-matrix: lease-order-with-heartbeats
 func TestFaultLeaseOrderWithHeartbeats(t *testing.T) {
 	const ttl = 2 * time.Second
 	env := NewEnv(t)
@@ -378,10 +387,12 @@ func TestFaultLeaseOrderWithHeartbeats(t *testing.T) {
 	dec.requireIdle(t)
 }
 
-// TestFaultUnknownOrExpired is item 5: a READ or a notification for a
-// request the prefill does not hold (never existed, or its lease expired)
-// is answered with an error, and decode reports the load failed, never
-// done with stale bytes.
+// TestFaultUnknownOrExpired: a READ or a notification for a request the
+// prefill does not hold (never existed, or its lease expired) is answered
+// with an error, and decode reports the load failed, never done with stale
+// bytes.
+//
+// fault-matrix: unknown-or-expired-export
 func TestFaultUnknownOrExpired(t *testing.T) {
 	const ttl = time.Second
 	env := NewEnv(t)
@@ -428,9 +439,11 @@ func TestFaultUnknownOrExpired(t *testing.T) {
 	dec.requireIdle(t)
 }
 
-// TestFaultFullPrefixHit is item 6: decode holds every block already →
-// notify only; the request finishes on decode and prefill frees its
-// blocks without a byte read.
+// TestFaultFullPrefixHit: decode holds every block already → notify only;
+// the request finishes on decode and prefill frees its blocks without a byte
+// read.
+//
+// fault-matrix: prefix-hit
 func TestFaultFullPrefixHit(t *testing.T) {
 	env := NewEnv(t)
 	pre := startSide(t, env, "pre", 1024)
@@ -444,9 +457,11 @@ func TestFaultFullPrefixHit(t *testing.T) {
 	dec.requireIdle(t)
 }
 
-// TestFaultPrefillRestart is item 7: prefill SIGKILLed and started again
-// on the same address (new incarnation) → decode's next request
-// handshakes again and succeeds.
+// TestFaultPrefillRestart: prefill SIGKILLed and started again on the same
+// address (new incarnation) → decode's next request handshakes again and
+// succeeds.
+//
+// fault-matrix: prefill-restart-same-port
 func TestFaultPrefillRestart(t *testing.T) {
 	env := NewEnv(t)
 	pre := startSide(t, env, "pre", 1024)
@@ -471,9 +486,11 @@ func TestFaultPrefillRestart(t *testing.T) {
 	dec.requireIdle(t)
 }
 
-// TestFaultPrefillStopped is item 8: prefill SIGSTOPped for longer than the
-// progress deadline → decode fails the READ; after SIGCONT, nothing of the
-// stale stream lands in reused blocks and later requests are intact.
+// TestFaultPrefillStopped: prefill SIGSTOPped for longer than the progress
+// deadline → decode fails the READ; after SIGCONT, nothing of the stale
+// stream lands in reused blocks and later requests are intact.
+//
+// fault-matrix: prefill-stopped
 func TestFaultPrefillStopped(t *testing.T) {
 	env := NewEnv(t)
 	pre := startSide(t, env, "pre", 8192)
@@ -508,10 +525,12 @@ func TestFaultPrefillStopped(t *testing.T) {
 	dec.requireIdle(t)
 }
 
-// TestFaultMemoryLimitUnderLoad is item 9: decode's memory limit lowered
-// with ctl while a READ fills its blocks → a further allocation fails
-// cleanly (CODE_BUSY), the READ in flight completes intact, and raising
-// the limit lets requests through again.
+// TestFaultMemoryLimitUnderLoad: decode's memory limit lowered with ctl
+// while a READ fills its blocks → a further allocation fails cleanly
+// (CODE_BUSY), the READ in flight completes intact, and raising the limit
+// lets requests through again.
+//
+// fault-matrix: memory-limit-under-load
 func TestFaultMemoryLimitUnderLoad(t *testing.T) {
 	env := NewEnv(t)
 	pre := startSide(t, env, "pre", 8192)
@@ -539,10 +558,12 @@ func TestFaultMemoryLimitUnderLoad(t *testing.T) {
 	dec.requireIdle(t)
 }
 
-// TestFaultCoordinatedMapRollback is item 10: a TP group of four ranks in
-// coordinated ownership; rank 2's memory limit is lowered with ctl so it
-// cannot map another page → an allocation on rank 0 fails and every rank
-// is back at the pages it had; raising the limit lets it succeed on all.
+// TestFaultCoordinatedMapRollback: a TP group of four ranks in coordinated
+// ownership; rank 2's memory limit is lowered with ctl so it cannot map
+// another page → an allocation on rank 0 fails and every rank is back at the
+// pages it had; raising the limit lets it succeed on all.
+//
+// fault-matrix: coordinated-map-rollback
 func TestFaultCoordinatedMapRollback(t *testing.T) {
 	env := NewEnv(t)
 	ranks := env.StartGroup(t, SidecarOpts{Engine: "coord", TPSize: 4, Args: faultArgs("--ownership", "coordinated")})
@@ -589,9 +610,11 @@ func TestFaultCoordinatedMapRollback(t *testing.T) {
 	sides[0].requireIdle(t)
 }
 
-// TestFaultHandshakeNothingListening is item 11: params that point at an
-// address where nothing listens → the load fails within the handshake
-// deadline with an error naming the address.
+// TestFaultHandshakeNothingListening: params that point at an address where
+// nothing listens → the load fails within the handshake deadline with an
+// error naming the address.
+//
+// fault-matrix: handshake-nothing-listening
 func TestFaultHandshakeNothingListening(t *testing.T) {
 	env := NewEnv(t)
 	dec := startSide(t, env, "dec", 1024)

@@ -17,10 +17,11 @@ import (
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
-// Issue 12: data integrity at the engine boundary. Every READ,
-// notification and heartbeat names one export of one rank; these tests
-// drive real `kvsidecar serve` processes through Go engines on their local
-// sockets with the small inputs that used to report wrong KV as done.
+// Data integrity at the engine boundary (the rows of docs/fault-matrix.md
+// under "The engine boundary"). Every READ, notification and heartbeat names
+// one export of one rank; these tests drive real `kvsidecar serve` processes
+// through Go engines on their local sockets with the small inputs that used
+// to report wrong KV as done.
 
 // heads is the kvgen shape of rank r of a TP group of size tp (8 KV heads).
 func heads(r, tp int) kvgen.Shape {
@@ -96,12 +97,14 @@ func requireGroupDone(t testing.TB, dec []*side, id string, key uint64, dst [][]
 	}
 }
 
-// TestIntegrityRanksDisagreeOnBlockIDs is acceptance 1 of issue 12: a
-// prefill of TP 2 whose ranks hold a request in different block ids (the
-// same ids in another order; rank 1 restarted with a fresh pool while rank
-// 0's free list is in LIFO order, as in the issue: rank 0 holds the
-// request in 2000 blocks of its own order, rank 1 in 1..2000) is read by a
-// decode of TP 2 and one of TP 1, every request done and every byte right.
+// TestIntegrityRanksDisagreeOnBlockIDs: a prefill of TP 2 whose ranks hold a
+// request in different block ids (the same ids in another order; rank 1
+// restarted with a fresh pool while rank 0's free list is in LIFO order, as
+// reported: rank 0 holds the request in 2000 blocks of its own order,
+// rank 1 in 1..2000) is read by a decode of TP 2 and one of TP 1, every
+// request done and every byte right.
+//
+// fault-matrix: ranks-disagree-on-block-ids
 func TestIntegrityRanksDisagreeOnBlockIDs(t *testing.T) {
 	env := NewEnv(t)
 	preS := env.StartGroup(t, SidecarOpts{Engine: "pre", Role: "prefill", TPSize: 2, Args: faultArgs()})
@@ -159,11 +162,13 @@ func TestIntegrityRanksDisagreeOnBlockIDs(t *testing.T) {
 	}
 }
 
-// TestIntegrityStaleReusedRequestID is acceptance 2 of issue 12: request
-// "R" is exported, loaded and released; the prefill hands the same block
-// out again, writes new bytes and exports a new request also named "R". The
-// decode's load with the first params fails (nothing written into its
-// block) and releases nothing: the new export's own load is byte-exact.
+// TestIntegrityStaleReusedRequestID: request "R" is exported, loaded and
+// released; the prefill hands the same block out again, writes new bytes and
+// exports a new request also named "R". The decode's load with the first
+// params fails (nothing written into its block) and releases nothing: the
+// new export's own load is byte-exact.
+//
+// fault-matrix: stale-reused-request-id
 func TestIntegrityStaleReusedRequestID(t *testing.T) {
 	env := NewEnv(t)
 	pre := startSide(t, env, "pre", 256)
@@ -197,16 +202,18 @@ func TestIntegrityStaleReusedRequestID(t *testing.T) {
 	dec.requireIdle(t)
 }
 
-// TestIntegrityDrain is acceptance 3 of issue 12: SIGTERM to prefill rank
-// 1 of TP 2 while decode rank 1 of TP 2 READs 2000 blocks from it. With
-// --drain-timeout 60s the READ finishes and its notification is accepted:
-// decode done, every byte right, and the prefill logs one drain summary.
-// With the decode rank paused (SIGSTOP) so the READ cannot finish before a
-// short --drain-timeout, the prefill aborts the READ with CODE_UNAVAILABLE
-// and the decode fails with that drain error, reporting nothing done. No
-// decode ever sees "refused the notification". A trial counts only when
-// the SIGTERM did find the READ running (the drain summary says so); one
-// whose READ had ended first is run again, at most maxAttempts times.
+// TestIntegrityDrain: SIGTERM to prefill rank 1 of TP 2 while decode rank 1
+// of TP 2 READs 2000 blocks from it. With --drain-timeout 60s the READ
+// finishes and its notification is accepted: decode done, every byte right,
+// and the prefill logs one drain summary. With the decode rank paused
+// (SIGSTOP) so the READ cannot finish before a short --drain-timeout, the
+// prefill aborts the READ with CODE_UNAVAILABLE and the decode fails with
+// that drain error, reporting nothing done. No decode ever sees "refused the
+// notification". A trial counts only when the SIGTERM did find the READ
+// running (the drain summary says so); one whose READ had ended first is run
+// again, at most maxAttempts times.
+//
+// fault-matrix: drain-mid-read
 func TestIntegrityDrain(t *testing.T) {
 	const trials, maxAttempts, n = 5, 3, 2000
 	env := NewEnv(t)
@@ -354,11 +361,13 @@ func TestIntegrityDrain(t *testing.T) {
 	}
 }
 
-// TestIntegrityEngineSessions is acceptance 4 of issue 12: engine A exits
-// with results pending (a done_sending entry of a request it exported, and
-// a load the sidecar aborts when A goes away); engine B attaches to the
-// same sidecar and its GetFinished never names A's requests or A's block
-// ids, while it does get its own results.
+// TestIntegrityEngineSessions: engine A exits with results pending (a
+// done_sending entry of a request it exported, and a load the sidecar aborts
+// when A goes away); engine B attaches to the same sidecar and its
+// GetFinished never names A's requests or A's block ids, while it does get
+// its own results.
+//
+// fault-matrix: engine-session-ends
 func TestIntegrityEngineSessions(t *testing.T) {
 	env := NewEnv(t)
 	s := env.StartSidecar(t, SidecarOpts{Engine: "s", Args: faultArgs()})
@@ -404,12 +413,15 @@ func TestIntegrityEngineSessions(t *testing.T) {
 	b.requireIdle(t)
 }
 
-// TestIntegrityEngineInput is acceptance 5 of issue 12: the small inputs
-// of items 5 and 6. RequestFinished naming a block the engine never
-// allocated fails naming it and holds nothing; the block it did allocate
-// stays its own. A load request stating a prefix hit and surplus blocks
-// lands each remote block in its own local block and leaves the surplus
-// untouched; lists that cannot be aligned are refused.
+// TestIntegrityEngineInput: the small inputs of rows
+// engine-names-foreign-block and load-alignment. RequestFinished naming a
+// block the engine never allocated fails naming it and holds nothing; the
+// block it did allocate stays its own. A load request stating a prefix hit
+// and surplus blocks lands each remote block in its own local block and
+// leaves the surplus untouched; lists that cannot be aligned are refused.
+//
+// fault-matrix: engine-names-foreign-block
+// fault-matrix: load-alignment
 func TestIntegrityEngineInput(t *testing.T) {
 	env := NewEnv(t)
 	pre := startSide(t, env, "pre", 1024, "--lease-ttl", flagDur(time.Second))

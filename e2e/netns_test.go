@@ -108,13 +108,15 @@ func (e *engine) checkShape(t testing.TB, s kvgen.Shape, key uint64, blocks []ui
 	}
 }
 
-// TestFaultPrefillAcrossNetns is item 12: one prefill instance of TP 2
-// spans two "nodes" (network namespaces with distinct addresses), rank r
-// in node r; a decode instance of TP 4 on the host reads through
-// remote_rank_addrs, each decode rank from the prefill rank that holds its
-// heads: rank d gets heads 2d, 2d+1 from prefill rank d/2. The bytes prove
-// the heads came from the right rank (another rank holds other heads), and
-// each prefill rank served exactly its two decode ranks.
+// TestFaultPrefillAcrossNetns: one prefill instance of TP 2 spans two
+// "nodes" (network namespaces with distinct addresses), rank r in node r; a
+// decode instance of TP 4 on the host reads through remote_rank_addrs, each
+// decode rank from the prefill rank that holds its heads: rank d gets heads
+// 2d, 2d+1 from prefill rank d/2. The bytes prove the heads came from the
+// right rank (another rank holds other heads), and each prefill rank served
+// exactly its two decode ranks.
+//
+// fault-matrix: prefill-across-nodes
 func TestFaultPrefillAcrossNetns(t *testing.T) {
 	nodes := twoNodes(t)
 	env := NewEnv(t)

@@ -19,12 +19,14 @@ import (
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
-// TestAllowPeersNoDatagram is issue 13 acceptance 4: kv_transfer_params
-// edited to name a plain UDP listener on loopback outside the decode's
-// --allow-peers make the load fail at once, naming the address and the
-// flag; the listener receives no datagram (it got ten 1280-byte QUIC
-// Initials and the load failed after the 5 s handshake timeout before).
-// The same decode still loads from the allowed prefill.
+// TestAllowPeersNoDatagram: kv_transfer_params edited to name a plain UDP
+// listener on loopback outside the decode's --allow-peers make the load fail
+// at once, naming the address and the flag; the listener receives no
+// datagram (it got ten 1280-byte QUIC Initials and the load failed after the
+// 5 s handshake timeout before). The same decode still loads from the
+// allowed prefill.
+//
+// fault-matrix: params-outside-allow-peers
 func TestAllowPeersNoDatagram(t *testing.T) {
 	env := NewEnv(t)
 	pre := env.StartSidecar(t, SidecarOpts{Engine: "prefill-ap", Role: "prefill", Args: geomFlags})
@@ -71,10 +73,12 @@ func geomWith(flag, value string) []string {
 	return out
 }
 
-// TestIncompatibleGeometryNamesBothValues is issue 13 acceptance 5: a
-// prefill with another block size (32 vs the decode's 16), dtype or head
-// dim makes the first request fail naming both values, not a model hash;
-// no byte is written into the decode's blocks and nothing is served.
+// TestIncompatibleGeometryNamesBothValues: a prefill with another block size
+// (32 vs the decode's 16), dtype or head dim makes the first request fail
+// naming both values, not a model hash; no byte is written into the decode's
+// blocks and nothing is served.
+//
+// fault-matrix: incompatible-geometry
 func TestIncompatibleGeometryNamesBothValues(t *testing.T) {
 	env := NewEnv(t)
 	dec := env.StartSidecar(t, SidecarOpts{Engine: "decode-g", Role: "decode", Args: geomFlags})
@@ -92,7 +96,7 @@ func TestIncompatibleGeometryNamesBothValues(t *testing.T) {
 		sync  bool // StartLoad itself refuses
 		want  string
 	}{
-		// The issue's inputs: 2 local blocks for 1 remote gave "... local
+		// The reported inputs: 2 local blocks for 1 remote gave "... local
 		// block_ids for ... remote_block_ids"; 1 for 1 a model hash and
 		// only the prefill's 32.
 		{"block size, two local blocks", geomWith("--block-size", "32"), nil, 2, true,
@@ -149,12 +153,14 @@ func attachOwnGeometry(t testing.TB, s *Sidecar, blocks uint32) *engine {
 	return &engine{LocalClient: c, info: info}
 }
 
-// TestForeignCAPeerRefusedOnce is issue 13 acceptance 3: a decode whose
-// certificate comes from another CA (its --tls-ca trusts both, so it starts
-// and trusts the prefill) is refused by the prefill's TLS handshake. The
-// prefill logs it with the reason and the peer's address and counts it by
-// reason (it logged and counted nothing before); the decode's failure names
-// the refusal; each request makes one attempt (one dial), no retry loop.
+// TestForeignCAPeerRefusedOnce: a decode whose certificate comes from
+// another CA (its --tls-ca trusts both, so it starts and trusts the prefill)
+// is refused by the prefill's TLS handshake. The prefill logs it with the
+// reason and the peer's address and counts it by reason (it logged and
+// counted nothing before); the decode's failure names the refusal; each
+// request makes one attempt (one dial), no retry loop.
+//
+// fault-matrix: foreign-ca-peer
 func TestForeignCAPeerRefusedOnce(t *testing.T) {
 	env := NewEnv(t)
 	pre := env.StartSidecar(t, SidecarOpts{Engine: "prefill-ca", Role: "prefill", Args: geomFlags})
@@ -201,17 +207,18 @@ func TestForeignCAPeerRefusedOnce(t *testing.T) {
 	de.check(t, sentinel, dst)
 }
 
-// TestCapabilityKeyIDs is issue 13 acceptance 2 as per-rank exports left
-// it: each prefill rank signs and verifies its own export, so ranks of one
-// engine started with different capability keys no longer refuse each
-// other's loads (decode TP 2 and TP 4 read every byte); what an operator
-// compares is the key id, a one-way fingerprint in each rank's "serving"
-// line, its handshake metadata and its export in kv_transfer_params. A
-// source whose key id is not the one its export was signed with (a rank
-// restarted with another key, or edited params) fails the decode ranks
-// reading from it before any READ, naming the prefill rank, the decode rank
-// and both key ids; the other decode ranks read their slices, and the
-// refused prefill rank serves no byte.
+// TestCapabilityKeyIDs: each prefill rank signs and verifies its own export,
+// so ranks of one engine started with different capability keys no longer
+// refuse each other's loads (decode TP 2 and TP 4 read every byte); what an
+// operator compares is the key id, a one-way fingerprint in each rank's
+// "serving" line, its handshake metadata and its export in
+// kv_transfer_params. A source whose key id is not the one its export was
+// signed with (a rank restarted with another key, or edited params) fails
+// the decode ranks reading from it before any READ, naming the prefill rank,
+// the decode rank and both key ids; the other decode ranks read their
+// slices, and the refused prefill rank serves no byte.
+//
+// fault-matrix: capability-key-mismatch
 func TestCapabilityKeyIDs(t *testing.T) {
 	env := NewEnv(t)
 	otherKey := filepath.Join(env.Dir, "other.key")

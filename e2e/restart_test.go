@@ -123,15 +123,16 @@ func (p *holdProxy) Release() int {
 	return n
 }
 
-// TestFaultPrefillRestartRace is acceptance 1 of issue 18: a prefill is
-// killed and restarted on the same address while the decode holds a
-// connection to it, and 50 requests are issued right after the restart.
-// The race the issue saw under load is made deterministic by a proxy
-// between the two that holds the new prefill's answers: the decode's
-// handshake goes out on the dead connection, the new process answers it
-// with a stateless reset, and the proxy delivers that reset only while
-// the handshake is in flight. The decode redials once and every request
-// succeeds byte-exact.
+// TestFaultPrefillRestartRace: a prefill is killed and restarted on the same
+// address while the decode holds a connection to it, and 50 requests are
+// issued right after the restart. The race seen under load is made
+// deterministic by a proxy between the two that holds the new prefill's
+// answers: the decode's handshake goes out on the dead connection, the new
+// process answers it with a stateless reset, and the proxy delivers that
+// reset only while the handshake is in flight. The decode redials once and
+// every request succeeds byte-exact.
+//
+// fault-matrix: prefill-restart-race
 func TestFaultPrefillRestartRace(t *testing.T) {
 	const requests = 50
 	env := NewEnv(t)

@@ -76,14 +76,16 @@ func (e *engine) waitSent(t testing.TB, timeout time.Duration, ids ...string) {
 	})
 }
 
-// TestHostilePeer is issue 9 item 13: a peer holding a valid certificate
-// learns the prefill's regions through a real handshake and then sends
-// descriptors outside the regions, overflowing, zero-length, for another
-// request's blocks, with forged and tampered capabilities, and WRITEs into
-// exported blocks. Each is refused with its code before any memory is
-// touched (the served byte count moves only for the legitimate control
-// READs), and the sidecar keeps serving: the same connection and a real
-// decode sidecar read both requests byte-exact afterwards.
+// TestHostilePeer: a peer holding a valid certificate learns the prefill's
+// regions through a real handshake and then sends descriptors outside the
+// regions, overflowing, zero-length, for another request's blocks, with
+// forged and tampered capabilities, and WRITEs into exported blocks. Each is
+// refused with its code before any memory is touched (the served byte count
+// moves only for the legitimate control READs), and the sidecar keeps
+// serving: the same connection and a real decode sidecar read both requests
+// byte-exact afterwards.
+//
+// fault-matrix: hostile-peer
 func TestHostilePeer(t *testing.T) {
 	env := NewEnv(t)
 	pre := env.StartSidecar(t, SidecarOpts{Engine: "prefill-h", Role: "prefill", Args: geomFlags})
@@ -204,7 +206,7 @@ func TestHostilePeer(t *testing.T) {
 		"every refused transfer but the wrong wire version is counted by result")
 	require.Equal(t, float64(refusedXfers), metricWith(t, pre, "kvsidecar_transfer_failures_total")-failuresBefore)
 	require.False(t, pre.Exited())
-	// The refusing side says so (issue 13): the first refusal of each code
+	// The refusing side says so: the first refusal of each code
 	// is logged with the peer; repeats within 10 s are counted, not logged.
 	for _, want := range []struct{ msg, code string }{
 		{"transfer: refused a READ", "CODE_CAPABILITY_DENIED"},
@@ -244,11 +246,12 @@ func TestHostilePeer(t *testing.T) {
 	require.Equal(t, decIdle, st.GetPagesMapped())
 }
 
-// TestUntrustedClient is issue 9 item 14: a client whose certificate the
-// configured CA did not sign, or with no certificate at all, cannot
-// complete the QUIC handshake; nothing is served to it even with a valid
-// capability in hand. A client certified by the CA, on the same sidecar,
-// is answered (the control).
+// TestUntrustedClient: a client whose certificate the configured CA did not
+// sign, or with no certificate at all, cannot complete the QUIC handshake;
+// nothing is served to it even with a valid capability in hand. A client
+// certified by the CA, on the same sidecar, is answered (the control).
+//
+// fault-matrix: untrusted-client
 func TestUntrustedClient(t *testing.T) {
 	env := NewEnv(t)
 	pre := env.StartSidecar(t, SidecarOpts{Engine: "prefill-u", Role: "prefill", Args: geomFlags})
@@ -319,13 +322,15 @@ func TestUntrustedClient(t *testing.T) {
 	require.Equal(t, idle, st.GetPagesMapped())
 }
 
-// TestBadParams is issue 9 item 15: kv_transfer_params with a missing or
-// mismatched tp_size, block ids out of range or an unknown engine id make
-// the decode request fail with an error naming the field, and nothing is
-// read: the prefill's served byte count does not move and the decode
-// blocks keep what they held. Each case gets its own prefill request (a
-// failed load still notifies the sources it reached, which frees theirs);
-// leases nobody notifies expire after --lease-ttl.
+// TestBadParams: kv_transfer_params with a missing or mismatched tp_size,
+// block ids out of range or an unknown engine id make the decode request
+// fail with an error naming the field, and nothing is read: the prefill's
+// served byte count does not move and the decode blocks keep what they held.
+// Each case gets its own prefill request (a failed load still notifies the
+// sources it reached, which frees theirs); leases nobody notifies expire
+// after --lease-ttl.
+//
+// fault-matrix: bad-params
 func TestBadParams(t *testing.T) {
 	env := NewEnv(t)
 	const ttl = 3 * time.Second

@@ -94,10 +94,12 @@ func (e *engine) waitFinished(t testing.TB, timeout time.Duration, done func(*v1
 	}
 }
 
-// TestServeTransfer is acceptances 1 and 3: two serve processes, a Go
-// engine on each; prefill KV written through the prefill engine's mapping
-// arrives byte-exact in the decode engine's mapping; /readyz flips when the
-// cache exists; /metrics counts the bytes and the handshake.
+// TestServeTransfer: two serve processes, a Go engine on each; prefill KV
+// written through the prefill engine's mapping arrives byte-exact in the
+// decode engine's mapping; /readyz flips when the cache exists; /metrics
+// counts the bytes and the handshake.
+//
+// fault-matrix: serve-end-to-end
 func TestServeTransfer(t *testing.T) {
 	env := NewEnv(t)
 	pre := env.StartSidecar(t, SidecarOpts{Engine: "prefill-a", Role: "prefill", Args: geomFlags})
@@ -145,7 +147,11 @@ func TestServeTransfer(t *testing.T) {
 	require.Greater(t, pre.Metric(t, "kvsidecar_local_calls_total"), 0.0)
 }
 
-// TestServeCtlLimit is acceptance 2.
+// TestServeCtlLimit: ctl stats and limit against a running sidecar; values
+// out of range are refused (exit 2 for syntax, 1 for the sidecar's range), a
+// limit below use stops growth until it is raised.
+//
+// fault-matrix: memory-limit-lowered
 func TestServeCtlLimit(t *testing.T) {
 	env := NewEnv(t)
 	s := env.StartSidecar(t, SidecarOpts{Engine: "limits"})
@@ -200,9 +206,11 @@ func TestServeCtlLimit(t *testing.T) {
 	require.NoError(t, e.Free(t.Context(), append(ids, more...)))
 }
 
-// TestServeSIGTERM is acceptance 4: SIGTERM to the prefill sidecar while
-// decode reads from it; the read completes or fails with a code on decode,
-// prefill exits 0 within the drain deadline and removes its socket.
+// TestServeSIGTERM: SIGTERM to the prefill sidecar while decode reads from
+// it; the read completes or fails with a code on decode, prefill exits 0
+// within the drain deadline and removes its socket.
+//
+// fault-matrix: drain-mid-read
 func TestServeSIGTERM(t *testing.T) {
 	env := NewEnv(t)
 	pre := env.StartSidecar(t, SidecarOpts{Engine: "prefill-t", Args: []string{"--drain-timeout", "5s"}})
@@ -245,8 +253,10 @@ func TestServeSIGTERM(t *testing.T) {
 	t.Logf("load failed on decode with %v: %s", failed.GetError().GetCode(), failed.GetError().GetMessage())
 }
 
-// TestServeBadInput is acceptance 5: bad input on the socket gets an
-// error reply or a closed connection; the sidecar keeps serving.
+// TestServeBadInput: bad input on the socket gets an error reply or a closed
+// connection; the sidecar keeps serving.
+//
+// fault-matrix: local-api-bad-input
 func TestServeBadInput(t *testing.T) {
 	env := NewEnv(t)
 	s := env.StartSidecar(t, SidecarOpts{Engine: "bad", Args: geomFlags})
@@ -307,10 +317,10 @@ func TestServeBadInput(t *testing.T) {
 	good.check(t, 1, ids)
 }
 
-// TestServeEngineGone: an engine that exits without freeing leaves no
-// blocks behind; the next engine can allocate the whole pool (a decode
-// engine's exit used to leave blocks_used at 2000 and the next Alloc
-// failed with CODE_BUSY).
+// TestServeEngineGone: an engine that exits without freeing leaves no blocks
+// behind; the next engine can allocate the whole pool (a decode engine's
+// exit used to leave blocks_used at 2000 and the next Alloc failed with
+// CODE_BUSY).
 func TestServeEngineGone(t *testing.T) {
 	env := NewEnv(t)
 	s := env.StartSidecar(t, SidecarOpts{Engine: "gone"})

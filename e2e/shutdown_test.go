@@ -19,6 +19,8 @@ import (
 // whose reader went away (a closed pipe, as when the supervisor's log
 // collector dies) does not kill it on the shutdown log lines: it exits 0
 // with its local socket removed.
+//
+// fault-matrix: shutdown-signals
 func TestServeShutdownSignals(t *testing.T) {
 	tests := []struct {
 		name        string

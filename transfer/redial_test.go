@@ -119,6 +119,8 @@ func restartedPeer(t *testing.T, mem []byte, onGone func(string, error)) (*Agent
 // real one does, metadata or a capability). The redial tries 0-RTT with
 // the old process's ticket, which the new one rejects: the request is sent
 // again on the completed connection.
+//
+// fault-matrix: dead-connection-redialed
 func TestRedialRule(t *testing.T) {
 	var mem []byte
 	ops := []struct {
@@ -190,6 +192,8 @@ func TestRedialRule(t *testing.T) {
 
 // TestRedialStoppedByOnRedial: a transfer whose OnRedial refuses the new
 // connection fails with that error and is not sent.
+//
+// fault-matrix: dead-connection-redialed
 func TestRedialStoppedByOnRedial(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		mem := make([]byte, 8192)
@@ -209,6 +213,8 @@ func TestRedialStoppedByOnRedial(t *testing.T) {
 // back leaves the call on a silent connection until the idle timeout; the
 // one redial finds nobody either, and the call fails with the idle
 // timeout, not the redial's error.
+//
+// fault-matrix: dead-connection-redialed
 func TestRedialFailsWithTheOriginalCause(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		n := testutil.NewSimNet(time.Millisecond)
@@ -234,6 +240,8 @@ func TestRedialFailsWithTheOriginalCause(t *testing.T) {
 
 // TestRefusalNotRedialed: a peer that refuses the TLS handshake, on either
 // side, is dialed once per call, never twice.
+//
+// fault-matrix: refusal-not-redialed
 func TestRefusalNotRedialed(t *testing.T) {
 	tests := []struct {
 		name string
@@ -288,6 +296,8 @@ func TestRefusalNotRedialed(t *testing.T) {
 // keep-alive periods, from the reset its keep-alive probe draws; with
 // quic-go's PINGs alone (too small for a reset) it took until the idle
 // timeout.
+//
+// fault-matrix: idle-peer-restart-noticed
 func TestIdleDialerNoticesRestart(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		gone := make(chan time.Time, 8)
@@ -310,6 +320,8 @@ func TestIdleDialerNoticesRestart(t *testing.T) {
 // (capability, lease, incompatibility, a draining peer's unavailable) is
 // answered on a live connection: the call fails with that class and
 // nothing is dialed again.
+//
+// fault-matrix: refusal-not-redialed
 func TestCodedRefusalNotRedialed(t *testing.T) {
 	for _, refusal := range []error{ErrCapabilityDenied, ErrLeaseExpired, ErrIncompatible, ErrUnavailable} {
 		t.Run(codes.Of(refusal).String(), func(t *testing.T) {

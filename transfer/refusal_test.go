@@ -44,6 +44,8 @@ func (s *syncBuffer) String() string {
 // (it logged and counted nothing before), at most one line per reason per
 // refusalLogEvery with the number left out; the dialer is refused with a
 // TLS alert, once per call. A good client is still served.
+//
+// fault-matrix: foreign-ca-peer
 func TestServedTLSRefusalSeen(t *testing.T) {
 	tests := []struct {
 		name   string

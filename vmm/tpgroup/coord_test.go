@@ -85,7 +85,9 @@ func pagesMapped(pools []*vmm.Pool) []int {
 	return out
 }
 
-// Acceptance 3: coordinated, tp_size=4.
+// TestCoordinatedMap: coordinated, tp_size=4.
+//
+// fault-matrix: coordinated-map
 func TestCoordinatedMap(t *testing.T) {
 	ctx := t.Context()
 	groups, pools, bes := coordinated(t, 4, &Config{Dir: sockDir(t)})
@@ -123,7 +125,10 @@ func TestCoordinatedMap(t *testing.T) {
 	require.NoError(t, pools[0].Free(ctx, first))
 }
 
-// Acceptance 3: a failing map on rank 2 is rolled back everywhere.
+// TestCoordinatedMapFailsOnRank2: a failing map on rank 2 is rolled back
+// everywhere.
+//
+// fault-matrix: coordinated-map-rollback
 func TestCoordinatedMapFailsOnRank2(t *testing.T) {
 	ctx := t.Context()
 	groups, pools, _ := coordinated(t, 4, &Config{Dir: sockDir(t)})
@@ -163,7 +168,9 @@ func TestCoordinatedMapFailsOnRank2(t *testing.T) {
 	require.Equal(t, []int{2, 2, 2, 2}, pagesMapped(pools))
 }
 
-// Acceptance 4: local ownership, tp_size=2.
+// TestLocalNoBroadcast: local ownership, tp_size=2.
+//
+// fault-matrix: local-ownership-no-broadcast
 func TestLocalNoBroadcast(t *testing.T) {
 	dir := sockDir(t)
 	cfg := &Config{Dir: dir, Ownership: OwnershipLocal}
@@ -234,8 +241,11 @@ func count(err error, already, other *atomic.Int64) {
 	}
 }
 
-// Acceptance 5: a rank that never answers. Under synctest the group runs on
-// net.Pipe (durably blocking); the pools are real.
+// TestCoordinatedMapPeerNeverAnswers: a rank that never answers. Under
+// synctest the group runs on net.Pipe (durably blocking); the pools are
+// real.
+//
+// fault-matrix: tp-peer-never-answers
 func TestCoordinatedMapPeerNeverAnswers(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		const timeout = 2 * time.Second

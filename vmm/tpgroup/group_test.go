@@ -16,7 +16,9 @@ import (
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
-// Acceptance 1: the TP size is fixed at start.
+// TestWorldSizeFixed: the TP size is fixed at start.
+//
+// fault-matrix: tp-size-fixed
 func TestWorldSizeFixed(t *testing.T) {
 	dir := sockDir(t)
 	cfg := &Config{Dir: dir, Ownership: OwnershipLocal}
@@ -104,7 +106,9 @@ func TestBadFrame(t *testing.T) {
 	require.Contains(t, resp.GetError().GetMessage(), "exceeds the limit of 64 bytes")
 }
 
-// Acceptance 2: rank-keyed socket paths.
+// TestSocketPath: rank-keyed socket paths.
+//
+// fault-matrix: rank-keyed-sockets
 func TestSocketPath(t *testing.T) {
 	tests := []struct {
 		name, dir, engine string
@@ -156,8 +160,10 @@ func TestSocketPath(t *testing.T) {
 	}
 }
 
-// Acceptance 2: two groups on one machine, device ordinals that differ from
-// tp_rank, a killed process's leftover socket.
+// TestRankKeyedSockets: two groups on one machine, device ordinals that
+// differ from tp_rank, a killed process's leftover socket.
+//
+// fault-matrix: rank-keyed-sockets
 func TestRankKeyedSockets(t *testing.T) {
 	dir := sockDir(t)
 	cfg := &Config{Dir: dir, Ownership: OwnershipLocal}
@@ -322,8 +328,8 @@ func TestDefaultsAndMetrics(t *testing.T) {
 	require.NoError(t, g2.Close())
 }
 
-// TestRegisterMetricsBeforeGroup: the families exist, at 0, before any
-// group starts, and a group started later counts into them.
+// TestRegisterMetricsBeforeGroup: the families exist, at 0, before any group
+// starts, and a group started later counts into them.
 func TestRegisterMetricsBeforeGroup(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	require.NoError(t, RegisterMetrics(reg, 4))
