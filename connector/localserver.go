@@ -295,13 +295,7 @@ func (s *LocalServer) write(c *fdpass.Conn, rep *v1.LocalReply, files []*os.File
 }
 
 func errorReply(err error) *v1.LocalReply {
-	code := codes.Of(err)
-	if code == v1.Code_CODE_INTERNAL {
-		if vc := vmm.CodeOf(err); vc != v1.Code_CODE_INTERNAL {
-			code = vc
-		}
-	}
-	return &v1.LocalReply{Error: &v1.Error{Code: code, Message: err.Error()}}
+	return &v1.LocalReply{Error: codes.ToProto(err)}
 }
 
 // localCallNames are the calls callName names; their CODE_OK series start

@@ -248,7 +248,7 @@ func (r *Rank) authorize(_ context.Context, a *transfer.Access) error {
 		if err := r.pool.CheckMapped(blocks); err != nil {
 			var be *vmm.BlockError
 			if errors.As(err, &be) {
-				return codes.New(vmm.CodeOf(err), "connector: request %q export %016x on rank %d: block %d: its page is not mapped; no byte was read",
+				return codes.New(codes.Of(err), "connector: request %q export %016x on rank %d: block %d: its page is not mapped; no byte was read",
 					l.id, l.export, r.cfg.TPRank, be.Block)
 			}
 			return err

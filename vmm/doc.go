@@ -19,7 +19,8 @@
 // Errors are sentinels (ErrAlreadyMapped, ErrNotMapped, ErrOverLimit,
 // ErrBlockOutOfRange, ErrDoubleFree, ErrNullBlock, ErrBackend,
 // ErrInvalidConfig) wrapped in struct types that name the page, block or
-// address; CodeOf maps them to v1.Code.
+// address; each sentinel is a *codes.Error of one class, so codes.Of
+// (internal/codes) maps them to v1.Code.
 //
 // vmm must not import transfer, handshake or connector.
 package vmm

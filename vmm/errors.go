@@ -1,48 +1,47 @@
 package vmm
 
 import (
-	"context"
 	"errors"
 	"fmt"
-	"net"
 
+	"github.com/kvsidecar/kvsidecar/internal/codes"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
 // Sentinel errors of package vmm. Callers branch on them with errors.Is; the
 // returned errors are usually one of the struct types below wrapping one of
-// these, so the message names the page, block or address. CodeOf maps each
-// class to its v1.Code.
+// these, so the message names the page, block or address. Each is a
+// *codes.Error of the class named, so codes.Of maps it to that v1.Code.
 var (
 	// ErrAlreadyMapped: a page (or backend slot) that is already mapped was
 	// asked to be mapped again. v1.Code_CODE_ALREADY_EXISTS.
-	ErrAlreadyMapped = errors.New("vmm: page already mapped")
+	ErrAlreadyMapped = codes.New(v1.Code_CODE_ALREADY_EXISTS, "vmm: page already mapped")
 	// ErrNotMapped: an unmapped page was asked to be unmapped, read or
 	// written. v1.Code_CODE_NOT_FOUND.
-	ErrNotMapped = errors.New("vmm: page not mapped")
+	ErrNotMapped = codes.New(v1.Code_CODE_NOT_FOUND, "vmm: page not mapped")
 	// ErrOverLimit: the memory limit, the reservation or the device memory
 	// does not leave room for the request. v1.Code_CODE_BUSY.
-	ErrOverLimit = errors.New("vmm: out of memory or over the memory limit")
+	ErrOverLimit = codes.New(v1.Code_CODE_BUSY, "vmm: out of memory or over the memory limit")
 	// ErrBlockOutOfRange: a block id outside [1, NumBlocks), or a byte range
 	// outside a region. v1.Code_CODE_OUT_OF_RANGE.
-	ErrBlockOutOfRange = errors.New("vmm: block out of range")
+	ErrBlockOutOfRange = codes.New(v1.Code_CODE_OUT_OF_RANGE, "vmm: block out of range")
 	// ErrDoubleFree: a block that is not allocated was freed.
 	// v1.Code_CODE_INVALID_ARGUMENT.
-	ErrDoubleFree = errors.New("vmm: double free")
+	ErrDoubleFree = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "vmm: double free")
 	// ErrNotAllocated: a block id in range that is not allocated now (free,
 	// possibly in an empty reserve page that may be unmapped at any time)
 	// was named where an allocated block is required (Pool.CheckAllocated).
 	// v1.Code_CODE_INVALID_ARGUMENT.
-	ErrNotAllocated = errors.New("vmm: block not allocated")
+	ErrNotAllocated = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "vmm: block not allocated")
 	// ErrNullBlock: block 0, the null block, was named in Free. It is
 	// allocated at NewPool and never handed out. v1.Code_CODE_INVALID_ARGUMENT.
-	ErrNullBlock = errors.New("vmm: block 0 is the reserved null block")
+	ErrNullBlock = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "vmm: block 0 is the reserved null block")
 	// ErrBackend: the backend (mmap, fallocate, libcuda) failed.
 	// v1.Code_CODE_INTERNAL.
-	ErrBackend = errors.New("vmm: backend failure")
+	ErrBackend = codes.New(v1.Code_CODE_INTERNAL, "vmm: backend failure")
 	// ErrInvalidConfig: a Config, Layout or geometry breaks a rule.
 	// v1.Code_CODE_INVALID_ARGUMENT.
-	ErrInvalidConfig = errors.New("vmm: invalid configuration")
+	ErrInvalidConfig = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "vmm: invalid configuration")
 )
 
 // PageError reports a failure of one page index of a pool (page p of every
@@ -121,8 +120,11 @@ type BackendError struct {
 
 func (e *BackendError) Error() string { return fmt.Sprintf("vmm: backend %s: %v", e.Op, e.Err) }
 
-// Unwrap returns ErrBackend and the cause.
-func (e *BackendError) Unwrap() []error { return []error{ErrBackend, e.Err} }
+// Unwrap returns the cause, then ErrBackend: a cause of another class (a
+// driver's out-of-memory is ErrOverLimit) decides the code (codes.Of finds
+// the first class in the chain); any other failure is ErrBackend's
+// CODE_INTERNAL.
+func (e *BackendError) Unwrap() []error { return []error{e.Err, ErrBackend} }
 
 // HookError reports that the PageHook failed. Op says which call; for
 // "unmap" the local pool already finished its work (blocks freed, pages
@@ -154,38 +156,4 @@ func trimPrefix(err error) string {
 		return s[5:]
 	}
 	return s
-}
-
-// CodeOf maps an error of this package to its v1.Code: nil → CODE_OK;
-// ErrAlreadyMapped → ALREADY_EXISTS; ErrNotMapped → NOT_FOUND; ErrOverLimit →
-// BUSY; ErrBlockOutOfRange → OUT_OF_RANGE; ErrDoubleFree, ErrNullBlock,
-// ErrNotAllocated, ErrInvalidConfig → INVALID_ARGUMENT; ErrBackend → INTERNAL; net.ErrClosed →
-// UNAVAILABLE; context.DeadlineExceeded → TIMEOUT; context.Canceled →
-// ABORTED; anything else → INTERNAL.
-func CodeOf(err error) v1.Code {
-	switch {
-	case err == nil:
-		return v1.Code_CODE_OK
-	case errors.Is(err, ErrAlreadyMapped):
-		return v1.Code_CODE_ALREADY_EXISTS
-	case errors.Is(err, ErrNotMapped):
-		return v1.Code_CODE_NOT_FOUND
-	case errors.Is(err, ErrOverLimit):
-		return v1.Code_CODE_BUSY
-	case errors.Is(err, ErrBlockOutOfRange):
-		return v1.Code_CODE_OUT_OF_RANGE
-	case errors.Is(err, ErrDoubleFree), errors.Is(err, ErrNullBlock), errors.Is(err, ErrNotAllocated),
-		errors.Is(err, ErrInvalidConfig):
-		return v1.Code_CODE_INVALID_ARGUMENT
-	case errors.Is(err, ErrBackend):
-		return v1.Code_CODE_INTERNAL
-	case errors.Is(err, net.ErrClosed):
-		return v1.Code_CODE_UNAVAILABLE
-	case errors.Is(err, context.DeadlineExceeded):
-		return v1.Code_CODE_TIMEOUT
-	case errors.Is(err, context.Canceled):
-		return v1.Code_CODE_ABORTED
-	default:
-		return v1.Code_CODE_INTERNAL
-	}
 }

@@ -7,6 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvsidecar/kvsidecar/internal/codes"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -82,7 +83,7 @@ func TestLayoutForRejects(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := LayoutFor(tc.g, tc.rank, tc.size)
 			require.ErrorIs(t, err, ErrInvalidConfig)
-			require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, CodeOf(err))
+			require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, codes.Of(err))
 			require.Contains(t, err.Error(), tc.msg)
 			var ge *GeometryError
 			if tc.fields == nil {
@@ -137,26 +138,6 @@ func FuzzLayoutFor(f *testing.F) {
 				"heads %d × tp %d vs kv %d", l.HeadsPerRank, size, kv)
 		}
 	})
-}
-
-func TestCodeOf(t *testing.T) {
-	tests := []struct {
-		err  error
-		want v1.Code
-	}{
-		{nil, v1.Code_CODE_OK},
-		{&PageError{Op: "map", Page: 12, Region: -1, Err: ErrAlreadyMapped}, v1.Code_CODE_ALREADY_EXISTS},
-		{&PageError{Op: "read", Page: 3, Region: 1, Err: ErrNotMapped}, v1.Code_CODE_NOT_FOUND},
-		{&LimitError{Want: 4}, v1.Code_CODE_BUSY},
-		{&BackendError{Op: "mmap", Err: errors.New("ENOMEM")}, v1.Code_CODE_INTERNAL},
-		{&BlockError{Block: 7, NumBlocks: 64, Err: ErrNotAllocated}, v1.Code_CODE_INVALID_ARGUMENT},
-	}
-	for _, tc := range tests {
-		t.Run(tc.want.String(), func(t *testing.T) {
-			require.Equal(t, tc.want, CodeOf(tc.err))
-		})
-	}
-	require.Equal(t, "vmm: map page 12: page already mapped", tests[1].err.Error())
 }
 
 func TestRegionInfoBlockOffset(t *testing.T) {

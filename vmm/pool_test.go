@@ -18,6 +18,7 @@ import (
 	promtest "github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvsidecar/kvsidecar/internal/codes"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -179,7 +180,7 @@ func TestNewPoolRejects(t *testing.T) {
 			_, err := NewPool(context.Background(), tc.cfg)
 			require.ErrorIs(t, err, ErrInvalidConfig)
 			require.Contains(t, err.Error(), tc.field)
-			require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, CodeOf(err))
+			require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, codes.Of(err))
 		})
 	}
 }
@@ -255,7 +256,7 @@ func TestPoolFreeErrors(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			err := p.Free(ctx, tc.ids)
 			require.ErrorIs(t, err, tc.want)
-			require.Equal(t, tc.code, CodeOf(err))
+			require.Equal(t, tc.code, codes.Of(err))
 			require.Contains(t, err.Error(), tc.msg)
 			require.Equal(t, 3, p.Stats().BlocksUsed, "a rejected Free freed something")
 			checkInvariants(t, p)
@@ -298,7 +299,7 @@ func TestPoolCheckAllocated(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			err := p.CheckAllocated(tc.ids)
-			require.Equal(t, tc.code, CodeOf(err))
+			require.Equal(t, tc.code, codes.Of(err))
 			if tc.want == nil {
 				require.NoError(t, err)
 				return
@@ -317,7 +318,7 @@ func TestPoolCheckAllocated(t *testing.T) {
 	require.NoError(t, p.CheckMapped([]int{held[0], last}))
 	err = p.CheckMapped([]int{held[0], 100})
 	require.ErrorIs(t, err, ErrNotMapped)
-	require.Equal(t, v1.Code_CODE_NOT_FOUND, CodeOf(err))
+	require.Equal(t, v1.Code_CODE_NOT_FOUND, codes.Of(err))
 	require.ErrorContains(t, err, "block 100: page not mapped")
 	require.ErrorIs(t, p.CheckMapped([]int{0}), ErrNullBlock)
 	require.ErrorIs(t, p.CheckMapped([]int{128}), ErrBlockOutOfRange)
@@ -335,7 +336,7 @@ func TestPoolMemoryLimit(t *testing.T) {
 	require.Equal(t, 63, p.Available(), "two pages minus the null block")
 	_, err := p.Alloc(ctx, 64)
 	require.ErrorIs(t, err, ErrOverLimit)
-	require.Equal(t, v1.Code_CODE_BUSY, CodeOf(err))
+	require.Equal(t, v1.Code_CODE_BUSY, codes.Of(err))
 	var le *LimitError
 	require.ErrorAs(t, err, &le)
 	require.Equal(t, 63, le.Available)
@@ -692,7 +693,7 @@ func TestPoolClose(t *testing.T) {
 	require.Zero(t, be.live.Load(), "created after Close")
 	_, err = p.Alloc(context.Background(), 1)
 	require.ErrorIs(t, err, net.ErrClosed)
-	require.Equal(t, v1.Code_CODE_UNAVAILABLE, CodeOf(err))
+	require.Equal(t, v1.Code_CODE_UNAVAILABLE, codes.Of(err))
 	_, alloc, err := be.Stat()
 	require.NoError(t, err)
 	require.Zero(t, alloc, "memfd still holds memory")

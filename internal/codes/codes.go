@@ -4,20 +4,30 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"strings"
 
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
-// Coder is implemented by errors that carry a wire code.
+// Coder is implemented by errors that carry a wire code: *Error, and the
+// struct errors of a package that name their class from their cause
+// (transfer.XferError, tpgroup.OpError, connector.ParamsError).
 type Coder interface {
 	Code() v1.Code
 }
 
-// Of returns the wire code of err: CODE_OK for nil, the code of the first
-// Coder in the chain, CODE_TIMEOUT for deadline errors, CODE_ABORTED for
-// cancellation, CODE_INTERNAL otherwise.
+// Of returns the wire code of err, the one mapping of the module:
+//
+//   - CODE_OK for nil;
+//   - the code of the first Coder in the chain (errors.As order: depth first,
+//     the errors of an Unwrap() []error in order);
+//   - CODE_TIMEOUT for context.DeadlineExceeded or os.ErrDeadlineExceeded;
+//   - CODE_ABORTED for context.Canceled;
+//   - CODE_UNAVAILABLE for net.ErrClosed (a pool, group, server or client
+//     used after its Close);
+//   - CODE_INTERNAL otherwise.
 func Of(err error) v1.Code {
 	if err == nil {
 		return v1.Code_CODE_OK
@@ -31,45 +41,54 @@ func Of(err error) v1.Code {
 		return v1.Code_CODE_TIMEOUT
 	case errors.Is(err, context.Canceled):
 		return v1.Code_CODE_ABORTED
+	case errors.Is(err, net.ErrClosed):
+		return v1.Code_CODE_UNAVAILABLE
 	}
 	return v1.Code_CODE_INTERNAL
 }
 
-// Error is an error with a wire code: one received from a peer, or one a
-// package returns to name its class.
+// Error is an error of one class: a class itself (Sentinel, no message), a
+// package's sentinel or detailed error (New), or an error received from a
+// peer (FromProto).
 type Error struct {
-	C   v1.Code
-	Msg string
+	// Class is the wire code the error maps to.
+	Class v1.Code
+	// Message is the text; empty only for a class (Sentinel).
+	Message string
 }
 
-// New returns an *Error with code c and a formatted message.
+// New returns an *Error of class c with a formatted message. A package
+// declares its sentinels with it (var ErrNotMapped = codes.New(...)):
+// errors.Is matches such a sentinel by identity, and it matches its class
+// (Sentinel(c)) too.
 func New(c v1.Code, format string, a ...any) *Error {
-	return &Error{C: c, Msg: fmt.Sprintf(format, a...)}
+	return &Error{Class: c, Message: fmt.Sprintf(format, a...)}
 }
 
-// Error returns the message. A sentinel (no message) reads as its code in
+// Error returns the message. A class (no message) reads as its code in
 // words ("unavailable", "capability denied"), so a "%w: detail" wrapping of
 // it reads "unavailable: detail" instead of ": detail".
 func (e *Error) Error() string {
-	if e.Msg == "" {
-		return strings.ReplaceAll(strings.ToLower(strings.TrimPrefix(e.C.String(), "CODE_")), "_", " ")
+	if e.Message == "" {
+		return strings.ReplaceAll(strings.ToLower(strings.TrimPrefix(e.Class.String(), "CODE_")), "_", " ")
 	}
-	return e.Msg
+	return e.Message
 }
 
 // Code returns the wire code.
-func (e *Error) Code() v1.Code { return e.C }
+func (e *Error) Code() v1.Code { return e.Class }
 
-// Is matches another *Error with the same code, so
-// errors.Is(err, codes.Sentinel(v1.Code_CODE_TP_MISMATCH)) works on remote errors.
+// Is matches a class (an *Error with no message) of the same code, so
+// errors.Is(err, codes.Sentinel(v1.Code_CODE_TP_MISMATCH)) holds for every
+// error of that class: a package's sentinel, a detailed error, a peer's.
 func (e *Error) Is(target error) bool {
 	t, ok := target.(*Error)
-	return ok && t.Msg == "" && t.C == e.C
+	return ok && t.Message == "" && t.Class == e.Class
 }
 
-// Sentinel returns a message-less *Error matching every error of code c
-// under errors.Is.
-func Sentinel(c v1.Code) error { return &Error{C: c} }
+// Sentinel returns the class c: a message-less *Error matching every error
+// of code c under errors.Is.
+func Sentinel(c v1.Code) error { return &Error{Class: c} }
 
 // ToProto encodes err for the wire: nil for success.
 func ToProto(err error) *v1.Error {
@@ -89,5 +108,5 @@ func FromProto(peer string, e *v1.Error) error {
 	if peer != "" {
 		msg = peer + ": " + msg
 	}
-	return &Error{C: e.GetCode(), Msg: fmt.Sprintf("%s (%s)", msg, e.GetCode())}
+	return &Error{Class: e.GetCode(), Message: fmt.Sprintf("%s (%s)", msg, e.GetCode())}
 }

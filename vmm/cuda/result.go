@@ -69,22 +69,26 @@ func (r Result) Name() string {
 
 func (r Result) Error() string { return fmt.Sprintf("cuda: %s (%d)", r.Name(), int32(r)) }
 
-// Is lets errors.Is match a Result against the vmm sentinels:
-// CUDA_ERROR_OUT_OF_MEMORY is vmm.ErrOverLimit, ALREADY_MAPPED is
-// vmm.ErrAlreadyMapped, NOT_MAPPED is vmm.ErrNotMapped; NO_DEVICE,
+// Unwrap returns the vmm sentinel a Result is, so errors.Is matches it and
+// codes.Of gives its class: CUDA_ERROR_OUT_OF_MEMORY is vmm.ErrOverLimit,
+// ALREADY_MAPPED is vmm.ErrAlreadyMapped, NOT_MAPPED is vmm.ErrNotMapped;
+// nil for any other Result.
+func (r Result) Unwrap() error {
+	switch r {
+	case OutOfMemory:
+		return vmm.ErrOverLimit
+	case AlreadyMapped:
+		return vmm.ErrAlreadyMapped
+	case NotMapped:
+		return vmm.ErrNotMapped
+	}
+	return nil
+}
+
+// Is lets errors.Is match a Result against ErrNoGPU: NO_DEVICE,
 // INVALID_DEVICE, STUB_LIBRARY and INSUFFICIENT_DRIVER are ErrNoGPU.
 func (r Result) Is(target error) bool {
-	switch target {
-	case vmm.ErrOverLimit:
-		return r == OutOfMemory
-	case vmm.ErrAlreadyMapped:
-		return r == AlreadyMapped
-	case vmm.ErrNotMapped:
-		return r == NotMapped
-	case ErrNoGPU:
-		return r == NoDevice || r == InvalidDevice || r == StubLibrary || r == 35
-	}
-	return false
+	return target == ErrNoGPU && (r == NoDevice || r == InvalidDevice || r == StubLibrary || r == 35)
 }
 
 // DefaultLibrary is the driver library New loads when Config.Library is

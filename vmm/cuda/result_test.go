@@ -6,6 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvsidecar/kvsidecar/internal/codes"
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
 
@@ -33,7 +34,7 @@ func TestResultMessages(t *testing.T) {
 			if tc.is != nil {
 				require.ErrorIs(t, err, tc.is)
 			}
-			require.Equal(t, tc.code, vmm.CodeOf(err).String())
+			require.Equal(t, tc.code, codes.Of(err).String())
 		})
 	}
 	require.NoError(t, call("cuInit", Success))

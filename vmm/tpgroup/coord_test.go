@@ -12,6 +12,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvsidecar/kvsidecar/internal/codes"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
@@ -147,7 +148,7 @@ func TestCoordinatedMapFailsOnRank2(t *testing.T) {
 	var re *RankError
 	require.ErrorAs(t, err, &re)
 	require.Equal(t, 2, re.Rank)
-	require.Equal(t, v1.Code_CODE_BUSY, CodeOf(err))
+	require.Equal(t, v1.Code_CODE_BUSY, codes.Of(err))
 	require.ErrorContains(t, err, "rank 2")
 
 	require.Equal(t, []int{1, 1, 1, 1}, pagesMapped(pools), "no rank keeps page 1")
@@ -282,7 +283,7 @@ func TestCoordinatedMapPeerNeverAnswers(t *testing.T) {
 		require.Equal(t, []int{3}, oe.Ranks())
 		require.Equal(t, []int{1, 2}, oe.RolledBack)
 		require.ErrorIs(t, err, context.DeadlineExceeded)
-		require.Equal(t, v1.Code_CODE_TIMEOUT, CodeOf(err))
+		require.Equal(t, v1.Code_CODE_TIMEOUT, codes.Of(err))
 		require.Equal(t, []int{1, 1, 1}, pagesMapped(pools[:3]), "nothing left mapped")
 		require.Equal(t, 0, pools[0].Stats().BlocksUsed)
 
@@ -319,7 +320,7 @@ func TestCoordinatedUnmapFailureRepaired(t *testing.T) {
 	var oe *OpError
 	require.ErrorAs(t, err, &oe)
 	require.Equal(t, []int{2}, oe.Ranks())
-	require.Equal(t, v1.Code_CODE_NOT_FOUND, CodeOf(err))
+	require.Equal(t, v1.Code_CODE_NOT_FOUND, codes.Of(err))
 	require.Equal(t, []int{1, 1, 2, 1}, pagesMapped(pools), "rank 2 still holds page 2")
 
 	// The next op to rank 2 repairs it (page 2 unmapped, page 3 "not mapped"

@@ -1,39 +1,38 @@
 package tpgroup
 
 import (
-	"context"
-	"errors"
 	"fmt"
-	"net"
 	"slices"
 	"strings"
 
+	"github.com/kvsidecar/kvsidecar/internal/codes"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
-// Sentinel errors. Each maps to one v1.Code (see CodeOf).
+// Sentinel errors. Each is a *codes.Error of the class named, so codes.Of
+// maps it to that v1.Code.
 var (
 	// ErrInvalidConfig: a Member or Config field breaks a rule
 	// (CODE_INVALID_ARGUMENT).
-	ErrInvalidConfig = errors.New("tpgroup: invalid config")
+	ErrInvalidConfig = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "tpgroup: invalid config")
 	// ErrInvalidArgument: a malformed message or argument, e.g. an empty page
 	// list or a page op sent to rank 0 (CODE_INVALID_ARGUMENT).
-	ErrInvalidArgument = errors.New("tpgroup: invalid argument")
+	ErrInvalidArgument = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "tpgroup: invalid argument")
 	// ErrTPMismatch: a message or a peer claims a TP size other than the one
 	// this group was started with (CODE_TP_MISMATCH).
-	ErrTPMismatch = errors.New("tpgroup: tp_size mismatch")
+	ErrTPMismatch = codes.New(v1.Code_CODE_TP_MISMATCH, "tpgroup: tp_size mismatch")
 	// ErrSocketInUse: the rank's socket path is served by a live process;
 	// the group refuses to steal it (CODE_ALREADY_EXISTS).
-	ErrSocketInUse = errors.New("tpgroup: socket in use by a live process")
+	ErrSocketInUse = codes.New(v1.Code_CODE_ALREADY_EXISTS, "tpgroup: socket in use by a live process")
 	// ErrUnsafeDir: the socket directory is not a directory owned by this
 	// user with mode 0700 or stricter (CODE_INVALID_ARGUMENT).
-	ErrUnsafeDir = errors.New("tpgroup: unsafe socket directory")
+	ErrUnsafeDir = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "tpgroup: unsafe socket directory")
 	// ErrPeerUnavailable: a peer rank could not be reached or its connection
 	// broke (CODE_UNAVAILABLE).
-	ErrPeerUnavailable = errors.New("tpgroup: peer unavailable")
+	ErrPeerUnavailable = codes.New(v1.Code_CODE_UNAVAILABLE, "tpgroup: peer unavailable")
 	// ErrNotCoordinator: a coordinated page op was asked of a member that is
 	// not rank 0 of a coordinated group (CODE_INVALID_ARGUMENT).
-	ErrNotCoordinator = errors.New("tpgroup: not the coordinator")
+	ErrNotCoordinator = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "tpgroup: not the coordinator")
 )
 
 // RankError is the failure of one operation on one peer rank. It unwraps to
@@ -72,6 +71,10 @@ func (e *RemoteError) Error() string {
 func (e *RemoteError) Is(target error) bool {
 	return target == ErrTPMismatch && e.Code == v1.Code_CODE_TP_MISMATCH
 }
+
+// Unwrap returns the class of the peer's code (codes.Sentinel(Code)), so
+// codes.Of gives the peer's code and errors.Is matches its class.
+func (e *RemoteError) Unwrap() error { return codes.Sentinel(e.Code) }
 
 // OpError is the failure of a coordinated map or unmap on ranks 1..N-1.
 // errors.As(err, &*RankError) finds the first failed rank; Ranks lists all.
@@ -121,14 +124,14 @@ func (e *OpError) Error() string {
 }
 
 // Code is the wire code of the operation's failure: that of the lowest
-// failed rank (CodeOf), so a follower over its memory limit reaches the
+// failed rank (codes.Of), so a follower over its memory limit reaches the
 // engine as CODE_BUSY, as the coordinator's own limit would, not as
 // CODE_INTERNAL.
 func (e *OpError) Code() v1.Code {
 	if len(e.Failed) == 0 {
 		return v1.Code_CODE_INTERNAL
 	}
-	return CodeOf(e.Failed[0])
+	return codes.Of(e.Failed[0])
 }
 
 // Unwrap returns the failed ranks' errors, then the failed rollbacks'.
@@ -141,51 +144,6 @@ func (e *OpError) Unwrap() []error {
 		out = append(out, f)
 	}
 	return out
-}
-
-// codedError is an error of this package with an explicit wire code.
-type codedError struct {
-	code v1.Code
-	msg  string
-}
-
-func (e *codedError) Error() string { return e.msg }
-func (e *codedError) Code() v1.Code { return e.code }
-
-// codeError is implemented by errors that carry their own wire code (vmm's
-// errors may do so).
-type codeError interface{ Code() v1.Code }
-
-// CodeOf maps err to the v1.Code a peer should see: CODE_OK for nil; the
-// code of a *RemoteError (first found); CODE_TIMEOUT for a deadline;
-// CODE_ABORTED for a cancellation; the code of each sentinel of this
-// package; a code carried by an error with a Code() v1.Code method; and
-// CODE_INTERNAL otherwise.
-func CodeOf(err error) v1.Code {
-	var re *RemoteError
-	var ce codeError
-	switch {
-	case err == nil:
-		return v1.Code_CODE_OK
-	case errors.As(err, &re):
-		return re.Code
-	case errors.Is(err, ErrTPMismatch):
-		return v1.Code_CODE_TP_MISMATCH
-	case errors.Is(err, context.DeadlineExceeded):
-		return v1.Code_CODE_TIMEOUT
-	case errors.Is(err, context.Canceled):
-		return v1.Code_CODE_ABORTED
-	case errors.Is(err, ErrInvalidConfig), errors.Is(err, ErrInvalidArgument),
-		errors.Is(err, ErrUnsafeDir), errors.Is(err, ErrNotCoordinator):
-		return v1.Code_CODE_INVALID_ARGUMENT
-	case errors.Is(err, ErrSocketInUse):
-		return v1.Code_CODE_ALREADY_EXISTS
-	case errors.Is(err, ErrPeerUnavailable), errors.Is(err, net.ErrClosed):
-		return v1.Code_CODE_UNAVAILABLE
-	case errors.As(err, &ce):
-		return ce.Code()
-	}
-	return poolCode(err)
 }
 
 func sortRankErrors(s []*RankError) {

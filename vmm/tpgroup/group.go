@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvsidecar/kvsidecar/internal/codes"
 	"github.com/kvsidecar/kvsidecar/internal/wire"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
@@ -335,11 +336,11 @@ func (g *Group) handle(req *v1.GroupRequest) *v1.GroupResponse {
 func (g *Group) checkRequest(req *v1.GroupRequest) error {
 	switch {
 	case req.GetWireVersion() != v1.WireVersion_WIRE_VERSION_1:
-		return &codedError{code: v1.Code_CODE_INCOMPATIBLE_MODEL,
-			msg: fmt.Sprintf("tpgroup: wire_version %v: want %v", req.GetWireVersion(), v1.WireVersion_WIRE_VERSION_1)}
+		return codes.New(v1.Code_CODE_INCOMPATIBLE_MODEL,
+			"tpgroup: wire_version %v: want %v", req.GetWireVersion(), v1.WireVersion_WIRE_VERSION_1)
 	case req.GetEngineId() != g.m.EngineID:
-		return &codedError{code: v1.Code_CODE_NOT_FOUND,
-			msg: fmt.Sprintf("tpgroup: engine_id %q: this member belongs to %q", req.GetEngineId(), g.m.EngineID)}
+		return codes.New(v1.Code_CODE_NOT_FOUND,
+			"tpgroup: engine_id %q: this member belongs to %q", req.GetEngineId(), g.m.EngineID)
 	case int64(req.GetTpSize()) != int64(g.m.TPSize):
 		return fmt.Errorf("%w: request claims tp_size=%d; this group was started with tp_size=%d, fixed for its life",
 			ErrTPMismatch, req.GetTpSize(), g.m.TPSize)
@@ -392,7 +393,7 @@ func (g *Group) servePageOp(op *v1.PageOp) *v1.GroupResponse {
 // reply builds the response to a request of the given kind and counts it.
 func (g *Group) reply(kind string, err error) *v1.GroupResponse {
 	g.received.Add(1)
-	code := CodeOf(err)
+	code := codes.Of(err)
 	g.met.served.WithLabelValues(kind, code.String()).Inc()
 	resp := &v1.GroupResponse{TpRank: uint32(g.m.TPRank), TpSize: uint32(g.m.TPSize)}
 	if err != nil {

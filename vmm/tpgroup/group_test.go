@@ -13,6 +13,7 @@ import (
 	promtest "github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvsidecar/kvsidecar/internal/codes"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -42,7 +43,7 @@ func TestWorldSizeFixed(t *testing.T) {
 		rogue := startGroup(t, Member{EngineID: "eng", TPSize: 4, TPRank: 3}, nil, cfg)
 		err := rogue.Ping(t.Context(), 0)
 		require.ErrorIs(t, err, ErrTPMismatch)
-		require.Equal(t, v1.Code_CODE_TP_MISMATCH, CodeOf(err))
+		require.Equal(t, v1.Code_CODE_TP_MISMATCH, codes.Of(err))
 		var re *RankError
 		require.ErrorAs(t, err, &re)
 		require.Equal(t, 0, re.Rank)
@@ -58,7 +59,7 @@ func TestWorldSizeFixed(t *testing.T) {
 		g := startGroup(t, Member{EngineID: "eng", TPSize: 2, TPRank: 0}, nil, &Config{Dir: dir2, Ownership: OwnershipLocal})
 		err := g.Ping(t.Context(), 1)
 		require.ErrorIs(t, err, ErrTPMismatch)
-		require.Equal(t, v1.Code_CODE_TP_MISMATCH, CodeOf(err))
+		require.Equal(t, v1.Code_CODE_TP_MISMATCH, codes.Of(err))
 	})
 }
 
@@ -297,7 +298,7 @@ func TestConfigValidation(t *testing.T) {
 			_, err := New(t.Context(), tc.m, tc.pool, tc.cfg)
 			require.ErrorIs(t, err, ErrInvalidConfig)
 			require.ErrorContains(t, err, tc.msg)
-			require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, CodeOf(err))
+			require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, codes.Of(err))
 		})
 	}
 }

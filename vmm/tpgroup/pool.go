@@ -1,7 +1,7 @@
 package tpgroup
 
 import (
-	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/kvsidecar/kvsidecar/internal/codes"
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
 
@@ -13,7 +13,4 @@ var (
 
 // notMappedCode is the code a follower's pool answers for "page not mapped"
 // (vmm.ErrNotMapped); repairs treat it as done.
-var notMappedCode = vmm.CodeOf(vmm.ErrNotMapped)
-
-// poolCode maps an error of the follower's pool to its wire code.
-func poolCode(err error) v1.Code { return vmm.CodeOf(err) }
+var notMappedCode = codes.Of(vmm.ErrNotMapped)
