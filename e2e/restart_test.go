@@ -182,3 +182,41 @@ func TestFaultPrefillRestartRace(t *testing.T) {
 	pre2.requireIdle(t)
 	dec.requireIdle(t)
 }
+
+// TestFaultPrefillRestartBeforeAttach: a prefill sidecar SIGKILLed and
+// started again on the same address (same TLS files) serves nothing until
+// its engine attaches. A decode warm with the old process loads params the
+// old one issued: its READ on the dead connection draws a stateless reset
+// from the new process's standby, the redial is refused with the standby's
+// reason, and the request fails at once with CODE_UNAVAILABLE, not after
+// the 10 s progress deadline on an unread socket. Once the engine attached,
+// new requests succeed.
+func TestFaultPrefillRestartBeforeAttach(t *testing.T) {
+	const deadline = 10 * time.Second
+	env := NewEnv(t)
+	pre := startSide(t, env, "pre", 1024, "--progress-timeout", flagDur(deadline))
+	dec := startSide(t, env, "dec", 1024, "--progress-timeout", flagDur(deadline))
+	warm(t, pre, dec)
+	old := pre.export(t, "old", 7, 4)
+
+	pre.Kill(t)
+	restarted := env.Restart(t, pre.Sidecar) // no engine attached
+	start := time.Now()
+	dst := dec.load(t, "old", old)
+	f := dec.requireFailed(t, "old", dst, 30*time.Second)
+	took := time.Since(start)
+	t.Logf("failed after %v: %v %s", took, f.GetError().GetCode(), f.GetError().GetMessage())
+	require.Equal(t, v1.Code_CODE_UNAVAILABLE, f.GetError().GetCode(), f.GetError().GetMessage())
+	require.Contains(t, f.GetError().GetMessage(), "no engine is attached to this sidecar")
+	require.Less(t, took, testutil.Scaled(deadline), "refused before the progress deadline")
+	dec.free(t, dst)
+
+	pre2 := attachSide(t, restarted, 1024)
+	p := pre2.export(t, "new", 8, 4)
+	dst = dec.load(t, "new", p)
+	dec.requireDone(t, "new", 8, dst)
+	pre2.waitSent(t, "new", 30*time.Second)
+	dec.free(t, dst)
+	pre2.requireIdle(t)
+	dec.requireIdle(t)
+}

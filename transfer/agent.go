@@ -177,11 +177,7 @@ func New(cfg *Config) (*Agent, error) {
 		}
 	}
 	if c.ServerTLS != nil {
-		st := c.ServerTLS.Clone()
-		st.MinVersion = tls.VersionTLS13
-		st.NextProtos = []string{ALPN}
-		st.ClientAuth = tls.RequireAndVerifyClientCert
-		ln, err := a.tr.ListenEarly(a.servingTLS(st), a.qconf)
+		ln, err := a.tr.ListenEarly(a.servingTLS(servingBase(c.ServerTLS)), a.qconf)
 		if err != nil {
 			a.tr.Close()
 			pc.Close()

@@ -72,6 +72,10 @@
 // are not: every dialed connection therefore sends a 48-byte probe
 // datagram each KeepAlivePeriod, so an idle one learns of the restart
 // within a period (OnPeerGone), and a busy one from its next request.
+// While no agent serves a socket (a sidecar whose engine has not attached),
+// a Standby answers on it: the same resets, and a refusal with a reason for
+// every new connection, so nobody sends into an unread socket until a
+// deadline.
 //
 // # Checks on the serving side
 //

@@ -48,11 +48,17 @@ const simServer = "127.0.0.1:5600"
 // and serves 64 KiB of memory filled from seed.
 func startSimPeer(t *testing.T, n *testutil.SimNet, srvTLS *tls.Config, key *quic.StatelessResetKey, seed byte) *simPeer {
 	t.Helper()
+	return startSimPeerOn(t, n.Listen(t, simServer), srvTLS, key, seed)
+}
+
+// startSimPeerOn is startSimPeer on a socket the test opened.
+func startSimPeerOn(t *testing.T, pc *testutil.PacketConn, srvTLS *tls.Config, key *quic.StatelessResetKey, seed byte) *simPeer {
+	t.Helper()
 	mem := make([]byte, 64<<10)
 	fill(mem, seed)
 	srvTLS = srvTLS.Clone()
 	srvTLS.SetSessionTicketKeys([][32]byte{{seed}}) // a new process has new ticket keys
-	p := &simPeer{pc: n.Listen(t, simServer), mem: mem, reg: SliceRegion(mem, 0, 0)}
+	p := &simPeer{pc: pc, mem: mem, reg: SliceRegion(mem, 0, 0)}
 	a, err := New(&Config{PacketConn: p.pc, ServerTLS: srvTLS, StatelessResetKey: key, Regions: []Region{p.reg},
 		Authorize: allowAll,
 		OnHandshake: func(context.Context, *v1.HandshakeRequest) *v1.HandshakeResponse {

@@ -19,6 +19,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -218,7 +219,7 @@ type serveConfig struct {
 	resetKey *quic.StatelessResetKey
 	// udp is the QUIC socket bound at start; advertise is the address peers
 	// reach it at (advertisedAddr). Set by serve.
-	udp       sharedUDP
+	udp       *sharedUDP
 	advertise string
 }
 
@@ -607,12 +608,19 @@ func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 			return fmt.Errorf("--qlog-dir %s: %w", f.qlogDir, err)
 		}
 	}
-	udp, err := listenQUIC(f.listen)
+	udp, err := listenQUIC(f.listen, log)
 	if err != nil {
 		return err
 	}
-	defer udp.UDPConn.Close()
+	defer udp.shutdown()
 	cfg.udp = udp
+	standbyReason := fmt.Sprintf("kvsidecar: engine %q tp_rank %d at %s has no KV cache: no engine is attached to this sidecar (it started or restarted, or its engine's session ended); what it exported before is gone",
+		f.engineID, f.tpRank, udp.LocalAddr())
+	udp.newStandby = func(pc net.PacketConn) (*transfer.Standby, error) {
+		return transfer.NewStandby(&transfer.Config{PacketConn: pc, ServerTLS: srvTLS, StatelessResetKey: cfg.resetKey},
+			v1.Code_CODE_UNAVAILABLE, standbyReason)
+	}
+	_ = udp.Close() // start the standby
 	if cfg.advertise, err = advertisedAddr(f, cfg.rankAddrs, udp.LocalAddr()); err != nil {
 		return err
 	}
@@ -692,6 +700,7 @@ func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 
 	<-ctx.Done()
 	log.Info("shutting down: refusing new requests, draining", "drain_timeout", f.drainTimeout)
+	udp.stopStandby() // the rank's agent refuses while it drains; then the process exits
 	dctx, cancel := context.WithTimeout(context.Background(), f.drainTimeout)
 	defer cancel()
 	if err := srv.Shutdown(dctx); err != nil {
@@ -719,27 +728,84 @@ func checkWritableDir(dir string) error {
 }
 
 // sharedUDP is the QUIC socket serve binds at start and lends to the rank's
-// transfer agent (transfer.Config.PacketConn). The agent closes what it is
-// given when it stops, also when a rank fails to start; Close here does
-// nothing, so an engine's retried create gets the same socket, and serve
-// closes the embedded UDPConn when it exits. Embedding *net.UDPConn keeps
-// the methods quic-go uses for buffer sizes, GSO and ECN.
-type sharedUDP struct{ *net.UDPConn }
+// transfer agent (transfer.Config.PacketConn). While no agent serves it (no
+// engine attached yet, or between engine sessions) a transfer.Standby
+// answers on it, so peers that held connections to this address's previous
+// process get a stateless reset at once and new dials are refused with a
+// reason, instead of sending into an unread socket until their deadlines.
+// lend stops the standby; the agent closes what it is given when it stops
+// (also when a rank fails to start), and that Close starts the standby
+// again. shutdown closes the socket when serve exits. Embedding
+// *net.UDPConn keeps the methods quic-go uses for buffer sizes, GSO and ECN.
+type sharedUDP struct {
+	*net.UDPConn
+	// newStandby starts a standby on the socket; nil: none (tests).
+	newStandby func(pc net.PacketConn) (*transfer.Standby, error)
+	log        *slog.Logger
 
-// Close is a no-op: serve closes the UDPConn.
-func (sharedUDP) Close() error { return nil }
+	mu      sync.Mutex
+	standby *transfer.Standby
+	closing bool
+}
 
-// listenQUIC binds the UDP socket of --listen.
-func listenQUIC(addr string) (sharedUDP, error) {
+// lend stops the standby and returns the socket for a transfer agent.
+func (u *sharedUDP) lend() net.PacketConn {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.standby != nil {
+		if err := u.standby.Close(); err != nil {
+			u.log.Warn("QUIC standby: close", "err", err)
+		}
+		u.standby = nil
+	}
+	return u
+}
+
+// Close gives the socket back: the standby answers on it again. It never
+// closes the socket (shutdown does), so an engine's retried create gets the
+// same one. It returns nil; a standby that cannot start is logged.
+func (u *sharedUDP) Close() error {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.closing || u.standby != nil || u.newStandby == nil {
+		return nil
+	}
+	sb, err := u.newStandby(u)
+	if err != nil {
+		u.log.Warn("QUIC standby: peers of this address get no answer until an engine attaches", "err", err)
+		return nil
+	}
+	u.standby = sb
+	return nil
+}
+
+// stopStandby keeps the standby from starting again (serve is draining)
+// and stops it.
+func (u *sharedUDP) stopStandby() {
+	u.mu.Lock()
+	u.closing = true
+	u.mu.Unlock()
+	_ = u.lend()
+}
+
+// shutdown stops the standby and closes the socket.
+func (u *sharedUDP) shutdown() error {
+	u.stopStandby()
+	return u.UDPConn.Close()
+}
+
+// listenQUIC binds the UDP socket of --listen; log receives the standby's
+// problems.
+func listenQUIC(addr string, log *slog.Logger) (*sharedUDP, error) {
 	pc, err := net.ListenPacket("udp", addr)
 	if err != nil {
 		var oe *net.OpError
 		if errors.As(err, &oe) {
 			err = oe.Err // "bind: address already in use", without repeating the address
 		}
-		return sharedUDP{}, fmt.Errorf("--listen %s: %w", addr, err)
+		return nil, fmt.Errorf("--listen %s: %w", addr, err)
 	}
-	return sharedUDP{pc.(*net.UDPConn)}, nil
+	return &sharedUDP{UDPConn: pc.(*net.UDPConn), log: log}, nil
 }
 
 // advertisedAddr is the address peers reach this rank at: --advertise, or
@@ -886,9 +952,16 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 			return nil, err
 		}
 	}
+	// Until NewRank's agent has the socket, a failure gives it back (the
+	// agent closes it itself on its own failures).
+	defer func() {
+		if err != nil {
+			_ = cfg.udp.Close()
+		}
+	}()
 	rank, err := connector.NewRank(ctx, &connector.Config{
 		EngineID: f.engineID, TPRank: f.tpRank, TPSize: f.tpSize, Geometry: req.GetGeometry(), Pool: pool,
-		Transfer: &transfer.Config{PacketConn: cfg.udp, ServerTLS: srvTLS, ClientTLS: cliTLS, AllowedPeers: cfg.allowed,
+		Transfer: &transfer.Config{PacketConn: cfg.udp.lend(), ServerTLS: srvTLS, ClientTLS: cliTLS, AllowedPeers: cfg.allowed,
 			ProgressTimeout: f.progressTimeout, StatelessResetKey: cfg.resetKey, QlogDir: f.qlogDir},
 		AdvertiseAddr: cfg.advertise, RankAddrs: cfg.rankAddrs, CapabilitySecret: cfg.secret, Ownership: cfg.ownership,
 		LeaseTTL: f.leaseTTL, LoadTimeout: f.loadTimeout, HandshakeMode: cfg.mode, DeviceID: uint32(max(f.device, 0)),

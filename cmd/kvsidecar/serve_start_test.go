@@ -7,6 +7,7 @@ import (
 	"crypto/x509"
 	"encoding/json"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -267,21 +268,34 @@ func TestServeStartsAndStopsOnSIGHUP(t *testing.T) {
 
 // TestSharedUDPOutlivesAgents: the socket lent to a transfer agent stays
 // open when the agent closes, so a second agent (an engine's retried
-// create) serves on the same address.
+// create) serves on the same address; between agents the standby answers
+// on it: a dial is refused with its reason, not left unanswered.
 func TestSharedUDPOutlivesAgents(t *testing.T) {
-	udp, err := listenQUIC("127.0.0.1:0")
+	udp, err := listenQUIC("127.0.0.1:0", slog.New(slog.DiscardHandler))
 	require.NoError(t, err)
-	defer udp.UDPConn.Close()
+	defer udp.shutdown()
 	ca, err := devtls.NewCA()
 	require.NoError(t, err)
 	srvTLS, err := ca.ServerConfig()
 	require.NoError(t, err)
 	cliTLS, err := ca.ClientConfig()
 	require.NoError(t, err)
+	udp.newStandby = func(pc net.PacketConn) (*transfer.Standby, error) {
+		return transfer.NewStandby(&transfer.Config{PacketConn: pc, ServerTLS: srvTLS}, v1.Code_CODE_UNAVAILABLE, "no engine attached")
+	}
+	require.NoError(t, udp.Close(), "starts the standby")
+	dialer, err := transfer.New(&transfer.Config{ClientTLS: cliTLS})
+	require.NoError(t, err)
+	defer dialer.Close()
 	for i := range 2 {
-		a, err := transfer.New(&transfer.Config{PacketConn: udp, ServerTLS: srvTLS, ClientTLS: cliTLS})
+		_, err = dialer.Heartbeat(t.Context(), udp.LocalAddr().String(), &v1.Heartbeat{})
+		require.ErrorIs(t, err, transfer.ErrUnavailable, "standby before agent %d", i)
+		require.ErrorContains(t, err, "no engine attached")
+		a, err := transfer.New(&transfer.Config{PacketConn: udp.lend(), ServerTLS: srvTLS, ClientTLS: cliTLS})
 		require.NoError(t, err, "agent %d", i)
 		require.Equal(t, udp.LocalAddr().String(), a.Addr().String())
+		_, err = dialer.Heartbeat(t.Context(), udp.LocalAddr().String(), &v1.Heartbeat{})
+		require.NoError(t, err, "agent %d serves", i)
 		require.NoError(t, a.Close())
 	}
 	require.NoError(t, udp.SetReadDeadline(time.Time{}), "still open")
