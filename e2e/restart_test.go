@@ -191,6 +191,8 @@ func TestFaultPrefillRestartRace(t *testing.T) {
 // reason, and the request fails at once with CODE_UNAVAILABLE, not after
 // the 10 s progress deadline on an unread socket. Once the engine attached,
 // new requests succeed.
+//
+// fault-matrix: prefill-restart-before-attach
 func TestFaultPrefillRestartBeforeAttach(t *testing.T) {
 	const deadline = 10 * time.Second
 	env := NewEnv(t)
