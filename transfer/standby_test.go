@@ -20,6 +20,8 @@ import (
 // process gets a stateless reset for its READ, redials once and is refused
 // with the standby's reason at once, not after the progress deadline on a
 // silent socket. After Close, an agent adopts the same socket and serves.
+//
+// fault-matrix: prefill-restart-before-attach
 func TestStandbyRefusesAtOnce(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		key := &quic.StatelessResetKey{7}

@@ -270,6 +270,8 @@ func TestServeStartsAndStopsOnSIGHUP(t *testing.T) {
 // open when the agent closes, so a second agent (an engine's retried
 // create) serves on the same address; between agents the standby answers
 // on it: a dial is refused with its reason, not left unanswered.
+//
+// fault-matrix: prefill-restart-before-attach
 func TestSharedUDPOutlivesAgents(t *testing.T) {
 	udp, err := listenQUIC("127.0.0.1:0", slog.New(slog.DiscardHandler))
 	require.NoError(t, err)
