@@ -166,14 +166,13 @@ func TestPrefixHits(t *testing.T) {
 
 	blocks = pre.alloc(t, 3)
 	params = pre.finish(t, "full", blocks)
-	for _, r := range pre.ranks {
-		r.GetFinished() // drop "partial"
+	for r := range pre.ranks {
+		require.Equal(t, []string{"partial"}, pre.waitSent(t, r, "partial"), "prefill rank %d", r)
 	}
 	dec.startLoad(t, "full", nil, params)
 	requireAllDone(t, dec.wait(t, "full"))
-	for r, rank := range pre.ranks {
-		f := rank.GetFinished()
-		require.Equal(t, []string{"full"}, f.DoneSending, "prefill rank %d", r)
+	for r := range pre.ranks {
+		require.Equal(t, []string{"full"}, pre.waitSent(t, r, "full"), "prefill rank %d", r)
 		require.Zero(t, pre.pools[r].Stats().BlocksUsed)
 	}
 }

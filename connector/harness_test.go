@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"slices"
 	"testing"
 	"time"
 
@@ -275,6 +276,23 @@ func (in *instance) wait(t testing.TB, id string) []*connector.FailedLoad {
 		}
 	}
 	return out
+}
+
+// waitSent collects what rank r reports until id is in done_sending and
+// returns every done_sending id seen meanwhile, in order: a decode reports
+// its load done before its notification reaches the prefill.
+func (in *instance) waitSent(t testing.TB, r int, id string) []string {
+	t.Helper()
+	// wallclock: on real UDP (without o.sim) a generous scaled bound, so a lost notification fails the test instead of hanging it; virtual under synctest.
+	ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(30*time.Second))
+	defer cancel()
+	var sent []string
+	for !slices.Contains(sent, id) {
+		f, err := in.ranks[r].WaitFinished(ctx)
+		require.NoError(t, err, "rank %d waiting for %q in done_sending", r, id)
+		sent = append(sent, f.DoneSending...)
+	}
+	return sent
 }
 
 func requireAllDone(t testing.TB, fails []*connector.FailedLoad) {

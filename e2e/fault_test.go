@@ -51,7 +51,8 @@ func faultArgs(extra ...string) []string {
 type side struct {
 	*Sidecar
 	e *engine
-	// idlePages is pages_mapped right after the engine attached.
+	// idlePages is pages_mapped right after the engine attached, once the
+	// reserve filled (engine.settledPages).
 	idlePages uint64
 	// What GetFinished reported so far (each call returns only what is
 	// new): done_sending, done_recving and failed by request id.
@@ -68,8 +69,14 @@ func startSide(t testing.TB, env *Env, name string, blocks uint32, args ...strin
 func attachSide(t testing.TB, s *Sidecar, blocks uint32) *side {
 	t.Helper()
 	e := attach(t, s, blocks)
-	return &side{Sidecar: s, e: e, idlePages: s.Stats(t)["pages_mapped"],
-		sent: map[string]time.Time{}, recv: map[string]time.Time{}, failed: map[string]*v1.FailedRequest{}}
+	sd := newSide(s, e)
+	sd.idlePages = e.settledPages(t)
+	return sd
+}
+
+// newSide is a side of an attached engine, its idle page count not set.
+func newSide(s *Sidecar, e *engine) *side {
+	return &side{Sidecar: s, e: e, sent: map[string]time.Time{}, recv: map[string]time.Time{}, failed: map[string]*v1.FailedRequest{}}
 }
 
 // requireIdle is the "nothing lost" check of one surviving sidecar: no
@@ -80,7 +87,7 @@ func (s *side) requireIdle(t testing.TB) {
 	require.Zero(t, st["blocks_used"], "%s: blocks used", s.Name)
 	require.Zero(t, st["leases_held"], "%s: leases held", s.Name)
 	require.Zero(t, st["loads_in_flight"], "%s: loads in flight", s.Name)
-	require.Equal(t, s.idlePages, st["pages_mapped"], "%s: pages mapped back to the idle level", s.Name)
+	s.e.requirePages(t, s.idlePages, "%s: pages mapped back to the idle level", s.Name)
 }
 
 // export allocates n blocks on prefill, fills them with key's KV and
@@ -570,15 +577,18 @@ func TestFaultCoordinatedMapRollback(t *testing.T) {
 	// Followers first: rank 0 maps on every follower from its first page.
 	sides := make([]*side, len(ranks))
 	for r := len(ranks) - 1; r >= 0; r-- {
-		sides[r] = attachSide(t, ranks[r], 4096)
+		sides[r] = newSide(ranks[r], attach(t, ranks[r], 4096))
 	}
-	for _, s := range sides { // rank 0's first pages are mapped on every rank
+	// Once rank 0's reserve filled, its pages are mapped on every rank.
+	sides[0].e.settledPages(t)
+	for _, s := range sides {
 		s.idlePages = s.Stats(t)["pages_mapped"]
 	}
 	info := sides[0].e.info
 	perPage := int(info.GetPageSize() / info.GetBlockLen())
 	held, err := sides[0].e.Alloc(t.Context(), perPage) // one page of blocks on every rank
 	require.NoError(t, err)
+	sides[0].e.settledPages(t) // the refill replaced the reserve page the blocks took
 	before := make([]uint64, len(ranks))
 	for r, s := range sides {
 		before[r] = s.Stats(t)["pages_mapped"]
@@ -604,8 +614,7 @@ func TestFaultCoordinatedMapRollback(t *testing.T) {
 	}
 	sides[0].free(t, append(held, more...))
 	for _, s := range sides {
-		st := s.Stats(t)
-		require.Equal(t, s.idlePages, st["pages_mapped"], "%s: pages back to idle", s.Name)
+		s.e.requirePages(t, s.idlePages, "%s: pages back to idle", s.Name)
 	}
 	sides[0].requireIdle(t)
 }
