@@ -16,7 +16,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvsidecar/kvsidecar/handshake"
-	"github.com/kvsidecar/kvsidecar/internal/devtls"
 	"github.com/kvsidecar/kvsidecar/internal/testutil"
 	"github.com/kvsidecar/kvsidecar/internal/wire"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
@@ -28,7 +27,7 @@ import (
 func peerTLS(t testing.TB, env *Env, name string) *tls.Config {
 	t.Helper()
 	f := env.TLS(t, name)
-	_, cli, err := devtls.LoadConfigs(f.CA, f.Cert, f.Key)
+	_, cli, err := transfer.LoadTLSFiles(f.CA, f.Cert, f.Key)
 	require.NoError(t, err)
 	return cli
 }

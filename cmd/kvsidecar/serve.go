@@ -32,7 +32,6 @@ import (
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/handshake"
 	"github.com/kvsidecar/kvsidecar/internal/codes"
-	"github.com/kvsidecar/kvsidecar/internal/devtls"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/transfer"
 	"github.com/kvsidecar/kvsidecar/vmm"
@@ -575,7 +574,7 @@ func newLogHandler(w io.Writer, level slog.Level) slog.Handler {
 // (exit 1); both name the flag.
 func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 	f := &cfg.f
-	srvTLS, cliTLS, err := devtls.LoadConfigs(f.tlsCA, f.tlsCert, f.tlsKey)
+	srvTLS, cliTLS, err := transfer.LoadTLSFiles(f.tlsCA, f.tlsCert, f.tlsKey)
 	if err != nil {
 		return usageErrorf("--tls-ca/--tls-cert/--tls-key: %v", err)
 	}

@@ -8,7 +8,6 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
-	"errors"
 	"fmt"
 	"math/big"
 	"net"
@@ -193,28 +192,6 @@ func (ca *CA) WriteFilesWith(dir, name string, edit func(*x509.Certificate), hos
 		}
 	}
 	return f, nil
-}
-
-// LoadConfigs reads PEM files (as written by WriteFiles, or issued by a real
-// CA) and returns a server config that requires a client certificate and a
-// client config, both TLS 1.3, both trusting only the CA in caFile.
-func LoadConfigs(caFile, certFile, keyFile string) (server, client *tls.Config, err error) {
-	pemCA, err := os.ReadFile(caFile)
-	if err != nil {
-		return nil, nil, fmt.Errorf("devtls: %w", err)
-	}
-	pool := x509.NewCertPool()
-	if !pool.AppendCertsFromPEM(pemCA) {
-		return nil, nil, errors.New("devtls: " + caFile + " holds no PEM certificate")
-	}
-	cert, err := tls.LoadX509KeyPair(certFile, keyFile)
-	if err != nil {
-		return nil, nil, fmt.Errorf("devtls: %w", err)
-	}
-	server = &tls.Config{MinVersion: tls.VersionTLS13, Certificates: []tls.Certificate{cert},
-		ClientCAs: pool, ClientAuth: tls.RequireAndVerifyClientCert}
-	client = &tls.Config{MinVersion: tls.VersionTLS13, Certificates: []tls.Certificate{cert}, RootCAs: pool}
-	return server, client, nil
 }
 
 func serial() *big.Int {

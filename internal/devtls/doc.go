@@ -8,6 +8,6 @@
 //	srv, err := ca.ServerConfig() // tls.Config requiring a client cert
 //	cli, err := ca.ClientConfig()
 //
-// LoadConfigs reads PEM files (WriteFiles' or a real CA's) into the same
-// pair of configs; `kvsidecar serve` loads its --tls-* files with it.
+// Files it writes (WriteFiles) load like a real CA's with
+// transfer.LoadTLSFiles.
 package devtls
