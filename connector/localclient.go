@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvsidecar/kvsidecar/internal/codes"
 	"github.com/kvsidecar/kvsidecar/internal/fdpass"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	"github.com/kvsidecar/kvsidecar/internal/wire"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
@@ -355,9 +356,7 @@ func (c *LocalClient) BlockOffset(b int) uint64 {
 }
 
 func (c *LocalClient) blockOffsetLocked(b int) uint64 {
-	bl, ps := c.info.GetBlockLen(), c.info.GetPageSize()
-	bpp := int(ps / bl)
-	return uint64(b/bpp)*ps + uint64(b%bpp)*bl
+	return kvgeom.Packing{BlockLen: c.info.GetBlockLen(), PageSize: c.info.GetPageSize()}.Offset(kvgeom.BlockID(b))
 }
 
 // Block returns block b of region as a slice of this process's mapping of

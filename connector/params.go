@@ -10,12 +10,13 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
 // MaxTPSize is the largest tensor-parallel size accepted anywhere (tp_size in
-// kv_transfer_params, group configs).
-const MaxTPSize = 1024
+// kv_transfer_params, group configs): kvgeom.MaxTPSize.
+const MaxTPSize = kvgeom.MaxTPSize
 
 // ErrInvalidParams is wrapped by every *ParamsError.
 var ErrInvalidParams = errors.New("invalid kv_transfer_params")

@@ -1,11 +1,12 @@
 package connector
 
 import (
+	"errors"
 	"fmt"
 
 	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
-	"github.com/kvsidecar/kvsidecar/vmm"
 )
 
 // ErrTPMapping is wrapped by every error of PlanRank: TP sizes that do not
@@ -15,33 +16,24 @@ import (
 var ErrTPMapping = codes.New(v1.Code_CODE_TP_MISMATCH, "connector: no TP mapping")
 
 // HeadSpan is the KV heads a rank holds: [First, First+Count).
-type HeadSpan struct {
-	First, Count int
-}
+type HeadSpan = kvgeom.HeadSpan
 
 // RankHeads returns the heads rank r of a TP group of size tp holds, for a
-// model of h KV heads. With tp <= h the heads split evenly (h % tp == 0);
-// with tp > h every head is replicated on tp/h consecutive ranks
-// (tp % h == 0), as vLLM does. MLA models hold their one latent on every
-// rank: pass h = 1.
+// model of h KV heads (kvgeom.RankHeads): with tp <= h the heads split
+// evenly (h % tp == 0); with tp > h every head is replicated on tp/h
+// consecutive ranks (tp % h == 0), as vLLM does. MLA models hold their one
+// latent on every rank: pass h = 1. tp must be in [1, MaxTPSize]. Errors
+// wrap ErrTPMapping and name the values and the rule.
 func RankHeads(h, tp, r int) (HeadSpan, error) {
-	switch {
-	case h < 1:
-		return HeadSpan{}, fmt.Errorf("%w: num_kv_heads=%d must be at least 1", ErrTPMapping, h)
-	case tp < 1 || tp > MaxTPSize:
+	if tp < 1 || tp > MaxTPSize {
 		return HeadSpan{}, fmt.Errorf("%w: tp_size=%d must be in [1, %d]", ErrTPMapping, tp, MaxTPSize)
-	case r < 0 || r >= tp:
-		return HeadSpan{}, fmt.Errorf("%w: tp_rank=%d must be in [0, %d)", ErrTPMapping, r, tp)
-	case tp <= h && h%tp != 0:
-		return HeadSpan{}, fmt.Errorf("%w: tp_size=%d does not divide num_kv_heads=%d", ErrTPMapping, tp, h)
-	case tp > h && tp%h != 0:
-		return HeadSpan{}, fmt.Errorf("%w: num_kv_heads=%d does not divide tp_size=%d (replicated heads)", ErrTPMapping, h, tp)
-	case tp <= h:
-		n := h / tp
-		return HeadSpan{First: r * n, Count: n}, nil
-	default:
-		return HeadSpan{First: r / (tp / h), Count: 1}, nil
 	}
+	s, err := kvgeom.RankHeads(h, tp, r)
+	var ke *kvgeom.Error
+	if errors.As(err, &ke) {
+		return HeadSpan{}, fmt.Errorf("%w: %s", ErrTPMapping, ke.Rule)
+	}
+	return s, err
 }
 
 // Source is one prefill rank a decode rank takes part of every block from.
@@ -86,7 +78,7 @@ type TPShape struct {
 
 // ShapeOf returns the TPShape of g.
 func ShapeOf(g *v1.ModelGeometry) (TPShape, error) {
-	size, err := vmm.DTypeBytes(g.GetDtype())
+	size, err := kvgeom.DTypeBytes(g.GetDtype())
 	switch {
 	case err != nil:
 		return TPShape{}, fmt.Errorf("%w: %w", ErrTPMapping, err)
@@ -134,9 +126,8 @@ func PlanRank(s TPShape, pTP, dTP, d int) (Plan, error) {
 		if err != nil {
 			return Plan{}, err
 		}
-		if local.First < rem.First || local.First+local.Count > rem.First+rem.Count {
-			return Plan{}, fmt.Errorf("%w: decode rank %d (heads %d..%d) is not inside prefill rank %d (heads %d..%d) for prefill tp_size=%d, decode tp_size=%d",
-				ErrTPMapping, d, local.First, local.First+local.Count-1, p, rem.First, rem.First+rem.Count-1, pTP, dTP)
+		if !rem.Contains(local) {
+			return Plan{}, notInside("decode", d, local, "prefill", p, rem, pTP, dTP)
 		}
 		plan.Consumers = r
 		plan.Sources = []Source{{PrefillRank: p, RemoteOffset: uint64(local.First-rem.First) * hb, Len: plan.LocalBlockLen}}
@@ -150,9 +141,8 @@ func PlanRank(s TPShape, pTP, dTP, d int) (Plan, error) {
 		if err != nil {
 			return Plan{}, err
 		}
-		if rem.First < local.First || rem.First+rem.Count > local.First+local.Count {
-			return Plan{}, fmt.Errorf("%w: prefill rank %d (heads %d..%d) is not inside decode rank %d (heads %d..%d) for prefill tp_size=%d, decode tp_size=%d",
-				ErrTPMapping, p, rem.First, rem.First+rem.Count-1, d, local.First, local.First+local.Count-1, pTP, dTP)
+		if !local.Contains(rem) {
+			return Plan{}, notInside("prefill", p, rem, "decode", d, local, pTP, dTP)
 		}
 		if covered[rem.First] {
 			plan.Sources = append(plan.Sources, Source{PrefillRank: p, NotifyOnly: true})
@@ -167,4 +157,11 @@ func PlanRank(s TPShape, pTP, dTP, d int) (Plan, error) {
 		return Plan{}, fmt.Errorf("%w: prefill ranks %d..%d cover %d of decode rank %d's %d heads", ErrTPMapping, d*r, (d+1)*r-1, len(covered), d, local.Count)
 	}
 	return plan, nil
+}
+
+// notInside is the error of a rank whose heads are not all held by the rank
+// of the other side it maps to; it wraps ErrTPMapping.
+func notInside(side string, rank int, heads HeadSpan, otherSide string, otherRank int, otherHeads HeadSpan, pTP, dTP int) error {
+	return fmt.Errorf("%w: %s rank %d (heads %d..%d) is not inside %s rank %d (heads %d..%d) for prefill tp_size=%d, decode tp_size=%d",
+		ErrTPMapping, side, rank, heads.First, heads.First+heads.Count-1, otherSide, otherRank, otherHeads.First, otherHeads.First+otherHeads.Count-1, pTP, dTP)
 }

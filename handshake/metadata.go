@@ -10,6 +10,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -46,13 +47,15 @@ type Region struct {
 	PageSize uint64
 }
 
-// BlockOffset returns the byte offset of block b inside the region.
+// Packing returns how the region's blocks sit in its pages.
+func (r Region) Packing() kvgeom.Packing {
+	return kvgeom.Packing{BlockLen: r.BlockLen, PageSize: r.PageSize}
+}
+
+// BlockOffset returns the byte offset of block b inside the region:
+// r.Packing().Offset(b).
 func (r Region) BlockOffset(b int) uint64 {
-	if r.PageSize == 0 {
-		return uint64(b) * r.BlockLen
-	}
-	per := r.PageSize / r.BlockLen
-	return uint64(b)/per*r.PageSize + uint64(b)%per*r.BlockLen
+	return r.Packing().Offset(kvgeom.BlockID(b))
 }
 
 // Metadata is the validated AgentMetadata of one rank: what it tells a peer
@@ -116,8 +119,8 @@ func FromProto(m *v1.AgentMetadata) (*Metadata, error) {
 	switch {
 	case m.GetEngineId() == "":
 		return nil, bad("engine_id is empty")
-	case m.GetTpSize() < 1 || m.GetTpSize() > 1024:
-		return nil, bad("tp_size=%d must be in [1, 1024]", m.GetTpSize())
+	case m.GetTpSize() < 1 || m.GetTpSize() > kvgeom.MaxTPSize:
+		return nil, bad("tp_size=%d must be in [1, %d]", m.GetTpSize(), kvgeom.MaxTPSize)
 	case m.GetTpRank() >= m.GetTpSize():
 		return nil, bad("tp_rank=%d must be below tp_size=%d", m.GetTpRank(), m.GetTpSize())
 	case m.GetGeometry() == nil:
@@ -147,14 +150,11 @@ func FromProto(m *v1.AgentMetadata) (*Metadata, error) {
 		Regions:         make([]Region, len(m.GetRegions())),
 	}
 	for i, r := range m.GetRegions() {
-		if r.GetBlockLen() == 0 {
-			return nil, bad("regions[%d].block_len is 0", i)
+		if _, err := kvgeom.NewPacking(r.GetBlockLen(), r.GetPageSize()); err != nil {
+			return nil, bad("regions[%d]: %v", i, err)
 		}
 		if r.GetBase()+r.GetLen() < r.GetBase() {
 			return nil, bad("regions[%d] base=%#x len=%d overflows", i, r.GetBase(), r.GetLen())
-		}
-		if ps := r.GetPageSize(); ps != 0 && ps < r.GetBlockLen() {
-			return nil, bad("regions[%d]: page_size=%d is below block_len=%d", i, ps, r.GetBlockLen())
 		}
 		md.Regions[i] = Region{Base: r.GetBase(), Len: r.GetLen(), BlockLen: r.GetBlockLen(),
 			DevID: r.GetDevId(), Layer: r.GetLayer(), Kind: r.GetKind(), PageSize: r.GetPageSize()}

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"unsafe"
 
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -41,9 +42,8 @@ type Region struct {
 	BlockLen uint64
 	// PageSize, when > 0, says blocks are packed PageSize/BlockLen to a page
 	// and never straddle one (vmm layouts where BlockLen does not divide the
-	// page): block b starts at (b / perPage)·PageSize + (b % perPage)·BlockLen.
-	// Bytes of a page's padding count as its last block. 0 means blocks are
-	// contiguous: block b starts at b·BlockLen.
+	// page; kvgeom.Packing). Bytes of a page's padding count as its last
+	// block. 0 means blocks are contiguous: block b starts at b·BlockLen.
 	PageSize uint64
 	// DevID is the device the memory lives on (NIXL devID).
 	DevID uint32
@@ -106,12 +106,7 @@ type span struct {
 
 // blockAt returns the id of the block holding byte off of the region.
 func (r *Region) blockAt(off uint64) uint64 {
-	if r.PageSize == 0 || r.BlockLen >= r.PageSize {
-		return off / r.BlockLen
-	}
-	perPage := r.PageSize / r.BlockLen
-	slot := min((off%r.PageSize)/r.BlockLen, perPage-1)
-	return off/r.PageSize*perPage + slot
+	return kvgeom.Packing{BlockLen: r.BlockLen, PageSize: r.PageSize}.BlockAt(off)
 }
 
 // regions is an immutable set of registered regions sorted by nothing in

@@ -7,13 +7,15 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 )
 
 // BenchmarkAllocFree16 allocates 16 blocks and frees them on pages that are
 // already mapped (llama-3.1-8b at TP 1: 32 KiB blocks, 64 a 2 MiB page).
 // kvcached's C++ allocator reaches 41-51 K pairs/s; the target here is 500 K.
 func BenchmarkAllocFree16(b *testing.B) {
-	g, err := Model("llama-3.1-8b")
+	g, err := kvgeom.Model("llama-3.1-8b")
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -3,12 +3,14 @@
 // page (one granularity, 2 MiB on current GPUs) is mapped when a block in it
 // is first allocated, and it is unmapped and released when its last block is
 // freed. It holds the Backend interface, the host backend (memfd + mmap), the
-// block Pool and the KV layout arithmetic; vmm/cuda is the device backend and
-// vmm/vmmtest the conformance suite every backend passes.
+// block Pool and the KV layout of a rank; the geometry every layer shares
+// (model table, dtype sizes, head split, block packing) is internal/kvgeom.
+// vmm/cuda is the device backend and vmm/vmmtest the conformance suite every
+// backend passes.
 //
 // The smallest real use:
 //
-//	g, _ := vmm.Model("llama-3.1-8b")
+//	g, _ := kvgeom.Model("llama-3.1-8b")
 //	layout, err := vmm.LayoutFor(g, tpRank, tpSize)
 //	pool, err := vmm.NewPool(ctx, &vmm.Config{Layout: layout, NumBlocks: 4096})
 //	defer pool.Close()

@@ -1,12 +1,11 @@
 package vmm
 
 import (
+	"errors"
 	"fmt"
-	"sort"
-	"strings"
 
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
-	"google.golang.org/protobuf/proto"
 )
 
 // Layout is the KV cache layout of one rank: Layers layers, each either a K
@@ -79,20 +78,6 @@ func (l Layout) BytesPerToken() uint64 {
 	return l.BlockLen() / uint64(l.BlockSize) * uint64(l.NumRegions())
 }
 
-// DTypeBytes returns the element size of d, or an error wrapping
-// ErrInvalidConfig for DTYPE_UNSPECIFIED or an unknown value.
-func DTypeBytes(d v1.DType) (int, error) {
-	switch d {
-	case v1.DType_DTYPE_FLOAT16, v1.DType_DTYPE_BFLOAT16:
-		return 2, nil
-	case v1.DType_DTYPE_FLOAT32:
-		return 4, nil
-	case v1.DType_DTYPE_FP8_E4M3, v1.DType_DTYPE_FP8_E5M2:
-		return 1, nil
-	}
-	return 0, configError("ModelGeometry.dtype", "%v has no known element size", d)
-}
-
 // Limits of a geometry LayoutFor accepts. They are far above any published
 // model (the largest in the table has 80 layers, 8 KV heads, head_dim 576)
 // and keep the block arithmetic far inside 64 bits: 65,536 tokens × 4,096
@@ -124,6 +109,16 @@ func geometryError(fields []string, format string, a ...any) error {
 	return &GeometryError{Fields: fields, Rule: fmt.Sprintf(format, a...)}
 }
 
+// geometryFrom returns the *GeometryError of a *kvgeom.Error: the same
+// fields and rule.
+func geometryFrom(err error) error {
+	var ke *kvgeom.Error
+	if !errors.As(err, &ke) {
+		return configError("ModelGeometry", "%v", err)
+	}
+	return &GeometryError{Fields: ke.Fields, Rule: ke.Rule}
+}
+
 // LayoutFor derives the layout of rank tpRank of a TP group of tpSize ranks.
 // GQA: each rank holds num_kv_heads / tpSize heads,
 // which must divide; when tpSize > num_kv_heads the heads are replicated, one
@@ -147,9 +142,9 @@ func LayoutFor(g *v1.ModelGeometry, tpRank, tpSize int) (Layout, error) {
 	if g.GetLayout() != v1.Layout_LAYOUT_HND && g.GetLayout() != v1.Layout_LAYOUT_UNSPECIFIED {
 		return Layout{}, geometryError([]string{"layout"}, "layout %v is not supported; only HND", g.GetLayout())
 	}
-	db, err := DTypeBytes(g.GetDtype())
+	db, err := kvgeom.DTypeBytes(g.GetDtype())
 	if err != nil {
-		return Layout{}, geometryError([]string{"dtype"}, "dtype %v has no known element size", g.GetDtype())
+		return Layout{}, geometryFrom(err)
 	}
 	for _, f := range []struct {
 		name string
@@ -178,15 +173,14 @@ func LayoutFor(g *v1.ModelGeometry, tpRank, tpSize int) (Layout, error) {
 		}
 		l.MLA, l.Compound, l.HeadsPerRank = true, true, 1
 	case v1.Attention_ATTENTION_GQA, v1.Attention_ATTENTION_UNSPECIFIED:
-		switch {
-		case tpSize <= kv && kv%tpSize == 0:
-			l.HeadsPerRank = kv / tpSize
-		case tpSize > kv && tpSize%kv == 0:
-			l.HeadsPerRank = 1 // replicated: each head on tpSize/kv ranks
-		default:
+		// tp_size, tp_rank and num_kv_heads are in range: the split fails
+		// only when neither of tp_size and num_kv_heads divides the other.
+		heads, err := kvgeom.RankHeads(kv, tpSize, tpRank)
+		if err != nil {
 			return Layout{}, geometryError([]string{"num_kv_heads", "tp_size"},
 				"tp_size=%d and num_kv_heads=%d: one must divide the other (num_kv_heads %% tp_size == 0, or tp_size %% num_kv_heads == 0 to replicate heads)", tpSize, kv)
 		}
+		l.HeadsPerRank = heads.Count
 	default:
 		return Layout{}, geometryError([]string{"attention"}, "attention %v is unknown", g.GetAttention())
 	}
@@ -194,62 +188,6 @@ func LayoutFor(g *v1.ModelGeometry, tpRank, tpSize int) (Layout, error) {
 		return Layout{}, err
 	}
 	return l, nil
-}
-
-// DefaultBlockSize is the tokens per block of the built-in model table:
-// vLLM's default block_size on CUDA (vllm/config/cache.py, 16).
-const DefaultBlockSize = 16
-
-// models is the KV geometry of public models, taken from each model's
-// published config.json (num_hidden_layers, num_key_value_heads, head_dim,
-// torch_dtype; for MLA kv_lora_rank 512 + qk_rope_head_dim 64 = 576).
-var models = map[string]*v1.ModelGeometry{
-	"llama-3.1-8b":     gqa("llama-3.1-8b", 32, 8, 128),
-	"llama-3.1-70b":    gqa("llama-3.1-70b", 80, 8, 128),
-	"llama-3.2-1b":     gqa("llama-3.2-1b", 16, 8, 64),
-	"qwen3-8b":         gqa("qwen3-8b", 36, 8, 128),
-	"qwen3-0.6b":       gqa("qwen3-0.6b", 28, 8, 128),
-	"qwen2.5-0.5b":     gqa("qwen2.5-0.5b", 24, 2, 64),
-	"deepseek-v2-lite": mla("deepseek-v2-lite", 27, 1, 576),
-}
-
-func gqa(name string, layers, kv, dim uint32) *v1.ModelGeometry {
-	return &v1.ModelGeometry{Model: name, NumLayers: layers, NumKvHeads: kv, HeadDim: dim,
-		Dtype: v1.DType_DTYPE_BFLOAT16, BlockSize: DefaultBlockSize, Layout: v1.Layout_LAYOUT_HND,
-		Attention: v1.Attention_ATTENTION_GQA}
-}
-
-func mla(name string, layers, kv, dim uint32) *v1.ModelGeometry {
-	g := gqa(name, layers, kv, dim)
-	g.Attention = v1.Attention_ATTENTION_MLA
-	return g
-}
-
-// Model returns a copy of the built-in geometry of name (block_size
-// DefaultBlockSize, bfloat16, HND). An unknown name is an error wrapping
-// ErrInvalidConfig that lists the known names.
-func Model(name string) (*v1.ModelGeometry, error) {
-	g, ok := models[name]
-	if !ok {
-		return nil, configError("model", "unknown %q; known: %s", name, strings.Join(ModelNames(), ", "))
-	}
-	return proto.Clone(g).(*v1.ModelGeometry), nil
-}
-
-// ModelNames returns the names of the built-in model table, sorted.
-func ModelNames() []string {
-	names := make([]string, 0, len(models))
-	for n := range models {
-		names = append(names, n)
-	}
-	sort.Strings(names)
-	return names
-}
-
-// blocksPerPage is how many whole blocks fit in a page; blocks never
-// straddle a page, so a page's tail shorter than a block is left unused.
-func blocksPerPage(pageSize, blockLen uint64) int {
-	return int(pageSize / blockLen)
 }
 
 func (l Layout) String() string {

@@ -8,6 +8,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -32,7 +33,7 @@ func TestLayoutFor(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.model, func(t *testing.T) {
-			g, err := Model(tc.model)
+			g, err := kvgeom.Model(tc.model)
 			require.NoError(t, err)
 			l, err := LayoutFor(g, tc.rank, tc.size)
 			require.NoError(t, err)
@@ -45,7 +46,7 @@ func TestLayoutFor(t *testing.T) {
 }
 
 func TestLayoutForRejects(t *testing.T) {
-	g, err := Model("llama-3.1-8b")
+	g, err := kvgeom.Model("llama-3.1-8b")
 	require.NoError(t, err)
 	noDtype := proto.Clone(g).(*v1.ModelGeometry)
 	noDtype.Dtype = v1.DType_DTYPE_UNSPECIFIED
@@ -96,26 +97,11 @@ func TestLayoutForRejects(t *testing.T) {
 	}
 }
 
-func TestModelTable(t *testing.T) {
-	names := ModelNames()
-	require.Len(t, names, 7)
-	require.IsIncreasing(t, names)
-	_, err := Model("gpt-5")
-	require.ErrorIs(t, err, ErrInvalidConfig)
-	require.Contains(t, err.Error(), "llama-3.1-8b")
-	a, err := Model("qwen3-8b")
-	require.NoError(t, err)
-	a.NumLayers = 1
-	b, err := Model("qwen3-8b")
-	require.NoError(t, err)
-	require.EqualValues(t, 36, b.GetNumLayers(), "Model returns a copy")
-}
-
 // FuzzLayoutFor checks that any geometry either is rejected or yields a
 // layout whose arithmetic holds.
 func FuzzLayoutFor(f *testing.F) {
-	for _, n := range ModelNames() {
-		g, _ := Model(n)
+	for _, n := range kvgeom.ModelNames() {
+		g, _ := kvgeom.Model(n)
 		b, _ := proto.Marshal(g)
 		f.Add(b, 0, 1)
 		f.Add(b, 1, 2)
@@ -147,9 +133,8 @@ func TestRegionInfoBlockOffset(t *testing.T) {
 		b    int
 		want uint64
 	}{
-		{"packed power of 2", RegionInfo{BlockLen: 2048, PageSize: 64 << 10, BlocksPerPage: 32}, 37, 37 * 2048},
-		{"gap at page end", RegionInfo{BlockLen: 3000, PageSize: 8192, BlocksPerPage: 2}, 3, 8192 + 3000},
-		{"hand built, no BlocksPerPage", RegionInfo{BlockLen: 2048, PageSize: 64 << 10}, 37, 37 * 2048},
+		{"packed power of 2", RegionInfo{BlockLen: 2048, PageSize: 64 << 10}, 37, 37 * 2048},
+		{"gap at page end", RegionInfo{BlockLen: 3000, PageSize: 8192}, 3, 8192 + 3000},
 		{"hand built, no page size either", RegionInfo{BlockLen: 512}, 5, 5 * 512},
 		{"block 0", RegionInfo{BlockLen: 2048}, 0, 0},
 	}

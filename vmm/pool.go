@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -104,30 +105,30 @@ func (c *Config) withDefaults() Config {
 }
 
 // RegionInfo describes one reserved region of a Pool. Block b of the region
-// lives at Base + BlockOffset(b): blocks are packed BlocksPerPage to a page
-// and never straddle one, so when BlockLen divides PageSize (every power-of-2
-// geometry) BlockOffset(b) == b × BlockLen.
+// lives at Base + BlockOffset(b): blocks are packed PageSize/BlockLen to a
+// page and never straddle one (kvgeom.Packing), so when BlockLen divides
+// PageSize (every power-of-2 geometry) BlockOffset(b) == b × BlockLen.
 type RegionInfo struct {
-	Index         int
-	Base          uint64 // virtual address: host pointer or CUdeviceptr
-	Len           uint64 // bytes reserved: pages × PageSize
-	BlockLen      uint64 // bytes of one block in this region
-	DevID         int
-	Layer         int
-	Kind          v1.RegionKind
-	PageSize      uint64
-	BlocksPerPage int // derived: blocks in one page; 0 (hand built) = packed, see BlockOffset
+	Index    int
+	Base     uint64 // virtual address: host pointer or CUdeviceptr
+	Len      uint64 // bytes reserved: pages × PageSize
+	BlockLen uint64 // bytes of one block in this region
+	DevID    int
+	Layer    int
+	Kind     v1.RegionKind
+	PageSize uint64 // bytes of one page (the backend's granularity); 0: blocks back to back
 }
 
-// BlockOffset returns the byte offset of block b inside the region. A
-// RegionInfo built by hand may leave the derived BlocksPerPage zero; the
-// offset is then b × BlockLen (blocks packed without page gaps, exact when
-// BlockLen divides PageSize).
+// Packing returns how the region's blocks sit in its pages.
+func (r RegionInfo) Packing() kvgeom.Packing {
+	return kvgeom.Packing{BlockLen: r.BlockLen, PageSize: r.PageSize}
+}
+
+// BlockOffset returns the byte offset of block b inside the region:
+// r.Packing().Offset(b). A RegionInfo built by hand with PageSize 0 reads as
+// blocks back to back, b × BlockLen.
 func (r RegionInfo) BlockOffset(b int) uint64 {
-	if r.BlocksPerPage <= 0 {
-		return uint64(b) * r.BlockLen
-	}
-	return uint64(b/r.BlocksPerPage)*r.PageSize + uint64(b%r.BlocksPerPage)*r.BlockLen
+	return r.Packing().Offset(kvgeom.BlockID(b))
 }
 
 // Proto converts r for AgentMetadata.
@@ -185,7 +186,7 @@ type Pool struct {
 		limit        uint64
 	}
 	ps        uint64 // page size
-	blen      uint64
+	pack      kvgeom.Packing
 	bpp       int
 	nPages    int
 	nRegions  int
@@ -258,14 +259,15 @@ func NewPool(ctx context.Context, cfg *Config) (*Pool, error) {
 }
 
 func newPool(ctx context.Context, c Config, be Backend) (*Pool, error) {
-	ps, blen := be.Granularity(), c.Layout.BlockLen()
+	ps := be.Granularity()
 	if ps == 0 {
 		return nil, configError("Config.Backend", "granularity 0")
 	}
-	if blen > ps {
-		return nil, configError("Config.Layout", "block_len %d exceeds the page size %d (blocks never straddle a page)", blen, ps)
+	pack, err := kvgeom.NewPacking(c.Layout.BlockLen(), ps)
+	if err != nil {
+		return nil, configError("Config.Layout", "%v", err)
 	}
-	bpp := blocksPerPage(ps, blen)
+	bpp := int(pack.BlocksPerPage())
 	nPages := (c.NumBlocks + bpp - 1) / bpp
 	m, err := newMetrics(c.Registerer)
 	if err != nil {
@@ -273,7 +275,7 @@ func newPool(ctx context.Context, c Config, be Backend) (*Pool, error) {
 	}
 	p := &Pool{
 		cfg: c, be: be, log: c.Logger, m: m,
-		ps: ps, blen: blen, bpp: bpp, nPages: nPages,
+		ps: ps, pack: pack, bpp: bpp, nPages: nPages,
 		nRegions:  c.Layout.NumRegions(),
 		pageBytes: ps * uint64(c.Layout.NumRegions()),
 		kick:      make(chan chan struct{}, 1),
@@ -300,8 +302,8 @@ func newPool(ctx context.Context, c Config, be Backend) (*Pool, error) {
 			return nil, fmt.Errorf("vmm: reserve region %d of %d bytes: %w", r, size, err)
 		}
 		layer, kind := c.Layout.Region(r)
-		p.regions = append(p.regions, RegionInfo{Index: r, Base: base, Len: size, BlockLen: blen,
-			DevID: be.DevID(), Layer: layer, Kind: kind, PageSize: ps, BlocksPerPage: bpp})
+		p.regions = append(p.regions, RegionInfo{Index: r, Base: base, Len: size, BlockLen: pack.BlockLen,
+			DevID: be.DevID(), Layer: layer, Kind: kind, PageSize: ps})
 	}
 	// Unmapped stack: the short last page (if any) at the bottom, then
 	// descending so page 1 is popped first.
@@ -1048,7 +1050,7 @@ func (p *Pool) Regions() []RegionInfo {
 
 // BlockOffset returns the byte offset of block b inside every region.
 func (p *Pool) BlockOffset(b int) uint64 {
-	return uint64(b/p.bpp)*p.ps + uint64(b%p.bpp)*p.blen
+	return p.pack.Offset(kvgeom.BlockID(b))
 }
 
 func (p *Pool) closedErr() error { return fmt.Errorf("vmm: pool: %w", net.ErrClosed) }

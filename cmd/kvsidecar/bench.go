@@ -15,8 +15,8 @@ import (
 
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/internal/demo"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	"github.com/kvsidecar/kvsidecar/transfer"
-	"github.com/kvsidecar/kvsidecar/vmm"
 )
 
 // maxBenchRTT caps bench handshake --rtt: a handshake takes several round
@@ -48,7 +48,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 
 func benchHandshake(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("bench handshake", "Measure handshake latency in piggyback and legacy modes.", stdout)
-	model := fs.String("model", demo.DefaultModel, "model geometry: "+strings.Join(vmm.ModelNames(), ", "))
+	model := fs.String("model", demo.DefaultModel, "model geometry: "+strings.Join(kvgeom.ModelNames(), ", "))
 	prefillTP := fs.Int("prefill-tp", demo.DefaultPrefillTP, fmt.Sprintf("TP size of the prefill instance, 1..%d", connector.MaxTPSize))
 	decodeTP := fs.Int("decode-tp", demo.DefaultDecodeTP, fmt.Sprintf("TP size of the decode instance, 1..%d; one of the TP sizes must divide the other", connector.MaxTPSize))
 	rtt := fs.Duration("rtt", demo.DefaultRTT, fmt.Sprintf("injected round-trip time, %v..%v (one-way delay rtt/2 on every socket)", minRTT, maxBenchRTT))

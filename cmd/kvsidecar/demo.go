@@ -18,6 +18,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/handshake"
 	"github.com/kvsidecar/kvsidecar/internal/demo"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	"github.com/kvsidecar/kvsidecar/internal/trace"
 	"github.com/kvsidecar/kvsidecar/vmm"
 	"github.com/kvsidecar/kvsidecar/vmm/cuda"
@@ -30,7 +31,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	signal.Notify(sigs, shutdownSignals...)
 	defer signal.Stop(sigs)
 	fs := newFlagSet("demo", "Run a prefill and a decode instance on the host backend and replay a real trace through them.", stdout)
-	model := fs.String("model", demo.DefaultModel, "model geometry: "+strings.Join(vmm.ModelNames(), ", "))
+	model := fs.String("model", demo.DefaultModel, "model geometry: "+strings.Join(kvgeom.ModelNames(), ", "))
 	prefillTP := fs.Int("prefill-tp", demo.DefaultPrefillTP, fmt.Sprintf("TP size of the prefill instance, 1..%d, dividing or divided by the model's KV heads", connector.MaxTPSize))
 	decodeTP := fs.Int("decode-tp", demo.DefaultDecodeTP, fmt.Sprintf("TP size of the decode instance, 1..%d; one of the TP sizes must divide the other", connector.MaxTPSize))
 	requests := fs.Int("requests", demo.DefaultRequests, "replay the first N requests of the trace, 1..its length (not given: all of a shorter trace)")

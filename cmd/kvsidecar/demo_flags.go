@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/internal/demo"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
@@ -55,9 +56,9 @@ func checkSpeedup(v float64) error {
 // checkModelTP resolves --model and checks --prefill-tp and --decode-tp
 // against it and against each other, as the connector will.
 func checkModelTP(model string, prefillTP, decodeTP int) (*v1.ModelGeometry, error) {
-	geom, err := vmm.Model(model)
+	geom, err := kvgeom.Model(model)
 	if err != nil {
-		return nil, usageErrorf("--model %q: unknown; want one of %s", model, strings.Join(vmm.ModelNames(), ", "))
+		return nil, usageErrorf("--model %q: unknown; want one of %s", model, strings.Join(kvgeom.ModelNames(), ", "))
 	}
 	for _, f := range []struct {
 		name string

@@ -32,6 +32,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/handshake"
 	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/transfer"
 	"github.com/kvsidecar/kvsidecar/vmm"
@@ -70,13 +71,13 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.backend, "backend", "host", "page backend: host (memfd) or cuda")
 	fs.IntVar(&f.device, "device", 0, "CUDA device ordinal (cuda backend only)")
 	fs.StringVar(&f.cudaLibrary, "cuda-library", cuda.DefaultLibrary, "CUDA driver library to dlopen, a name the dynamic loader finds or a path (cuda backend only)")
-	fs.StringVar(&f.model, "model", "", "model geometry by name ("+strings.Join(vmm.ModelNames(), ", ")+"); or set --layers, --kv-heads, --head-dim, --dtype; or neither to take the engine's")
+	fs.StringVar(&f.model, "model", "", "model geometry by name ("+strings.Join(kvgeom.ModelNames(), ", ")+"); or set --layers, --kv-heads, --head-dim, --dtype; or neither to take the engine's")
 	fs.IntVar(&f.layers, "layers", 0, "explicit geometry: num_hidden_layers")
 	fs.IntVar(&f.kvHeads, "kv-heads", 0, "explicit geometry: num_key_value_heads (before the TP split)")
 	fs.IntVar(&f.headDim, "head-dim", 0, "explicit geometry: head_dim")
 	fs.StringVar(&f.dtype, "dtype", "bfloat16", "explicit geometry: float16, bfloat16, float32, fp8_e4m3 or fp8_e5m2")
 	fs.StringVar(&f.attention, "attention", "gqa", "explicit geometry: gqa or mla")
-	fs.IntVar(&f.blockSize, "block-size", vmm.DefaultBlockSize, "tokens per KV block")
+	fs.IntVar(&f.blockSize, "block-size", kvgeom.DefaultBlockSize, "tokens per KV block")
 	fs.IntVar(&f.numBlocks, "num-blocks", 0, "blocks per region (0: the engine's create request decides)")
 	fs.StringVar(&f.memoryLimit, "memory-limit", "", "limit on mapped bytes: bytes with a unit (8GiB, 512MiB) or a percent of the reservation (50%); empty: none")
 	fs.StringVar(&f.listen, "listen", "127.0.0.1:0", "QUIC listen address host:port")
@@ -296,9 +297,9 @@ func (f *serveFlags) validate() (*serveConfig, error) {
 		return bad("model", "%q fixes the geometry; drop %s (or drop --model and give --layers, --kv-heads, --head-dim)",
 			f.model, strings.Join(explicit, ", "))
 	case f.model != "":
-		g, err := vmm.Model(f.model)
+		g, err := kvgeom.Model(f.model)
 		if err != nil {
-			return bad("model", "unknown %q; known: %s", f.model, strings.Join(vmm.ModelNames(), ", "))
+			return bad("model", "unknown %q; known: %s", f.model, strings.Join(kvgeom.ModelNames(), ", "))
 		}
 		g.BlockSize = uint32(f.blockSize)
 		c.geometry = g

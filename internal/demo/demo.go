@@ -18,6 +18,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/handshake"
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
 	"github.com/kvsidecar/kvsidecar/internal/kvgen"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	"github.com/kvsidecar/kvsidecar/internal/trace"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/vmm"
@@ -117,7 +118,7 @@ func loadTrace(path string, n int) (*Trace, error) {
 // default demo: DefaultModel, prefill TP 2 → decode TP 4, the first
 // DefaultRequests requests of the embedded Mooncake conversation trace.
 type Config struct {
-	// Model is a name of vmm.ModelNames(). Default DefaultModel. Ignored
+	// Model is a name of kvgeom.ModelNames(). Default DefaultModel. Ignored
 	// when Geometry is set.
 	Model string
 	// Geometry overrides Model with an explicit geometry (tests use tiny
@@ -276,7 +277,7 @@ func (c *Config) withDefaults() (Config, error) {
 		return Config{}, fmt.Errorf("%w: Config.%s: %s", ErrInvalidConfig, field, fmt.Sprintf(format, a...))
 	}
 	if out.Geometry == nil {
-		g, err := vmm.Model(out.Model)
+		g, err := kvgeom.Model(out.Model)
 		if err != nil {
 			return bad("Model", "%v", err)
 		}

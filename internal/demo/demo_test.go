@@ -209,7 +209,7 @@ func TestConfigValidation(t *testing.T) {
 		cfg  Config
 		want string
 	}{
-		{"unknown model", Config{Model: "gpt-9"}, `Config.Model: vmm: invalid configuration: model: unknown "gpt-9"`},
+		{"unknown model", Config{Model: "gpt-9"}, `Config.Model: kvgeom: model: unknown "gpt-9"`},
 		{"block size", Config{Geometry: odd}, "Config.Geometry: block_size=24 must divide 512"},
 		{"prefill tp", Config{PrefillTP: 2048}, "Config.PrefillTP: 2048 must be in [1, 1024]"},
 		{"decode tp", Config{DecodeTP: -1}, "Config.DecodeTP: -1 must be in [1, 1024]"},

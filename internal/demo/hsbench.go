@@ -11,9 +11,9 @@ import (
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/handshake"
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	"github.com/kvsidecar/kvsidecar/internal/testutil"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
-	"github.com/kvsidecar/kvsidecar/vmm"
 )
 
 // Defaults of HandshakeConfig.
@@ -28,7 +28,7 @@ const (
 // HandshakeConfig configures RunHandshakeBench. The zero value (and nil)
 // measures DefaultModel, prefill TP 2 → decode TP 4 at DefaultRTT.
 type HandshakeConfig struct {
-	// Model is a name of vmm.ModelNames(). Default DefaultModel.
+	// Model is a name of kvgeom.ModelNames(). Default DefaultModel.
 	Model string
 	// PrefillTP and DecodeTP. Defaults DefaultPrefillTP, DefaultDecodeTP.
 	PrefillTP, DecodeTP int
@@ -129,7 +129,7 @@ func RunHandshakeBench(ctx context.Context, cfg *HandshakeConfig) (*HandshakeRes
 	if err != nil {
 		return nil, err
 	}
-	geom, err := vmm.Model(c.Model)
+	geom, err := kvgeom.Model(c.Model)
 	if err != nil {
 		return nil, fmt.Errorf("%w: HandshakeConfig.Model: %w", ErrInvalidConfig, err)
 	}

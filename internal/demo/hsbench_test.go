@@ -72,7 +72,7 @@ func TestHandshakeConfigValidation(t *testing.T) {
 		{"rtt", HandshakeConfig{RTT: time.Microsecond}, "HandshakeConfig.RTT: 1µs must be at least 1ms"},
 		{"trials", HandshakeConfig{Trials: -1}, "HandshakeConfig.Trials: -1 must be at least 1"},
 		{"tp", HandshakeConfig{DecodeTP: 3}, "decode tp_size"},
-		{"model", HandshakeConfig{Model: "nope"}, `HandshakeConfig.Model: vmm: invalid configuration: model: unknown "nope"`},
+		{"model", HandshakeConfig{Model: "nope"}, `HandshakeConfig.Model: kvgeom: model: unknown "nope"`},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

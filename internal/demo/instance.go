@@ -16,6 +16,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/handshake"
 	"github.com/kvsidecar/kvsidecar/internal/kvgen"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	"github.com/kvsidecar/kvsidecar/internal/testutil"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/transfer"
@@ -220,7 +221,7 @@ func (in *instance) shape(r int) (kvgen.Shape, error) {
 	if err != nil {
 		return kvgen.Shape{}, err
 	}
-	db, err := vmm.DTypeBytes(in.o.geom.GetDtype())
+	db, err := kvgeom.DTypeBytes(in.o.geom.GetDtype())
 	if err != nil {
 		return kvgen.Shape{}, err
 	}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	"github.com/kvsidecar/kvsidecar/vmm"
 	"github.com/kvsidecar/kvsidecar/vmm/vmmtest"
 )
@@ -58,7 +59,7 @@ func TestGPUDevicePoolWriteReadBack(t *testing.T) {
 // CopyIn read back with CopyOut, HostBytes refuses device memory, and a page
 // exported as a POSIX fd imports to the same bytes.
 func devicePoolWriteReadBack(t *testing.T, b *Backend) {
-	g, err := vmm.Model("llama-3.1-8b")
+	g, err := kvgeom.Model("llama-3.1-8b")
 	require.NoError(t, err)
 	l, err := vmm.LayoutFor(g, 0, 1)
 	require.NoError(t, err)

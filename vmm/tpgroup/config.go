@@ -10,13 +10,14 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	"github.com/kvsidecar/kvsidecar/internal/wire"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
-// MaxTPSize is the largest TP size a group accepts (the same bound as
-// connector.MaxTPSize; vmm may not import connector).
-const MaxTPSize = 1024
+// MaxTPSize is the largest TP size a group accepts: kvgeom.MaxTPSize, the
+// bound connector and handshake apply too.
+const MaxTPSize = kvgeom.MaxTPSize
 
 // MaxEngineIDLen is the longest engine id accepted, in bytes.
 const MaxEngineIDLen = 256
