@@ -13,6 +13,7 @@ import (
 	lru "github.com/hashicorp/golang-lru/v2"
 
 	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -157,10 +158,7 @@ func newLeaseTable(ttl time.Duration, rank int, free func(l *lease, expired bool
 // consumer notified or ttl passes. issue makes the export's capability.
 // The export id must be new on this rank.
 func (t *leaseTable) add(id string, export uint64, blocks []int, session uint64, issue func() []byte) (time.Time, error) {
-	ids := make([]uint32, len(blocks))
-	for i, b := range blocks {
-		ids[i] = uint32(b)
-	}
+	ids := kvgeom.Wire(blocks)
 	sorted := slices.Sorted(slices.Values(ids))
 	t.mu.Lock()
 	defer t.mu.Unlock()

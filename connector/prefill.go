@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/transfer"
 	"github.com/kvsidecar/kvsidecar/vmm"
@@ -241,11 +242,7 @@ func (r *Rank) authorize(_ context.Context, a *transfer.Access) error {
 					ErrCapabilityDenied, b, l.id, l.export, r.cfg.TPRank)
 			}
 		}
-		blocks := make([]int, len(a.BlockIDs))
-		for i, b := range a.BlockIDs {
-			blocks[i] = int(b)
-		}
-		if err := r.pool.CheckMapped(blocks); err != nil {
+		if err := r.pool.CheckMapped(kvgeom.Ints(a.BlockIDs)); err != nil {
 			var be *vmm.BlockError
 			if errors.As(err, &be) {
 				return codes.New(codes.Of(err), "connector: request %q export %016x on rank %d: block %d: its page is not mapped; no byte was read",

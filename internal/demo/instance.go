@@ -188,11 +188,7 @@ func (in *instance) alloc(ctx context.Context, n int) ([]uint32, error) {
 		}
 		ids = got
 	}
-	out := make([]uint32, len(ids))
-	for i, id := range ids {
-		out[i] = uint32(id)
-	}
-	return out, nil
+	return kvgeom.Wire(ids), nil
 }
 
 // free frees ids on every pool.
@@ -202,10 +198,7 @@ func (in *instance) free(ids []uint32) error {
 	}
 	in.mu.Lock()
 	defer in.mu.Unlock()
-	b := make([]int, len(ids))
-	for i, id := range ids {
-		b[i] = int(id)
-	}
+	b := kvgeom.Ints(ids)
 	var errs []error
 	for r, p := range in.pools {
 		if err := p.Free(context.Background(), b); err != nil {

@@ -6,6 +6,26 @@ package kvgeom
 // block_ids fields.
 type BlockID uint32
 
+// ID is the integer forms a block id takes: int in vmm.Pool, uint32 in the
+// wire's block_ids fields and transfer.Access, BlockID here.
+type ID interface{ ~int | ~uint32 }
+
+// Wire returns ids as the uint32 block ids of the wire, in order. Block ids
+// of a pool fit (NumBlocks is at most 2^31−1); an int outside [0, 2^32)
+// wraps, as any uint32 conversion does.
+func Wire[T ID](ids []T) []uint32 { return convert[uint32](ids) }
+
+// Ints returns ids as the ints vmm.Pool takes, in order.
+func Ints[T ID](ids []T) []int { return convert[int](ids) }
+
+func convert[To, From ID](ids []From) []To {
+	out := make([]To, len(ids))
+	for i, id := range ids {
+		out[i] = To(id)
+	}
+	return out
+}
+
 // Packing is where the blocks of one region sit: blocks of BlockLen bytes,
 // packed whole into pages of PageSize bytes, PageSize/BlockLen to a page and
 // never straddling one, so block b starts at

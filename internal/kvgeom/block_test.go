@@ -88,3 +88,12 @@ func TestPackingBlockAt(t *testing.T) {
 	}
 	require.Zero(t, kvgeom.Packing{PageSize: 4096}.BlockAt(5000), "no blocks: never divides by zero")
 }
+
+func TestBlockIDForms(t *testing.T) {
+	pool := []int{1, 7, 4095, 1<<31 - 1}
+	wire := kvgeom.Wire(pool)
+	require.Equal(t, []uint32{1, 7, 4095, 1<<31 - 1}, wire)
+	require.Equal(t, pool, kvgeom.Ints(wire))
+	require.Equal(t, []int{3, 9}, kvgeom.Ints([]kvgeom.BlockID{3, 9}))
+	require.Empty(t, kvgeom.Wire([]int(nil)))
+}
