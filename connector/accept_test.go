@@ -356,6 +356,7 @@ func TestLeasedBlocksAreGuarded(t *testing.T) {
 	dec.startLoad(t, "a", local, pa)
 	requireAllDone(t, dec.wait(t, "a"))
 	dec.check(t, 4, local, 0)
+	require.Equal(t, []string{"a"}, pre.waitSent(t, 0, "a"), "the decode's notification released a's lease")
 	require.Equal(t, used-1, pool.Stats().BlocksUsed, "only the block b does not hold is freed")
 	err = rank.FreeBlocks(t.Context(), []int{int(blocks[0])})
 	require.Equal(t, v1.Code_CODE_BUSY, codes.Of(err), "b still holds the shared block: %v", err)
@@ -364,6 +365,7 @@ func TestLeasedBlocksAreGuarded(t *testing.T) {
 	dec.startLoad(t, "b", local2, pb)
 	requireAllDone(t, dec.wait(t, "b"))
 	dec.check(t, 4, local2, 0)
+	require.Equal(t, []string{"b"}, pre.waitSent(t, 0, "b"))
 	require.Equal(t, used-3, pool.Stats().BlocksUsed, "the last lease frees the shared blocks")
 }
 

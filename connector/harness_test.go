@@ -114,21 +114,18 @@ func newInstance(t testing.TB, o instOpts) *instance {
 		in.addrs = append(in.addrs, pc.LocalAddr().String())
 	}
 	for r := range o.tp {
-		layout, err := vmm.LayoutFor(o.geom, r, o.tp)
+		b, err := connector.BuildRank(t.Context(), &connector.BuildConfig{NumBlocks: o.numBlocks, PreallocPages: o.prealloc,
+			Rank: connector.Config{
+				EngineID: o.engine, TPRank: r, TPSize: o.tp, Geometry: o.geom,
+				// wallclock: without o.sim the instances run on real UDP, where the progress timer is the wall clock's; 5 s scaled is far above a loaded machine's stalls.
+				Transfer: &transfer.Config{PacketConn: in.pcs[r], ServerTLS: srv, ClientTLS: cli, ProgressTimeout: testutil.Scaled(5 * time.Second),
+					StatelessResetKey: o.resetKey},
+				RankAddrs: in.addrs, CapabilitySecret: o.secret, LeaseTTL: o.leaseTTL, HandshakeMode: o.mode, Registerer: o.reg,
+			}})
 		require.NoError(t, err)
-		pool, err := vmm.NewPool(t.Context(), &vmm.Config{Layout: layout, NumBlocks: o.numBlocks, PreallocPages: o.prealloc})
-		require.NoError(t, err)
-		t.Cleanup(func() { require.NoError(t, pool.Close()) })
-		rank, err := connector.NewRank(t.Context(), &connector.Config{
-			EngineID: o.engine, TPRank: r, TPSize: o.tp, Geometry: o.geom, Pool: pool,
-			// wallclock: without o.sim the instances run on real UDP, where the progress timer is the wall clock's; 5 s scaled is far above a loaded machine's stalls.
-			Transfer: &transfer.Config{PacketConn: in.pcs[r], ServerTLS: srv, ClientTLS: cli, ProgressTimeout: testutil.Scaled(5 * time.Second),
-				StatelessResetKey: o.resetKey},
-			RankAddrs: in.addrs, CapabilitySecret: o.secret, LeaseTTL: o.leaseTTL, HandshakeMode: o.mode, Registerer: o.reg,
-		})
-		require.NoError(t, err)
-		in.pools = append(in.pools, pool)
-		in.ranks = append(in.ranks, rank)
+		t.Cleanup(func() { require.NoError(t, b.Close()) })
+		in.pools = append(in.pools, b.Pool)
+		in.ranks = append(in.ranks, b.Rank)
 	}
 	t.Cleanup(in.close)
 	return in
