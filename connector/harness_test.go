@@ -16,6 +16,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/handshake"
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
 	"github.com/kvsidecar/kvsidecar/internal/kvgen"
+	"github.com/kvsidecar/kvsidecar/internal/netem"
 	"github.com/kvsidecar/kvsidecar/internal/testutil"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/transfer"
@@ -76,7 +77,7 @@ type instance struct {
 	pools []*vmm.Pool
 	ranks []*connector.Rank
 	addrs []string
-	pcs   []*testutil.PacketConn
+	pcs   []*netem.PacketConn
 }
 
 func newInstance(t testing.TB, o instOpts) *instance {
@@ -102,13 +103,13 @@ func newInstance(t testing.TB, o instOpts) *instance {
 		if o.addrs != nil {
 			addr = o.addrs[r]
 		}
-		var pc *testutil.PacketConn
+		var pc *netem.PacketConn
 		if o.sim != nil {
 			pc = o.sim.Listen(t, addr)
 		} else {
 			udp, err := net.ListenPacket("udp", addr)
 			require.NoError(t, err)
-			pc = testutil.NewPacketConn(udp, o.delay)
+			pc = netem.New(udp, o.delay)
 		}
 		in.pcs = append(in.pcs, pc)
 		in.addrs = append(in.addrs, pc.LocalAddr().String())

@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvsidecar/kvsidecar/internal/codes"
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
+	"github.com/kvsidecar/kvsidecar/internal/netem"
 	"github.com/kvsidecar/kvsidecar/internal/testutil"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
@@ -37,7 +38,7 @@ func simTLS(t testing.TB) (srv, cli *tls.Config) {
 // simPeer is one process serving memory at a fixed address of a SimNet.
 type simPeer struct {
 	a   *Agent
-	pc  *testutil.PacketConn
+	pc  *netem.PacketConn
 	mem []byte
 	reg Region
 }
@@ -52,7 +53,7 @@ func startSimPeer(t *testing.T, n *testutil.SimNet, srvTLS *tls.Config, key *qui
 }
 
 // startSimPeerOn is startSimPeer on a socket the test opened.
-func startSimPeerOn(t *testing.T, pc *testutil.PacketConn, srvTLS *tls.Config, key *quic.StatelessResetKey, seed byte) *simPeer {
+func startSimPeerOn(t *testing.T, pc *netem.PacketConn, srvTLS *tls.Config, key *quic.StatelessResetKey, seed byte) *simPeer {
 	t.Helper()
 	mem := make([]byte, 64<<10)
 	fill(mem, seed)

@@ -12,7 +12,6 @@ import (
 	"github.com/kvsidecar/kvsidecar/handshake"
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
 	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
-	"github.com/kvsidecar/kvsidecar/internal/testutil"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -43,7 +42,7 @@ type HandshakeConfig struct {
 	// sim, set by tests, runs both instances on a simulated network with
 	// a one-way delay of RTT/2 (under testing/synctest the figures are
 	// exact) instead of delaying loopback UDP.
-	sim *testutil.SimNet
+	sim packetNet
 }
 
 // HandshakeModeResult holds one mode's medians, one entry per decode rank.

@@ -17,7 +17,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/handshake"
 	"github.com/kvsidecar/kvsidecar/internal/kvgen"
 	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
-	"github.com/kvsidecar/kvsidecar/internal/testutil"
+	"github.com/kvsidecar/kvsidecar/internal/netem"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/transfer"
 	"github.com/kvsidecar/kvsidecar/vmm"
@@ -36,13 +36,19 @@ type instanceOpts struct {
 	numBlocks int
 	ownership v1.Ownership
 	mode      handshake.Mode
-	delay     time.Duration    // one-way delay on every datagram the instance sends
-	sim       *testutil.SimNet // tests: listen on this simulated network (its own delay) instead of UDP
+	delay     time.Duration // one-way delay on every datagram the instance sends
+	sim       packetNet     // tests: listen on this simulated network (its own delay) instead of UDP
 	srvTLS    *tls.Config
 	cliTLS    *tls.Config
 	backend   BackendFunc
 	logger    *slog.Logger
 	reg       prometheus.Registerer
+}
+
+// packetNet is a network to listen on instead of loopback UDP: tests pass
+// an in-memory one (internal/testutil.SimNet).
+type packetNet interface {
+	ListenPacket(addr string) (*netem.PacketConn, error)
 }
 
 // instance is one engine instance: tp ranks, each with its own pool,
@@ -103,7 +109,7 @@ func newInstance(ctx context.Context, o instanceOpts) (in *instance, err error) 
 		if o.delay > 0 {
 			// The delaying wrapper hides quic-go's batch I/O, so it is used
 			// only where an RTT is injected.
-			pc = testutil.NewPacketConn(udp, o.delay)
+			pc = netem.New(udp, o.delay)
 		}
 		in.pcs = append(in.pcs, pc)
 		in.addrs = append(in.addrs, udp.LocalAddr().String())

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/quic-go/quic-go/testutils/simnet"
+
+	"github.com/kvsidecar/kvsidecar/internal/netem"
 )
 
 // SimNet is an in-memory UDP network (quic-go's testutils/simnet) for tests
@@ -30,7 +32,7 @@ func NewSimNet(oneWay time.Duration) *SimNet { return &SimNet{delay: oneWay} }
 // as a process restarted on the address would: Kill the old socket first so
 // the old process says nothing more. The socket can go dark like one from
 // ListenUDP.
-func (n *SimNet) Listen(t testing.TB, addr string) *PacketConn {
+func (n *SimNet) Listen(t testing.TB, addr string) *netem.PacketConn {
 	t.Helper()
 	pc, err := n.ListenPacket(addr)
 	if err != nil {
@@ -42,7 +44,7 @@ func (n *SimNet) Listen(t testing.TB, addr string) *PacketConn {
 
 // ListenPacket is Listen for code that has no testing.TB; the caller
 // closes the socket.
-func (n *SimNet) ListenPacket(addr string) (*PacketConn, error) {
+func (n *SimNet) ListenPacket(addr string) (*netem.PacketConn, error) {
 	ap, err := netip.ParseAddrPort(addr)
 	if err != nil {
 		return nil, fmt.Errorf("testutil: sim address %q: %w", addr, err)
@@ -56,7 +58,7 @@ func (n *SimNet) ListenPacket(addr string) (*PacketConn, error) {
 	ua := net.UDPAddrFromAddrPort(netip.AddrPortFrom(ap.Addr().Unmap(), port))
 	sc := simnet.NewBlockingSimConn(ua, &n.router)
 	n.router.AddNode(ua, delayed{sc, n.delay})
-	return NewPacketConn(sc, 0), nil
+	return netem.New(sc, 0), nil
 }
 
 // delayed delivers each datagram to its socket after a fixed delay.

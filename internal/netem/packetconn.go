@@ -1,18 +1,15 @@
-package testutil
+package netem
 
 import (
 	"net"
-	"os"
-	"strconv"
 	"sync"
 	"sync/atomic"
-	"testing"
 	"time"
 )
 
-// PacketConn wraps a net.PacketConn for network tests. It can delay every
-// outgoing datagram by a fixed one-way delay (so a pair of wrapped sockets
-// sees an RTT of twice the sum of their delays) and can go dark: after Kill,
+// PacketConn wraps a net.PacketConn. It can delay every outgoing datagram
+// by a fixed one-way delay (so a pair of wrapped sockets sees an RTT of
+// twice the sum of their delays) and can go dark: after Kill,
 // or once KillAfter's byte budget of sent datagrams is spent, every datagram
 // in either direction is dropped, as if the host had died without a word.
 //
@@ -32,23 +29,10 @@ type PacketConn struct {
 	wg        sync.WaitGroup
 }
 
-// NewPacketConn wraps pc. delay is the one-way delay added to every sent
-// datagram; 0 sends at once.
-func NewPacketConn(pc net.PacketConn, delay time.Duration) *PacketConn {
+// New wraps pc. delay is the one-way delay added to every sent datagram;
+// 0 sends at once. Close closes pc.
+func New(pc net.PacketConn, delay time.Duration) *PacketConn {
 	return &PacketConn{PacketConn: pc, delay: delay, deadCh: make(chan struct{}), closed: make(chan struct{})}
-}
-
-// ListenUDP opens a wrapped UDP socket on 127.0.0.1:0 with the given one-way
-// delay and closes it when the test ends.
-func ListenUDP(t testing.TB, delay time.Duration) *PacketConn {
-	t.Helper()
-	udp, err := net.ListenUDP("udp", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
-	if err != nil {
-		t.Fatalf("testutil: listen udp: %v", err)
-	}
-	pc := NewPacketConn(udp, delay)
-	t.Cleanup(func() { _ = pc.Close() })
-	return pc
 }
 
 // Kill makes the socket go dark now. Dead returns a channel closed by then.
@@ -114,17 +98,3 @@ func (c *PacketConn) Close() error {
 	})
 	return err
 }
-
-// TimeScale returns the factor by which real-network timeouts in tests are
-// multiplied: the KVSIDECAR_TIME_SCALE environment variable (a positive
-// number), 1 when unset or invalid. Slow or loaded CI machines set it to 3–10.
-func TimeScale() float64 {
-	f, err := strconv.ParseFloat(os.Getenv("KVSIDECAR_TIME_SCALE"), 64)
-	if err != nil || f <= 0 {
-		return 1
-	}
-	return f
-}
-
-// Scaled multiplies d by TimeScale.
-func Scaled(d time.Duration) time.Duration { return time.Duration(float64(d) * TimeScale()) }

@@ -1,16 +1,18 @@
-package testutil
+package netem_test
 
 import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
+
+	"github.com/kvsidecar/kvsidecar/internal/testutil"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 func TestPacketConnKillAfter(t *testing.T) {
-	a, b := ListenUDP(t, 0), ListenUDP(t, 1)
+	a, b := testutil.ListenUDP(t, 0), testutil.ListenUDP(t, 1)
 	buf := make([]byte, 64)
 	_, err := a.WriteTo([]byte("hello"), b.LocalAddr())
 	require.NoError(t, err)
