@@ -13,8 +13,8 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/kvsidecar/kvsidecar/cmd/kvsidecar/internal/demo"
 	"github.com/kvsidecar/kvsidecar/connector"
-	"github.com/kvsidecar/kvsidecar/internal/demo"
 	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	"github.com/kvsidecar/kvsidecar/transfer"
 )

@@ -15,11 +15,11 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/kvsidecar/kvsidecar/cmd/kvsidecar/internal/demo"
+	"github.com/kvsidecar/kvsidecar/cmd/kvsidecar/internal/trace"
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/handshake"
-	"github.com/kvsidecar/kvsidecar/internal/demo"
 	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
-	"github.com/kvsidecar/kvsidecar/internal/trace"
 	"github.com/kvsidecar/kvsidecar/vmm"
 	"github.com/kvsidecar/kvsidecar/vmm/cuda"
 )

@@ -10,8 +10,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvsidecar/kvsidecar/cmd/kvsidecar/internal/demo"
 	"github.com/kvsidecar/kvsidecar/connector"
-	"github.com/kvsidecar/kvsidecar/internal/demo"
 	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/vmm"

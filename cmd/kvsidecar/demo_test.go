@@ -13,8 +13,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/kvsidecar/kvsidecar/internal/demo"
-	"github.com/kvsidecar/kvsidecar/internal/trace/mooncake"
+	"github.com/kvsidecar/kvsidecar/cmd/kvsidecar/internal/demo"
+	"github.com/kvsidecar/kvsidecar/cmd/kvsidecar/internal/trace/mooncake"
 )
 
 // tinyTrace: two requests of one and two hash blocks.

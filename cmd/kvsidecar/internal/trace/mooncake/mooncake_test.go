@@ -8,8 +8,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
-	"github.com/kvsidecar/kvsidecar/internal/trace"
-	"github.com/kvsidecar/kvsidecar/internal/trace/mooncake"
+	"github.com/kvsidecar/kvsidecar/cmd/kvsidecar/internal/trace"
+	"github.com/kvsidecar/kvsidecar/cmd/kvsidecar/internal/trace/mooncake"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

@@ -14,12 +14,12 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvsidecar/kvsidecar/cmd/kvsidecar/internal/trace"
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/handshake"
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
 	"github.com/kvsidecar/kvsidecar/internal/kvgen"
 	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
-	"github.com/kvsidecar/kvsidecar/internal/trace"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
@@ -135,7 +135,7 @@ type Config struct {
 	// math.Inf(1) sends every request at once.
 	Speedup float64
 	// TracePath is a Mooncake JSONL trace file. Default "": the Mooncake
-	// conversation trace embedded in the binary (internal/trace/mooncake).
+	// conversation trace embedded in the binary (package mooncake).
 	// Ignored when Trace is set.
 	TracePath string
 	// Trace, when set, is replayed instead of reading TracePath (the CLI

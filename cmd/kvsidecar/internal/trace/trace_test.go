@@ -11,7 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
-	"github.com/kvsidecar/kvsidecar/internal/trace"
+	"github.com/kvsidecar/kvsidecar/cmd/kvsidecar/internal/trace"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

@@ -12,8 +12,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/kvsidecar/kvsidecar/internal/trace"
-	"github.com/kvsidecar/kvsidecar/internal/trace/mooncake"
+	"github.com/kvsidecar/kvsidecar/cmd/kvsidecar/internal/trace"
+	"github.com/kvsidecar/kvsidecar/cmd/kvsidecar/internal/trace/mooncake"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 

@@ -8,8 +8,8 @@ import (
 	"io"
 	"slices"
 
-	"github.com/kvsidecar/kvsidecar/internal/trace"
-	"github.com/kvsidecar/kvsidecar/internal/trace/mooncake"
+	"github.com/kvsidecar/kvsidecar/cmd/kvsidecar/internal/trace"
+	"github.com/kvsidecar/kvsidecar/cmd/kvsidecar/internal/trace/mooncake"
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
 
