@@ -1,6 +1,8 @@
 package vmm
 
 import (
+	"sync"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvsidecar/kvsidecar/internal/promutil"
@@ -8,10 +10,7 @@ import (
 
 // metrics of one Pool; names follow kvsidecar_vmm_<what>_{total,bytes,seconds}.
 type metrics struct {
-	pagesMapped  prometheus.Gauge
-	bytesMapped  prometheus.Gauge
-	blocksUsed   prometheus.Gauge
-	limitBytes   prometheus.Gauge
+	pools        *poolGauges
 	mapSeconds   *prometheus.HistogramVec // op = map | unmap
 	failures     *prometheus.CounterVec   // op = map | unmap | hook_map | hook_unmap
 	allocRefused prometheus.Counter
@@ -28,22 +27,7 @@ func RegisterMetrics(reg prometheus.Registerer) error {
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
-		pagesMapped: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "kvsidecar_vmm_pages_mapped",
-			Help: "Page indices mapped in every region (reserve included).",
-		}),
-		bytesMapped: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "kvsidecar_vmm_mapped_bytes",
-			Help: "Bytes of physical pages mapped across all regions.",
-		}),
-		blocksUsed: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "kvsidecar_vmm_blocks_used",
-			Help: "KV blocks allocated (the null block excluded).",
-		}),
-		limitBytes: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "kvsidecar_vmm_memory_limit_bytes",
-			Help: "Memory limit on mapped pages in bytes; 0 means none.",
-		}),
+		pools: newPoolGauges(),
 		mapSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "kvsidecar_vmm_page_op_seconds",
 			Help:    "Time to map or unmap one page index in every region.",
@@ -66,9 +50,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	}
 	// Several pools in one process share one registry's collectors.
 	for _, err := range []error{
-		promutil.Register(reg, &m.pagesMapped), promutil.Register(reg, &m.bytesMapped),
-		promutil.Register(reg, &m.blocksUsed), promutil.Register(reg, &m.limitBytes),
-		promutil.Register(reg, &m.mapSeconds), promutil.Register(reg, &m.failures),
+		promutil.Register(reg, &m.pools), promutil.Register(reg, &m.mapSeconds), promutil.Register(reg, &m.failures),
 		promutil.Register(reg, &m.allocRefused),
 	} {
 		if err != nil {
@@ -76,4 +58,73 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}
 	}
 	return m, nil
+}
+
+// poolGauges is the Collector of the pool gauges. At scrape time it sums
+// Stats over every open Pool that reports into its registry (one per rank
+// when several ranks share a process), so a pool keeps no running total:
+// kvsidecar_vmm_pages_mapped (Stats.PagesMapped), kvsidecar_vmm_mapped_bytes
+// (Stats.BytesMapped), kvsidecar_vmm_blocks_used (Stats.BlocksUsed) and
+// kvsidecar_vmm_memory_limit_bytes (Stats.MemoryLimit), each 0 while no pool
+// is open. Its lock is taken before a pool's, never while holding one.
+type poolGauges struct {
+	pagesMapped, bytesMapped, blocksUsed, limitBytes *prometheus.Desc
+
+	mu    sync.Mutex
+	pools map[*Pool]struct{}
+}
+
+func newPoolGauges() *poolGauges {
+	return &poolGauges{
+		pagesMapped: prometheus.NewDesc("kvsidecar_vmm_pages_mapped",
+			"Page indices mapped in every region (reserve included).", nil, nil),
+		bytesMapped: prometheus.NewDesc("kvsidecar_vmm_mapped_bytes",
+			"Bytes of physical pages mapped across all regions.", nil, nil),
+		blocksUsed: prometheus.NewDesc("kvsidecar_vmm_blocks_used",
+			"KV blocks allocated (the null block excluded).", nil, nil),
+		limitBytes: prometheus.NewDesc("kvsidecar_vmm_memory_limit_bytes",
+			"Memory limit on mapped pages in bytes; 0 means none.", nil, nil),
+		pools: map[*Pool]struct{}{},
+	}
+}
+
+// Describe sends the four descriptors.
+func (g *poolGauges) Describe(ch chan<- *prometheus.Desc) {
+	ch <- g.pagesMapped
+	ch <- g.bytesMapped
+	ch <- g.blocksUsed
+	ch <- g.limitBytes
+}
+
+// Collect sends each gauge summed over the open pools.
+func (g *poolGauges) Collect(ch chan<- prometheus.Metric) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var pages, bytes, used, limit float64
+	for p := range g.pools {
+		s := p.Stats()
+		pages += float64(s.PagesMapped)
+		bytes += float64(s.BytesMapped)
+		used += float64(s.BlocksUsed)
+		limit += float64(s.MemoryLimit)
+	}
+	ch <- prometheus.MustNewConstMetric(g.pagesMapped, prometheus.GaugeValue, pages)
+	ch <- prometheus.MustNewConstMetric(g.bytesMapped, prometheus.GaugeValue, bytes)
+	ch <- prometheus.MustNewConstMetric(g.blocksUsed, prometheus.GaugeValue, used)
+	ch <- prometheus.MustNewConstMetric(g.limitBytes, prometheus.GaugeValue, limit)
+}
+
+// add counts p from now on; the caller holds no pool lock.
+func (g *poolGauges) add(p *Pool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.pools[p] = struct{}{}
+}
+
+// remove stops counting p (a closed pool counts nothing); the caller holds
+// no pool lock.
+func (g *poolGauges) remove(p *Pool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	delete(g.pools, p)
 }

@@ -68,16 +68,11 @@ type Stats struct {
 // counted against the limit, so Available stays consistent and no page is
 // mapped twice.
 type Pool struct {
-	cfg   Config
-	be    Backend
-	ownBE bool
-	log   *slog.Logger
-	m     *metrics
-	// gauged is what this pool last added to the shared gauges.
-	gauged struct {
-		mapped, used int
-		limit        uint64
-	}
+	cfg       Config
+	be        Backend
+	ownBE     bool
+	log       *slog.Logger
+	m         *metrics
 	ps        uint64 // page size
 	pack      kvgeom.Packing
 	bpp       int
@@ -217,9 +212,8 @@ func newPool(ctx context.Context, c Config, be Backend) (*Pool, error) {
 	p.takeFromPageLocked(0, 1, nil) // pops block 0, the lowest id
 	p.blockUsed[0] = true
 	p.used = 0 // the null block is not counted as used
-	p.updateGaugesLocked()
 	p.mu.Unlock()
-	p.setLimitGauge(c.MemoryLimit)
+	p.m.pools.add(p)
 	return p, nil
 }
 
@@ -286,7 +280,6 @@ func (p *Pool) Alloc(ctx context.Context, n int) ([]int, error) {
 		need -= p.capOf(pg)
 	}
 	if len(fresh) == 0 {
-		p.updateGaugesLocked()
 		p.mu.Unlock()
 		p.nudge()
 		return ids, nil
@@ -307,7 +300,6 @@ func (p *Pool) Alloc(ctx context.Context, n int) ([]int, error) {
 			}
 		}
 		trim := p.releaseLocked(ids)
-		p.updateGaugesLocked()
 		p.mu.Unlock()
 		p.unmapTrimmed(ctx, trim)
 		return nil, err
@@ -316,7 +308,6 @@ func (p *Pool) Alloc(ctx context.Context, n int) ([]int, error) {
 		p.setMappedLocked(pg)
 		ids = p.takeFromPageLocked(pg, n-len(ids), ids)
 	}
-	p.updateGaugesLocked()
 	p.mu.Unlock()
 	p.nudge()
 	return ids, nil
@@ -347,7 +338,6 @@ func (p *Pool) Free(ctx context.Context, ids []int) error {
 		return err
 	}
 	trim := p.releaseLocked(ids)
-	p.updateGaugesLocked()
 	if len(trim) == 0 {
 		p.mu.Unlock()
 		return nil
@@ -456,8 +446,6 @@ func (p *Pool) SetMemoryLimit(bytes uint64) error {
 	}
 	p.limit = bytes
 	trim := p.trimLocked(p.cfg.PreallocPages)
-	p.updateGaugesLocked()
-	p.setLimitGauge(bytes)
 	p.ops.Add(1)
 	p.mu.Unlock()
 	defer p.ops.Done()
@@ -480,26 +468,6 @@ func (p *Pool) Stats() Stats {
 		s.Available = p.availableLocked()
 	}
 	return s
-}
-
-// updateGaugesLocked adds this pool's changes since the last update to the
-// gauges, so several pools reporting into one registry (one per rank in
-// one process) sum instead of overwriting each other.
-func (p *Pool) updateGaugesLocked() {
-	mapped, used := p.mappedCnt, p.used
-	if p.closed {
-		mapped, used = 0, 0
-	}
-	p.m.pagesMapped.Add(float64(mapped - p.gauged.mapped))
-	p.m.bytesMapped.Add(float64(mapped-p.gauged.mapped) * float64(p.pageBytes))
-	p.m.blocksUsed.Add(float64(used - p.gauged.used))
-	p.gauged.mapped, p.gauged.used = mapped, used
-}
-
-// setLimitGauge adds the change of this pool's limit to the limit gauge.
-func (p *Pool) setLimitGauge(limit uint64) {
-	p.m.limitBytes.Add(float64(limit) - float64(p.gauged.limit))
-	p.gauged.limit = limit
 }
 
 // Layout returns the pool's layout.
@@ -529,14 +497,13 @@ func (p *Pool) closedErr() error { return fmt.Errorf("vmm: pool: %w", net.ErrClo
 // closes the backend. The PageHook is not called. A second Close returns an
 // error wrapping net.ErrClosed.
 func (p *Pool) Close() error {
+	p.m.pools.remove(p) // a closed pool counts nothing in the shared gauges
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
 		return p.closedErr()
 	}
 	p.closed = true
-	p.updateGaugesLocked() // a closed pool counts nothing in the shared gauges
-	p.setLimitGauge(0)
 	p.mu.Unlock()
 	p.cancel()
 	p.bg.Wait()
@@ -561,7 +528,6 @@ func (p *Pool) Close() error {
 	p.freeReservations()
 	p.mu.Lock()
 	p.mappedCnt, p.committed = 0, 0
-	p.updateGaugesLocked()
 	p.mu.Unlock()
 	if p.ownBE {
 		if err := p.be.Close(); err != nil {

@@ -51,7 +51,6 @@ func (p *Pool) unmapTrimmed(ctx context.Context, pages []int) error {
 		p.pushUnmappedLocked(pg)
 		done = append(done, pg)
 	}
-	p.updateGaugesLocked()
 	p.mu.Unlock()
 	if p.cfg.PageHook != nil && len(done) > 0 {
 		hctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.UnmapHookTimeout)

@@ -69,14 +69,12 @@ func (p *Pool) MapPages(ctx context.Context, pages []int) error {
 			p.mappedCnt--
 			p.setMappedLocked(pg)
 		}
-		p.updateGaugesLocked()
 		return err
 	}
 	for _, pg := range fresh {
 		p.pages[pg].status, p.pages[pg].ext = pageMapped, true
 		p.mappedCnt++
 	}
-	p.updateGaugesLocked()
 	return nil
 }
 
@@ -115,7 +113,6 @@ func (p *Pool) UnmapPages(ctx context.Context, pages []int) error {
 			p.pushUnmappedLocked(pg)
 		}
 	}
-	p.updateGaugesLocked()
 	p.mu.Unlock()
 	return err
 }

@@ -69,7 +69,6 @@ func (p *Pool) refill() {
 		}
 		p.setMappedLocked(pg)
 		trim := p.trimLocked(p.cfg.PreallocPages) // the limit may have dropped meanwhile
-		p.updateGaugesLocked()
 		p.mu.Unlock()
 		if err := p.unmapTrimmed(p.ctx, trim); err != nil {
 			p.log.Warn("vmm: trim after refill", "err", err)
