@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvsidecar/kvsidecar/cmd/kvsidecar/internal/trace"
 	"github.com/kvsidecar/kvsidecar/cmd/kvsidecar/internal/trace/mooncake"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
 
@@ -97,7 +98,8 @@ func (c *Config) sideCost(tp int) (sideCost, error) {
 			return s, fmt.Errorf("%w: Config.PrefillTP/DecodeTP: %v", ErrInvalidConfig, err)
 		}
 		bl := l.BlockLen()
-		rc := rankCost{regions: uint64(l.NumRegions()), bpp: vmm.DefaultHostPageSize / bl}
+		pk := kvgeom.Packing{BlockLen: bl, PageSize: vmm.DefaultHostPageSize}
+		rc := rankCost{regions: uint64(l.NumRegions()), bpp: pk.BlocksPerPage()}
 		if rc.bpp == 0 {
 			rc.ppb = (bl + vmm.DefaultHostPageSize - 1) / vmm.DefaultHostPageSize
 		}
