@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"os"
+	"slices"
 	"sync"
 	"time"
 
@@ -21,10 +23,12 @@ import (
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/transfer"
 	"github.com/kvsidecar/kvsidecar/vmm"
+	"github.com/kvsidecar/kvsidecar/vmm/tpgroup"
 )
 
 // BackendFunc returns the vmm backend of one rank's pool; side is
-// "prefill" or "decode". The demo closes the backend after the pool.
+// "prefill" or "decode". The demo closes the backend after the pool
+// (connector.BuildRank owns it).
 type BackendFunc func(side string, rank int) (vmm.Backend, error)
 
 // instanceOpts describes one simulated engine instance.
@@ -57,14 +61,16 @@ type packetNet interface {
 type instance struct {
 	o        instanceOpts
 	pools    []*vmm.Pool
-	backends []vmm.Backend
+	built    []*connector.Built // by rank
 	ranks    []*connector.Rank
 	pcs      []net.PacketConn
 	addrs    []string
 	heads    int // KV heads as kvgen sees them (1 for MLA)
 	baseline int // physPages right after start: the null blocks' pages
+	// groupDir holds the TP group's sockets under coordinated ownership.
+	groupDir string
 
-	mu sync.Mutex // lockstep Alloc/Free over every pool
+	mu sync.Mutex // lockstep Alloc/Free over the pools of owners
 }
 
 // loopbackPeers is the only address set a demo rank dials: every rank of
@@ -116,78 +122,101 @@ func newInstance(ctx context.Context, o instanceOpts) (in *instance, err error) 
 	}
 	secret := make([]byte, 32)
 	_, _ = rand.Read(secret)
-	for r := range o.tp {
-		layout, lerr := vmm.LayoutFor(o.geom, r, o.tp)
-		if lerr != nil {
-			return in, fmt.Errorf("demo: %s rank %d: %w", o.side, r, lerr)
+	in.built = make([]*connector.Built, o.tp)
+	in.pools = make([]*vmm.Pool, o.tp)
+	in.ranks = make([]*connector.Rank, o.tp)
+	order := make([]int, o.tp)
+	for r := range order {
+		order[r] = r
+	}
+	var group *tpgroup.Config
+	if in.coordinated() {
+		// The TP group's sockets live in a directory of their own; the
+		// followers are built first, so rank 0 maps pages on every rank
+		// from its first one on.
+		if in.groupDir, err = os.MkdirTemp("", "kvsidecar-demo-tp-*"); err != nil {
+			return in, fmt.Errorf("demo: %s: TP group directory: %w", o.side, err)
 		}
+		group = &tpgroup.Config{Dir: in.groupDir, Logger: o.logger}
+		slices.Reverse(order)
+	}
+	for _, r := range order {
 		var be vmm.Backend
 		if o.backend != nil {
 			if be, err = o.backend(o.side, r); err != nil {
 				return in, fmt.Errorf("demo: %s rank %d: backend: %w", o.side, r, err)
 			}
-			in.backends = append(in.backends, be)
 		}
 		// No prealloc reserve: a page is mapped only while a block in it is
 		// allocated, so the pages still mapped after the run show leaks.
-		pool, perr := vmm.NewPool(ctx, &vmm.Config{Backend: be, Layout: layout, NumBlocks: o.numBlocks,
-			PreallocPages: -1, Logger: o.logger, Registerer: o.reg})
-		if perr != nil {
-			return in, fmt.Errorf("demo: %s rank %d: %w", o.side, r, perr)
-		}
-		in.pools = append(in.pools, pool)
-		rank, rerr := connector.NewRank(ctx, &connector.Config{
-			EngineID: o.engine, TPRank: r, TPSize: o.tp, Geometry: o.geom, Pool: pool,
-			Transfer: &transfer.Config{PacketConn: in.pcs[r], ServerTLS: o.srvTLS, ClientTLS: o.cliTLS,
-				AllowedPeers: loopbackPeers, Logger: o.logger, Registerer: o.reg},
-			RankAddrs: in.addrs, CapabilitySecret: secret, Ownership: o.ownership,
-			HandshakeMode: o.mode, Logger: o.logger, Registerer: o.reg,
-		})
-		if rerr != nil {
-			return in, fmt.Errorf("demo: %s rank %d: %w", o.side, r, rerr)
+		b, berr := connector.BuildRank(ctx, &connector.BuildConfig{NumBlocks: o.numBlocks, Backend: be, PreallocPages: -1, Group: group,
+			Rank: connector.Config{EngineID: o.engine, TPRank: r, TPSize: o.tp, Geometry: o.geom,
+				Transfer: &transfer.Config{PacketConn: in.pcs[r], ServerTLS: o.srvTLS, ClientTLS: o.cliTLS,
+					AllowedPeers: loopbackPeers, Logger: o.logger, Registerer: o.reg},
+				RankAddrs: in.addrs, CapabilitySecret: secret, Ownership: o.ownership,
+				HandshakeMode: o.mode, Logger: o.logger, Registerer: o.reg}})
+		if berr != nil {
+			return in, fmt.Errorf("demo: %s rank %d: %w", o.side, r, berr)
 		}
 		in.pcs[r] = nil // the rank's agent owns and closes it now
-		in.ranks = append(in.ranks, rank)
+		in.built[r], in.pools[r], in.ranks[r] = b, b.Pool, b.Rank
 	}
 	in.baseline = in.physPages()
 	return in, nil
 }
 
-// close closes ranks, then pools, then backends; sockets of ranks that
-// never started are closed too.
+// close closes every rank with its TP group, pool and backend, rank 0
+// first (it drives the followers' pages), and the sockets of ranks that
+// never started.
 func (in *instance) close() error {
 	var errs []error
-	for _, r := range in.ranks {
-		errs = append(errs, r.Close())
+	for _, b := range in.built {
+		if b != nil {
+			errs = append(errs, b.Close())
+		}
 	}
 	for _, pc := range in.pcs {
 		if pc != nil {
 			errs = append(errs, pc.Close())
 		}
 	}
-	for _, p := range in.pools {
-		errs = append(errs, p.Close())
+	if in.groupDir != "" {
+		errs = append(errs, os.RemoveAll(in.groupDir))
 	}
-	for _, b := range in.backends {
-		errs = append(errs, b.Close())
-	}
-	in.ranks, in.pcs, in.pools, in.backends = nil, nil, nil, nil
+	in.built, in.ranks, in.pcs, in.pools, in.groupDir = nil, nil, nil, nil, ""
 	return errors.Join(errs...)
 }
 
-// alloc allocates n blocks on every pool; the ids are equal on every rank.
+// coordinated reports whether rank 0 owns the blocks and maps the
+// followers' pages through the TP group.
+func (in *instance) coordinated() bool {
+	return in.o.ownership == v1.Ownership_OWNERSHIP_COORDINATED && in.o.tp > 1
+}
+
+// owners are the pools blocks are allocated and freed in: rank 0's under
+// coordinated ownership (the TP group maps its pages on every rank),
+// otherwise every pool, in lockstep.
+func (in *instance) owners() []*vmm.Pool {
+	if in.coordinated() {
+		return in.pools[:1]
+	}
+	return in.pools
+}
+
+// alloc allocates n blocks; the ids are the same on every rank.
 func (in *instance) alloc(ctx context.Context, n int) ([]uint32, error) {
 	in.mu.Lock()
 	defer in.mu.Unlock()
 	var ids []int
-	for r, p := range in.pools {
+	pools := in.owners()
+	for r, p := range pools {
 		got, err := p.Alloc(ctx, n)
-		if err == nil && r > 0 && !equalInts(got, ids) {
+		if err == nil && r > 0 && !slices.Equal(got, ids) {
 			_ = p.Free(ctx, got)
 			err = fmt.Errorf("demo: %s rank %d allocated other block ids than rank 0 (pools out of lockstep)", in.o.side, r)
 		}
 		if err != nil {
-			for _, q := range in.pools[:r] {
+			for _, q := range pools[:r] {
 				_ = q.Free(context.WithoutCancel(ctx), ids)
 			}
 			return nil, fmt.Errorf("demo: %s: alloc %d blocks on rank %d: %w", in.o.side, n, r, err)
@@ -197,7 +226,7 @@ func (in *instance) alloc(ctx context.Context, n int) ([]uint32, error) {
 	return kvgeom.Wire(ids), nil
 }
 
-// free frees ids on every pool.
+// free frees ids where alloc allocated them.
 func (in *instance) free(ids []uint32) error {
 	if len(ids) == 0 {
 		return nil
@@ -206,7 +235,7 @@ func (in *instance) free(ids []uint32) error {
 	defer in.mu.Unlock()
 	b := kvgeom.Ints(ids)
 	var errs []error
-	for r, p := range in.pools {
+	for r, p := range in.owners() {
 		if err := p.Free(context.Background(), b); err != nil {
 			errs = append(errs, fmt.Errorf("demo: %s: free on rank %d: %w", in.o.side, r, err))
 		}
@@ -238,16 +267,4 @@ func (in *instance) physPages() int {
 		n += s.PagesMapped * s.NumRegions
 	}
 	return n
-}
-
-func equalInts(a, b []int) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
