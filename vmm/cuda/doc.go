@@ -2,9 +2,10 @@
 // cgo package of kvsidecar. The driver library (libcuda.so.1, or
 // Config.Library) is loaded with dlopen at run time with vendored minimal
 // typedefs, so it builds with no CUDA toolkit; with CGO_ENABLED=0 or off
-// Linux a stub returns errors wrapping errors.ErrUnsupported. cmd, e2e and
-// this package's tests import it; connector, transfer and handshake never do
-// (deps_test.go): the local API's Go client takes it through an interface.
+// Linux a stub returns errors wrapping errors.ErrUnsupported. Programs (cmd,
+// examples), test support and tests import it; libraries never do
+// (layers_test.go at the module root): the local API's Go client takes it
+// through an interface.
 //
 //	b, err := cuda.New(&cuda.Config{Device: 0}) // checks the device can serve pages
 //	pool, err := vmm.NewPool(ctx, &vmm.Config{Backend: b, Layout: l, NumBlocks: n})
