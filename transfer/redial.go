@@ -65,9 +65,29 @@ func (a *Agent) withConn(ctx context.Context, addr string, op func(p *peer, redi
 			}
 			p, redialed, resent, orig = np, true, false, err
 		default:
+			if connEnded(err) {
+				// The refusal closed the connection (a standby's "no
+				// engine attached", a TLS alert): the next call dials
+				// anew instead of meeting this close again on the cached
+				// connection, whose context quic-go may not have ended
+				// yet.
+				a.dropPeer(p)
+			}
 			return err
 		}
 	}
+}
+
+// connEnded reports whether err ended the whole connection it happened on,
+// as opposed to a refusal of one stream (a coded reply or a stream reset).
+func connEnded(err error) bool {
+	if _, ok := errors.AsType[*quic.ApplicationError](err); ok {
+		return true
+	}
+	if _, ok := errors.AsType[*quic.TransportError](err); ok {
+		return true
+	}
+	return connDied(err)
 }
 
 // connDied reports whether err says that the connection it happened on
