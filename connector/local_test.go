@@ -18,6 +18,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/internal/codes"
 	"github.com/kvsidecar/kvsidecar/internal/kvgen"
 	"github.com/kvsidecar/kvsidecar/internal/testutil"
+	"github.com/kvsidecar/kvsidecar/internal/unixsock"
 	"github.com/kvsidecar/kvsidecar/internal/wire"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/transfer"
@@ -263,19 +264,19 @@ func TestLocalSocketPath(t *testing.T) {
 		name, dir, engine string
 		rank              int
 		want              string
-		wantErr           bool
+		wantErr           error
 	}{
-		{"plain", "/run/kvs", "prefill-a", 3, "/run/kvs/kvsidecar-prefill-a-tp3-api.sock", false},
-		{"sanitized", "/run/kvs", "a/b", 0, "/run/kvs/kvsidecar-a_b-", false},
-		{"relative dir", "run", "a", 0, "", true},
-		{"empty engine", "/run", "", 0, "", true},
-		{"bad rank", "/run", "a", -1, "", true},
+		{"plain", "/run/kvs", "prefill-a", 3, "/run/kvs/kvsidecar-prefill-a-tp3-api.sock", nil},
+		{"sanitized", "/run/kvs", "a/b", 0, "/run/kvs/kvsidecar-a_b-", nil},
+		{"relative dir", "run", "a", 0, "", unixsock.ErrInvalidPath},
+		{"empty engine", "/run", "", 0, "", unixsock.ErrInvalidPath},
+		{"bad rank", "/run", "a", -1, "", connector.ErrInvalidArgument},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			got, err := connector.LocalSocketPath(tc.dir, tc.engine, tc.rank)
-			if tc.wantErr {
-				require.ErrorIs(t, err, connector.ErrInvalidArgument)
+			if tc.wantErr != nil {
+				require.ErrorIs(t, err, tc.wantErr)
 				return
 			}
 			require.NoError(t, err)
@@ -292,7 +293,9 @@ func TestLocalStaleSocket(t *testing.T) {
 		Open: func(context.Context, *v1.CreateKVCache) (*connector.LocalCache, error) { return nil, nil }})
 	require.ErrorIs(t, err, connector.ErrSocketInUse)
 	// A stale one is replaced.
-	path := filepath.Join(t.TempDir(), "s.sock")
+	dir := t.TempDir()
+	require.NoError(t, os.Chmod(dir, 0o700), "a socket directory grants nothing to others")
+	path := filepath.Join(dir, "s.sock")
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
 	require.NoError(t, err)
 	ln.SetUnlinkOnClose(false)

@@ -3,6 +3,7 @@ package connector
 import (
 	"bytes"
 	"context"
+	"os"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -61,7 +62,9 @@ func FuzzLocalRequest(f *testing.F) {
 		}
 		return &LocalCache{Pool: pool, Rank: rank, Tracker: tr, Create: req, EngineID: "fz", Close: pool.Close}, nil
 	}
-	s, err := NewLocalServer(f.Context(), &LocalServerConfig{Path: f.TempDir() + "/fz.sock", Open: open})
+	dir := f.TempDir()
+	require.NoError(f, os.Chmod(dir, 0o700), "a socket directory grants nothing to others")
+	s, err := NewLocalServer(f.Context(), &LocalServerConfig{Path: dir + "/fz.sock", Open: open})
 	require.NoError(f, err)
 	f.Cleanup(func() { _ = s.Close() })
 	f.Fuzz(func(t *testing.T, data []byte) {

@@ -18,6 +18,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/internal/codes"
 	"github.com/kvsidecar/kvsidecar/internal/fdpass"
 	"github.com/kvsidecar/kvsidecar/internal/promutil"
+	"github.com/kvsidecar/kvsidecar/internal/unixsock"
 	"github.com/kvsidecar/kvsidecar/internal/wire"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/vmm"
@@ -154,7 +155,9 @@ type LocalServer struct {
 	closed   bool
 }
 
-// NewLocalServer listens on cfg.Path (mode 0600) and starts accepting.
+// NewLocalServer listens on cfg.Path (mode 0600; its directory must be
+// owned by this user and grant nothing to group or others, or it fails with
+// class CODE_INVALID_ARGUMENT) and starts accepting.
 func NewLocalServer(ctx context.Context, cfg *LocalServerConfig) (*LocalServer, error) {
 	c, err := cfg.withDefaults()
 	if err != nil {
@@ -164,7 +167,7 @@ func NewLocalServer(ctx context.Context, cfg *LocalServerConfig) (*LocalServer, 
 	if err != nil {
 		return nil, err
 	}
-	ln, err := listenLocal(c.Path)
+	ln, err := unixsock.Listen(ctx, c.Path)
 	if err != nil {
 		return nil, err
 	}

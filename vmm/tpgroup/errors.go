@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/unixsock"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -22,11 +23,13 @@ var (
 	// this group was started with (CODE_TP_MISMATCH).
 	ErrTPMismatch = codes.New(v1.Code_CODE_TP_MISMATCH, "tpgroup: tp_size mismatch")
 	// ErrSocketInUse: the rank's socket path is served by a live process;
-	// the group refuses to steal it (CODE_ALREADY_EXISTS).
-	ErrSocketInUse = codes.New(v1.Code_CODE_ALREADY_EXISTS, "tpgroup: socket in use by a live process")
+	// the group refuses to steal it (CODE_ALREADY_EXISTS). It is the one
+	// error of both kvsidecar sockets (the local API's too).
+	ErrSocketInUse = unixsock.ErrSocketInUse
 	// ErrUnsafeDir: the socket directory is not a directory owned by this
-	// user with mode 0700 or stricter (CODE_INVALID_ARGUMENT).
-	ErrUnsafeDir = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "tpgroup: unsafe socket directory")
+	// user with mode 0700 or stricter (CODE_INVALID_ARGUMENT). The same
+	// error as the local API's.
+	ErrUnsafeDir = unixsock.ErrUnsafeDir
 	// ErrPeerUnavailable: a peer rank could not be reached or its connection
 	// broke (CODE_UNAVAILABLE).
 	ErrPeerUnavailable = codes.New(v1.Code_CODE_UNAVAILABLE, "tpgroup: peer unavailable")

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/unixsock"
 	"github.com/kvsidecar/kvsidecar/internal/wire"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
@@ -90,7 +91,8 @@ var errGroupClosed = fmt.Errorf("tpgroup: group closed: %w", net.ErrClosed)
 // coordinated mode and unused otherwise (rank 0 passes its pool's hook the
 // other way round: vmm.Config.PageHook = g.Hook()). ctx bounds the start
 // only. Errors: ErrInvalidConfig naming the field, ErrUnsafeDir,
-// ErrSocketInUse, or a listen error.
+// ErrSocketInUse, a file at the socket path that is not a socket (class
+// CODE_INVALID_ARGUMENT), or a listen error.
 func New(ctx context.Context, m Member, pool PagePool, cfg *Config) (*Group, error) {
 	return newGroup(ctx, m, pool, cfg, nil, nil)
 }
@@ -143,10 +145,10 @@ func (g *Group) listen(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := prepareDir(g.cfg.Dir); err != nil {
+	if err := unixsock.PrepareDir(g.cfg.Dir); err != nil {
 		return err
 	}
-	ln, err := listenUnix(ctx, path)
+	ln, err := unixsock.Listen(ctx, path)
 	if err != nil {
 		return err
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/unixsock"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -145,17 +146,18 @@ func TestSocketPath(t *testing.T) {
 	errs := []struct {
 		name, dir, engine string
 		rank              int
+		target            error
 		msg               string
 	}{
-		{"relative dir", "run", "e", 0, "absolute"},
-		{"empty id", "/run", "", 0, "EngineID is empty"},
-		{"negative rank", "/run", "e", -1, "TPRank=-1"},
-		{"dir too long", "/" + strings.Repeat("d", 120), "e", 0, "too long"},
+		{"relative dir", "run", "e", 0, unixsock.ErrInvalidPath, "absolute"},
+		{"empty id", "/run", "", 0, ErrInvalidConfig, "EngineID is empty"},
+		{"negative rank", "/run", "e", -1, ErrInvalidConfig, "TPRank=-1"},
+		{"dir too long", "/" + strings.Repeat("d", 120), "e", 0, unixsock.ErrInvalidPath, "too long"},
 	}
 	for _, tc := range errs {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := SocketPath(tc.dir, tc.engine, tc.rank)
-			require.ErrorIs(t, err, ErrInvalidConfig)
+			require.ErrorIs(t, err, tc.target)
 			require.ErrorContains(t, err, tc.msg)
 		})
 	}
@@ -265,7 +267,7 @@ func TestUnsafePaths(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, os.WriteFile(path, []byte("keep"), 0o600))
 		_, err = New(t.Context(), Member{EngineID: "e", TPSize: 1}, nil, &Config{Dir: dir})
-		require.ErrorIs(t, err, ErrInvalidConfig)
+		require.ErrorIs(t, err, unixsock.ErrInvalidPath)
 		require.ErrorContains(t, err, "not a socket")
 		b, err := os.ReadFile(path)
 		require.NoError(t, err)
