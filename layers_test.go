@@ -57,6 +57,7 @@ var layerOf = map[string]string{
 	"transfer":  layerNetwork,
 
 	"connector": layerEngine,
+	"localapi":  layerEngine,
 
 	"cmd/kvsidecar":                         layerProgram,
 	"cmd/kvsidecar/internal/demo":           layerProgram,

@@ -4,8 +4,8 @@
 // into kv_transfer_params and holds them under a lease. Worker side (decode):
 // StartLoad maps the decode rank to the prefill ranks that hold its heads,
 // reads the blocks and reports them through GetFinished; Abort stops a
-// request. It also holds the kv_transfer_params JSON codec, the local API
-// server over a unix socket and its Go client.
+// request. It also holds the kv_transfer_params JSON codec. The local API
+// that engines call over a unix socket is package localapi.
 //
 // connector never touches cgo.
 package connector

@@ -5,13 +5,11 @@ import (
 	"testing"
 
 	"go.uber.org/goleak"
-
-	"github.com/kvsidecar/kvsidecar/vmm/cuda/cudatest"
 )
 
 func TestMain(m *testing.M) {
 	// The delaying test socket is not a *net.UDPConn; quic-go's warning
 	// about its buffer sizes is noise here.
 	os.Setenv("QUIC_GO_DISABLE_RECEIVE_BUFFER_WARNING", "true")
-	goleak.VerifyTestMain(cudatest.M(m))
+	goleak.VerifyTestMain(m)
 }

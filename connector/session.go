@@ -15,8 +15,10 @@ import (
 
 type sessionKey struct{}
 
-// withSession returns ctx carrying engine session id.
-func withSession(ctx context.Context, id uint64) context.Context {
+// WithSession returns ctx carrying engine session id: a StartLoad or
+// RequestFinished under it reports to that session's GetFinished only (the
+// local API, localapi, runs every call of an engine under its session).
+func WithSession(ctx context.Context, id uint64) context.Context {
 	return context.WithValue(ctx, sessionKey{}, id)
 }
 
@@ -92,31 +94,32 @@ func (r *Rank) takeLocked(keep func(finishedItem) bool) Finished {
 	return f
 }
 
-// beginSession makes session id live: its results are queued.
-func (r *Rank) beginSession(id uint64) {
+// BeginSession makes engine session id live: its results are queued.
+func (r *Rank) BeginSession(id uint64) {
 	r.mu.Lock()
 	r.sessions[id] = true
 	r.mu.Unlock()
 }
 
-// takeSession returns and forgets the queued results of session id.
-func (r *Rank) takeSession(id uint64) Finished {
+// TakeSession returns and forgets the queued results of session id: the
+// GetFinished of an engine session.
+func (r *Rank) TakeSession(id uint64) Finished {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.takeLocked(func(it finishedItem) bool { return it.session == id })
 }
 
-// endSession ends session id: its queued results are returned (for the
+// EndSession ends session id: its queued results are returned (for the
 // caller to log) and forgotten, and later ones are dropped on arrival.
-func (r *Rank) endSession(id uint64) Finished {
+func (r *Rank) EndSession(id uint64) Finished {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	delete(r.sessions, id)
 	return r.takeLocked(func(it finishedItem) bool { return it.session == id })
 }
 
-// ids returns the request ids of f, sorted, for a log line.
-func (f Finished) ids() []string {
+// RequestIDs returns the request ids of f, sorted, for a log line.
+func (f Finished) RequestIDs() []string {
 	out := slices.Concat(f.DoneSending, f.DoneRecving)
 	for _, fl := range f.Failed {
 		out = append(out, fl.RequestID)

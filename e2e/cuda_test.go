@@ -12,12 +12,13 @@ import (
 
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/internal/kvgen"
+	"github.com/kvsidecar/kvsidecar/localapi"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/vmm/cuda"
 	"github.com/kvsidecar/kvsidecar/vmm/cuda/cudatest"
 )
 
-var _ connector.DeviceImporter = (*cuda.Backend)(nil)
+var _ localapi.DeviceImporter = (*cuda.Backend)(nil)
 
 // cudaDriver returns the driver library the CUDA e2e tests use: the real
 // one (cuda.DefaultLibrary) under KVSIDECAR_REQUIRE_GPU=1, which make
@@ -32,15 +33,15 @@ func cudaDriver(t *testing.T) (lib string, fake bool) {
 
 // attachDevice attaches an engine whose client imports the sidecar's
 // device pages through imp.
-func attachDevice(t testing.TB, s *Sidecar, blocks uint32, imp connector.DeviceImporter) *engine {
+func attachDevice(t testing.TB, s *Sidecar, blocks uint32, imp localapi.DeviceImporter) *engine {
 	t.Helper()
-	c, err := connector.DialLocal(t.Context(), s.Socket, &connector.LocalClientConfig{DeviceImporter: imp})
+	c, err := localapi.Dial(t.Context(), s.Socket, &localapi.ClientConfig{DeviceImporter: imp})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
 	info, err := c.Attach(t.Context(), &v1.CreateKVCache{Geometry: geom, TpRank: uint32(s.Opts.TPRank), TpSize: uint32(s.Opts.TPSize), NumBlocks: blocks})
 	require.NoError(t, err)
 	require.True(t, info.GetDeviceMemory(), "%s serves device memory", s.Name)
-	return &engine{LocalClient: c, info: info}
+	return &engine{Client: c, info: info}
 }
 
 // writeDevice writes request key's KV heads of shape into blocks through

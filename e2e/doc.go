@@ -2,7 +2,7 @@
 // it as several processes on loopback (and, as root with iproute2, in two
 // network namespaces joined by veth). They drive the sidecars only through
 // their sockets, flags, signals, HTTP endpoints and the Go client
-// (connector.DialLocal), never through internals.
+// (localapi.Dial), never through internals.
 //
 // The harness (harness.go) is shared by every e2e test:
 //

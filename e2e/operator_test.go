@@ -16,6 +16,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/internal/codes"
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
 	"github.com/kvsidecar/kvsidecar/internal/kvgen"
+	"github.com/kvsidecar/kvsidecar/localapi"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -145,12 +146,12 @@ func TestIncompatibleGeometryNamesBothValues(t *testing.T) {
 // the engine takes the one the sidecar's flags give.
 func attachOwnGeometry(t testing.TB, s *Sidecar, blocks uint32) *engine {
 	t.Helper()
-	c, err := connector.DialLocal(t.Context(), s.Socket, nil)
+	c, err := localapi.Dial(t.Context(), s.Socket, nil)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
 	info, err := c.Attach(t.Context(), &v1.CreateKVCache{TpRank: uint32(s.Opts.TPRank), TpSize: uint32(s.Opts.TPSize), NumBlocks: blocks})
 	require.NoError(t, err)
-	return &engine{LocalClient: c, info: info}
+	return &engine{Client: c, info: info}
 }
 
 // TestForeignCAPeerRefusedOnce: a decode whose certificate comes from

@@ -18,6 +18,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/internal/kvgen"
 	"github.com/kvsidecar/kvsidecar/internal/testutil"
 	"github.com/kvsidecar/kvsidecar/internal/wire"
+	"github.com/kvsidecar/kvsidecar/localapi"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -33,18 +34,18 @@ var shape = kvgen.Shape{BlockSize: 16, RowBytes: 128, FirstHead: 0, Heads: 8}
 
 // engine is a Go-client "engine" beside one sidecar.
 type engine struct {
-	*connector.LocalClient
+	*localapi.Client
 	info *v1.KVCacheInfo
 }
 
 func attach(t testing.TB, s *Sidecar, blocks uint32) *engine {
 	t.Helper()
-	c, err := connector.DialLocal(t.Context(), s.Socket, nil)
+	c, err := localapi.Dial(t.Context(), s.Socket, nil)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
 	info, err := c.Attach(t.Context(), &v1.CreateKVCache{Geometry: geom, TpRank: uint32(s.Opts.TPRank), TpSize: uint32(s.Opts.TPSize), NumBlocks: blocks})
 	require.NoError(t, err)
-	return &engine{LocalClient: c, info: info}
+	return &engine{Client: c, info: info}
 }
 
 // fill writes request key's KV into blocks through the engine's mapping.

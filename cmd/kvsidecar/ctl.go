@@ -12,7 +12,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/kvsidecar/kvsidecar/connector"
+	"github.com/kvsidecar/kvsidecar/localapi"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -153,7 +153,7 @@ func runCtl(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		}
 		return err
 	}
-	c, err := connector.DialLocal(ctx, *socket, nil)
+	c, err := localapi.Dial(ctx, *socket, nil)
 	if err != nil {
 		return timedOut(err)
 	}

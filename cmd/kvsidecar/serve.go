@@ -33,6 +33,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/handshake"
 	"github.com/kvsidecar/kvsidecar/internal/codes"
 	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
+	"github.com/kvsidecar/kvsidecar/localapi"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/transfer"
 	"github.com/kvsidecar/kvsidecar/vmm"
@@ -630,7 +631,7 @@ func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 	if err := os.MkdirAll(f.socketDir, 0o700); err != nil {
 		return fmt.Errorf("--socket-dir %s: %w", f.socketDir, err)
 	}
-	path, err := connector.LocalSocketPath(f.socketDir, f.engineID, f.tpRank)
+	path, err := localapi.SocketPath(f.socketDir, f.engineID, f.tpRank)
 	if err != nil {
 		return usageErrorf("--socket-dir/--engine-id: %v", err)
 	}
@@ -648,10 +649,10 @@ func serve(ctx context.Context, cfg *serveConfig, log *slog.Logger) error {
 		}
 	}
 
-	open := func(octx context.Context, req *v1.CreateKVCache) (*connector.LocalCache, error) {
+	open := func(octx context.Context, req *v1.CreateKVCache) (*localapi.Cache, error) {
 		return openCache(octx, cfg, req, srvTLS, cliTLS, log, reg)
 	}
-	srv, err := connector.NewLocalServer(ctx, &connector.LocalServerConfig{Path: path, Open: open, Geometry: cfg.geometry, Logger: log, Registerer: reg})
+	srv, err := localapi.NewServer(ctx, &localapi.ServerConfig{Path: path, Open: open, Geometry: cfg.geometry, Logger: log, Registerer: reg})
 	if err != nil {
 		return fmt.Errorf("--socket-dir %s: %w", f.socketDir, err)
 	}
@@ -854,7 +855,7 @@ func sameHost(a, b string) bool {
 
 // openCache builds the pool, TP group and rank for the engine's first
 // create request, after checking it against the flags.
-func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srvTLS, cliTLS *tls.Config, log *slog.Logger, reg prometheus.Registerer) (c *connector.LocalCache, err error) {
+func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srvTLS, cliTLS *tls.Config, log *slog.Logger, reg prometheus.Registerer) (c *localapi.Cache, err error) {
 	f := &cfg.f
 	mismatch := func(code v1.Code, field string, flagv, got any) error {
 		return codes.New(code, "kvsidecar serve: create: %s=%v, but this sidecar was started with %v", field, got, flagv)
@@ -903,7 +904,7 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 	coordinated := cfg.ownership == v1.Ownership_OWNERSHIP_COORDINATED && f.tpSize > 1
 	member := tpgroup.Member{EngineID: f.engineID, TPSize: f.tpSize, TPRank: f.tpRank, Device: f.device}
 	gcfg := &tpgroup.Config{Dir: f.socketDir, Ownership: tpgroup.OwnershipCoordinated, Logger: log, Registerer: reg}
-	var tracker *connector.PageTracker
+	var tracker *localapi.PageTracker
 	var pool *vmm.Pool
 	switch {
 	case coordinated && f.tpRank == 0:
@@ -912,7 +913,7 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 			return nil, err
 		}
 		closers = append(closers, g.Close)
-		tracker = connector.NewPageTracker(g.Hook())
+		tracker = localapi.NewPageTracker(g.Hook())
 		vc.PageHook = tracker
 		if pool, err = vmm.NewPool(ctx, vc); err != nil {
 			return nil, err
@@ -924,14 +925,14 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 			return nil, err
 		}
 		closers = append(closers, pool.Close)
-		tracker = connector.NewPageTracker(pool)
+		tracker = localapi.NewPageTracker(pool)
 		g, err := tpgroup.New(ctx, member, tracker, gcfg)
 		if err != nil {
 			return nil, err
 		}
 		closers = append(closers, g.Close)
 	default:
-		tracker = connector.NewPageTracker(nil)
+		tracker = localapi.NewPageTracker(nil)
 		vc.PageHook = tracker
 		if pool, err = vmm.NewPool(ctx, vc); err != nil {
 			return nil, err
@@ -971,7 +972,7 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 		return nil, err
 	}
 	log.Info("rank listening", "addr", rank.Addr(), "num_blocks", n, "regions", len(pool.Regions()))
-	return &connector.LocalCache{Pool: pool, Rank: rank, Tracker: tracker, Create: req, EngineID: f.engineID,
+	return &localapi.Cache{Pool: pool, Rank: rank, Tracker: tracker, Create: req, EngineID: f.engineID,
 		DeviceMemory: deviceMemory, Close: func() error {
 			var errs []error
 			for i := len(closers) - 1; i >= 0; i-- {

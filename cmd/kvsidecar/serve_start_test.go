@@ -22,10 +22,10 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/internal/codes"
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
 	"github.com/kvsidecar/kvsidecar/internal/testutil"
+	"github.com/kvsidecar/kvsidecar/localapi"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/transfer"
 	"github.com/kvsidecar/kvsidecar/vmm/cuda"
@@ -66,9 +66,9 @@ var smallGQA = &v1.ModelGeometry{Model: "custom", NumLayers: 1, NumKvHeads: 2, H
 
 // dialServe connects to a serve's local API socket as its engine; the
 // connection closes at the end of the test.
-func dialServe(t testing.TB, sock string) *connector.LocalClient {
+func dialServe(t testing.TB, sock string) *localapi.Client {
 	t.Helper()
-	c, err := connector.DialLocal(t.Context(), sock, nil)
+	c, err := localapi.Dial(t.Context(), sock, nil)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
 	return c

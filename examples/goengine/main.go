@@ -2,11 +2,11 @@
 // `kvsidecar serve` processes on loopback (a prefill instance of TP 2 and a
 // decode instance of TP 4, llama-3.2-1b's KV geometry), moves one request's
 // KV from prefill to decode through them with the local API client
-// (connector.DialLocal), checks every byte on every decode rank and prints
+// (localapi.Dial), checks every byte on every decode rank and prints
 // the bytes it verified. It follows docs/engine-integration.md step by step.
 // With --backend cuda the sidecars keep the KV cache in GPU memory and the
 // engine imports their pages into its own device address space through
-// vmm/cuda (connector.LocalClientConfig.DeviceImporter).
+// vmm/cuda (localapi.ClientConfig.DeviceImporter).
 //
 //	go build -o bin/kvsidecar ./cmd/kvsidecar
 //	go run ./examples/goengine --kvsidecar bin/kvsidecar [--backend cuda]
@@ -30,6 +30,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
 	"github.com/kvsidecar/kvsidecar/internal/kvgen"
+	"github.com/kvsidecar/kvsidecar/localapi"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/vmm/cuda"
 )
@@ -88,7 +89,7 @@ func run(ctx context.Context, bin string, tokens int, cudaLib string, out io.Wri
 		// Closed after the connections that map its pages (c.stop).
 		defer func() { err = errors.Join(err, imp.Close()) }()
 		c.serveArgs = []string{"--backend", "cuda", "--cuda-library", cudaLib}
-		c.client = &connector.LocalClientConfig{DeviceImporter: imp}
+		c.client = &localapi.ClientConfig{DeviceImporter: imp}
 	}
 	defer func() { err = errors.Join(err, c.stop()) }()
 
@@ -101,8 +102,8 @@ func run(ctx context.Context, bin string, tokens int, cudaLib string, out io.Wri
 	if err != nil {
 		return err
 	}
-	infos := map[*connector.LocalClient]*v1.KVCacheInfo{}
-	for _, ranks := range [][]*connector.LocalClient{prefill, decode} {
+	infos := map[*localapi.Client]*v1.KVCacheInfo{}
+	for _, ranks := range [][]*localapi.Client{prefill, decode} {
 		for r, lc := range ranks {
 			// No geometry: the sidecar was started with --model.
 			info, err := lc.Attach(ctx, &v1.CreateKVCache{TpRank: uint32(r), TpSize: uint32(len(ranks))})
@@ -216,7 +217,7 @@ func run(ctx context.Context, bin string, tokens int, cudaLib string, out io.Wri
 	return nil
 }
 
-func waitFinished(ctx context.Context, lc *connector.LocalClient, done func(*v1.GetFinishedReply) bool) (*v1.GetFinishedReply, error) {
+func waitFinished(ctx context.Context, lc *localapi.Client, done func(*v1.GetFinishedReply) bool) (*v1.GetFinishedReply, error) {
 	acc := &v1.GetFinishedReply{}
 	for {
 		f, err := lc.GetFinished(ctx)
@@ -246,11 +247,11 @@ type cluster struct {
 	socketDir string
 	procs     []*exec.Cmd
 	logs      []*os.File
-	clients   []*connector.LocalClient
+	clients   []*localapi.Client
 	// serveArgs are extra flags of every sidecar; client configures the
 	// engine's connections (the DeviceImporter for --backend cuda).
 	serveArgs []string
-	client    *connector.LocalClientConfig
+	client    *localapi.ClientConfig
 }
 
 func newCluster(dir, bin string) (*cluster, error) {
@@ -272,12 +273,12 @@ func newCluster(dir, bin string) (*cluster, error) {
 // startInstance starts the tp ranks of one engine instance, each on a UDP
 // port picked here and given to all of them with --rank-addrs, and returns
 // a local API connection to each.
-func (c *cluster) startInstance(ctx context.Context, engine, role string, tp int) ([]*connector.LocalClient, error) {
+func (c *cluster) startInstance(ctx context.Context, engine, role string, tp int) ([]*localapi.Client, error) {
 	addrs, err := freeUDPAddrs(tp)
 	if err != nil {
 		return nil, err
 	}
-	var out []*connector.LocalClient
+	var out []*localapi.Client
 	for r := range tp {
 		log, err := os.Create(filepath.Join(c.dir, fmt.Sprintf("%s-tp%d.log", engine, r)))
 		if err != nil {
@@ -296,7 +297,7 @@ func (c *cluster) startInstance(ctx context.Context, engine, role string, tp int
 			return nil, fmt.Errorf("start %s: %w", c.bin, err)
 		}
 		c.procs, c.logs = append(c.procs, cmd), append(c.logs, log)
-		path, err := connector.LocalSocketPath(c.socketDir, engine, r)
+		path, err := localapi.SocketPath(c.socketDir, engine, r)
 		if err != nil {
 			return nil, err
 		}
@@ -313,9 +314,9 @@ func (c *cluster) startInstance(ctx context.Context, engine, role string, tp int
 
 // dialWhenUp dials the socket until the sidecar answers (it listens before
 // it logs "serving") or the process exits.
-func dialWhenUp(ctx context.Context, path string, cmd *exec.Cmd, cfg *connector.LocalClientConfig) (*connector.LocalClient, error) {
+func dialWhenUp(ctx context.Context, path string, cmd *exec.Cmd, cfg *localapi.ClientConfig) (*localapi.Client, error) {
 	for {
-		if lc, err := connector.DialLocal(ctx, path, cfg); err == nil {
+		if lc, err := localapi.Dial(ctx, path, cfg); err == nil {
 			if _, err := lc.Stats(ctx); err == nil {
 				return lc, nil
 			}

@@ -115,7 +115,7 @@ def _clean_dir(d: bytes) -> bytes:
 def local_socket_path(socket_dir: str, engine_id: str, tp_rank: int) -> str:
     """The local API socket of rank ``tp_rank`` of engine ``engine_id``:
     ``<socket_dir>/kvsidecar-<id>-tp<rank>-api.sock``, the path ``kvsidecar
-    serve`` listens on (Go: ``connector.LocalSocketPath``, same rule).
+    serve`` listens on (Go: ``localapi.SocketPath``, same rule).
 
     ``<id>`` is ``engine_id`` when it holds only ``[A-Za-z0-9._-]`` and the
     path fits in 107 bytes; otherwise every other byte of its UTF-8 form

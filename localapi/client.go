@@ -1,4 +1,4 @@
-package connector
+package localapi
 
 import (
 	"context"
@@ -20,13 +20,9 @@ import (
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
-// ErrBrokenConn: an earlier call on this LocalClient failed mid-exchange
-// (timeout, bad reply), so the stream's state is unknown; dial again.
-var ErrBrokenConn = errors.New("connector: local client: connection broken by an earlier error")
-
-// LocalClientConfig configures DialLocal. A nil *LocalClientConfig is the
+// ClientConfig configures Dial. A nil *ClientConfig is the
 // zero value.
-type LocalClientConfig struct {
+type ClientConfig struct {
 	// MaxReplyBytes bounds a reply frame. Default DefaultMaxReplyBytes.
 	MaxReplyBytes int
 	// Logger: default discards.
@@ -38,18 +34,18 @@ type LocalClientConfig struct {
 	DeviceImporter DeviceImporter
 }
 
-// LocalClient is an engine's (or an operator tool's) connection to its
+// Client is an engine's (or an operator tool's) connection to its
 // sidecar's local API. After Attach it maps the sidecar's pages into its own
 // reservation (one PROT_NONE range per region; each passed memfd range
 // mapped MAP_FIXED|MAP_SHARED at its region offset), so Region and Block
 // address the same physical memory as the sidecar. Device memory (CUDA) is
-// imported instead through LocalClientConfig.DeviceImporter into device
+// imported instead through ClientConfig.DeviceImporter into device
 // reservations: BlockAddr, ReadBlock and WriteBlock address it. Every reply
 // brings the pages mapped and unmapped since the previous one, so a mapping
 // of a page the sidecar released never outlives the next call. Calls are serialized;
 // safe for concurrent use.
-type LocalClient struct {
-	cfg  LocalClientConfig
+type Client struct {
+	cfg  ClientConfig
 	conn *fdpass.Conn
 	r    *wire.Reader
 
@@ -65,9 +61,9 @@ type LocalClient struct {
 	closed  bool
 }
 
-// DialLocal connects to the local API socket at path.
-func DialLocal(ctx context.Context, path string, cfg *LocalClientConfig) (*LocalClient, error) {
-	var c LocalClientConfig
+// Dial connects to the local API socket at path.
+func Dial(ctx context.Context, path string, cfg *ClientConfig) (*Client, error) {
+	var c ClientConfig
 	if cfg != nil {
 		c = *cfg
 	}
@@ -75,7 +71,7 @@ func DialLocal(ctx context.Context, path string, cfg *LocalClientConfig) (*Local
 		c.MaxReplyBytes = DefaultMaxReplyBytes
 	}
 	if c.MaxReplyBytes < 64 {
-		return nil, fmt.Errorf("%w: LocalClientConfig.MaxReplyBytes %d must be at least 64", ErrInvalidArgument, c.MaxReplyBytes)
+		return nil, fmt.Errorf("%w: ClientConfig.MaxReplyBytes %d must be at least 64", ErrInvalidArgument, c.MaxReplyBytes)
 	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
@@ -86,16 +82,16 @@ func DialLocal(ctx context.Context, path string, cfg *LocalClientConfig) (*Local
 		if ctx.Err() != nil {
 			return nil, context.Cause(ctx)
 		}
-		return nil, fmt.Errorf("connector: local client: dial %s: %w", path, err)
+		return nil, fmt.Errorf("localapi: client: dial %s: %w", path, err)
 	}
 	fc := fdpass.New(nc.(*net.UnixConn))
-	return &LocalClient{cfg: c, conn: fc, r: wire.NewReader(fc, c.MaxReplyBytes)}, nil
+	return &Client{cfg: c, conn: fc, r: wire.NewReader(fc, c.MaxReplyBytes)}, nil
 }
 
 // call sends req and waits for its reply; it applies the reply's
 // MappingDelta, then returns the reply's error (a *codes.Error carrying the
 // sidecar's code) or the reply.
-func (c *LocalClient) call(ctx context.Context, req *v1.LocalRequest) (*v1.LocalReply, error) {
+func (c *Client) call(ctx context.Context, req *v1.LocalRequest) (*v1.LocalReply, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.broken != nil {
@@ -129,33 +125,33 @@ func (c *LocalClient) call(ctx context.Context, req *v1.LocalRequest) (*v1.Local
 	return rep, nil
 }
 
-func (c *LocalClient) exchange(ctx context.Context, req *v1.LocalRequest) (*v1.LocalReply, error) {
+func (c *Client) exchange(ctx context.Context, req *v1.LocalRequest) (*v1.LocalReply, error) {
 	uc := c.conn.Unix()
 	dl, _ := ctx.Deadline()
 	_ = uc.SetDeadline(dl)
 	stop := context.AfterFunc(ctx, func() { _ = uc.SetDeadline(time.Unix(1, 0)) })
 	defer stop()
 	if err := wire.WriteMsg(uc, req, DefaultMaxRequestBytes); err != nil {
-		return nil, fmt.Errorf("connector: local client: send: %w", err)
+		return nil, fmt.Errorf("localapi: client: send: %w", err)
 	}
 	rep := &v1.LocalReply{}
 	if err := c.r.ReadMsg(rep); err != nil {
-		return nil, fmt.Errorf("connector: local client: reply: %w", err)
+		return nil, fmt.Errorf("localapi: client: reply: %w", err)
 	}
 	if rep.GetCallId() != req.GetCallId() {
-		return nil, fmt.Errorf("connector: local client: reply for call %d, want %d", rep.GetCallId(), req.GetCallId())
+		return nil, fmt.Errorf("localapi: client: reply for call %d, want %d", rep.GetCallId(), req.GetCallId())
 	}
 	return rep, nil
 }
 
 // apply maps and unmaps what d says; d's fds are closed after.
-func (c *LocalClient) apply(d *v1.MappingDelta) error {
+func (c *Client) apply(d *v1.MappingDelta) error {
 	if d == nil {
 		return nil
 	}
 	files, err := c.conn.TakeFiles(int(d.GetNumFds()))
 	if err != nil {
-		return fmt.Errorf("connector: local client: %w", err)
+		return fmt.Errorf("localapi: client: %w", err)
 	}
 	defer func() {
 		for _, f := range files {
@@ -165,12 +161,12 @@ func (c *LocalClient) apply(d *v1.MappingDelta) error {
 	c.mapMu.Lock()
 	defer c.mapMu.Unlock()
 	if c.info == nil {
-		return fmt.Errorf("connector: local client: mappings before attach")
+		return fmt.Errorf("localapi: client: mappings before attach")
 	}
 	ps := c.info.GetPageSize()
 	for _, pg := range d.GetUnmappedPages() {
 		if int(pg) >= len(c.mapped[0]) {
-			return fmt.Errorf("connector: local client: unmapped page %d outside [0, %d)", pg, len(c.mapped[0]))
+			return fmt.Errorf("localapi: client: unmapped page %d outside [0, %d)", pg, len(c.mapped[0]))
 		}
 		for r := range c.mapped {
 			var err error
@@ -189,12 +185,12 @@ func (c *LocalClient) apply(d *v1.MappingDelta) error {
 		r, off, n := int(m.GetRegion()), m.GetRegionOffset(), m.GetLen()
 		switch {
 		case r >= len(c.mapped):
-			return fmt.Errorf("connector: local client: mapping of region %d outside [0, %d)", r, len(c.mapped))
+			return fmt.Errorf("localapi: client: mapping of region %d outside [0, %d)", r, len(c.mapped))
 		case n == 0 || off%ps != 0 || n%ps != 0 || off+n < off || off+n > c.info.GetRegionLen():
-			return fmt.Errorf("connector: local client: mapping [%d, +%d) of region %d is not whole pages of %d inside %d bytes",
+			return fmt.Errorf("localapi: client: mapping [%d, +%d) of region %d is not whole pages of %d inside %d bytes",
 				off, n, r, ps, c.info.GetRegionLen())
 		case int(m.GetFdIndex()) >= len(files):
-			return fmt.Errorf("connector: local client: fd_index %d outside the %d passed fds", m.GetFdIndex(), len(files))
+			return fmt.Errorf("localapi: client: fd_index %d outside the %d passed fds", m.GetFdIndex(), len(files))
 		}
 		f := files[m.GetFdIndex()]
 		if c.dev != nil {
@@ -207,7 +203,7 @@ func (c *LocalClient) apply(d *v1.MappingDelta) error {
 		addr := unsafe.Pointer(&c.regions[r][off])
 		if _, err := unix.MmapPtr(int(f.Fd()), int64(m.GetFdOffset()), addr, uintptr(n),
 			unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_FIXED); err != nil {
-			return fmt.Errorf("connector: local client: mmap region %d [%d, +%d) at fd offset %d: %w", r, off, n, m.GetFdOffset(), err)
+			return fmt.Errorf("localapi: client: mmap region %d [%d, +%d) at fd offset %d: %w", r, off, n, m.GetFdOffset(), err)
 		}
 		for pg := off / ps; pg < (off+n)/ps; pg++ {
 			c.mapped[r][pg] = true
@@ -218,11 +214,11 @@ func (c *LocalClient) apply(d *v1.MappingDelta) error {
 
 // protNone returns [off, off+n) of region r to an inaccessible anonymous
 // mapping, dropping whatever shared page was there.
-func (c *LocalClient) protNone(r int, off, n uint64) error {
+func (c *Client) protNone(r int, off, n uint64) error {
 	addr := unsafe.Pointer(&c.regions[r][off])
 	if _, err := unix.MmapPtr(-1, 0, addr, uintptr(n), unix.PROT_NONE,
 		unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_FIXED|unix.MAP_NORESERVE); err != nil {
-		return fmt.Errorf("connector: local client: unmap region %d [%d, +%d): %w", r, off, n, err)
+		return fmt.Errorf("localapi: client: unmap region %d [%d, +%d): %w", r, off, n, err)
 	}
 	return nil
 }
@@ -231,14 +227,14 @@ func (c *LocalClient) protNone(r int, off, n uint64) error {
 // which must have the same geometry, tp rank and size: CODE_ALREADY_EXISTS
 // otherwise), reserves the regions in this process and maps every page
 // the sidecar has mapped. Device memory (CUDA) is imported through
-// LocalClientConfig.DeviceImporter; without one it is refused with an error
+// ClientConfig.DeviceImporter; without one it is refused with an error
 // wrapping errors.ErrUnsupported.
-func (c *LocalClient) Attach(ctx context.Context, req *v1.CreateKVCache) (*v1.KVCacheInfo, error) {
+func (c *Client) Attach(ctx context.Context, req *v1.CreateKVCache) (*v1.KVCacheInfo, error) {
 	c.mapMu.RLock()
 	attached := c.info != nil
 	c.mapMu.RUnlock()
 	if attached {
-		return nil, fmt.Errorf("%w: local client already attached", ErrInvalidArgument)
+		return nil, fmt.Errorf("%w: client already attached", ErrInvalidArgument)
 	}
 	// The reply's mappings need the reservation, which needs the reply:
 	// attach, reserve, then apply (call applies after reserving through
@@ -281,13 +277,13 @@ func (c *LocalClient) Attach(ctx context.Context, req *v1.CreateKVCache) (*v1.KV
 	return info, nil
 }
 
-func (c *LocalClient) reserve(info *v1.KVCacheInfo) error {
+func (c *Client) reserve(info *v1.KVCacheInfo) error {
 	ps, rl, nr := info.GetPageSize(), info.GetRegionLen(), info.GetNumRegions()
 	switch {
 	case info.GetDeviceMemory() && c.cfg.DeviceImporter == nil:
-		return fmt.Errorf("connector: local client: the sidecar's pages are device memory; set LocalClientConfig.DeviceImporter (vmm/cuda's Backend) to import their POSIX fds: %w", errors.ErrUnsupported)
+		return fmt.Errorf("localapi: client: the sidecar's pages are device memory; set ClientConfig.DeviceImporter (vmm/cuda's Backend) to import their POSIX fds: %w", errors.ErrUnsupported)
 	case ps == 0 || ps%uint64(os.Getpagesize()) != 0 || rl == 0 || rl%ps != 0 || nr == 0 || info.GetBlockLen() == 0 || info.GetBlockLen() > ps:
-		return fmt.Errorf("connector: local client: cache info page_size=%d region_len=%d num_regions=%d block_len=%d is not a usable layout",
+		return fmt.Errorf("localapi: client: cache info page_size=%d region_len=%d num_regions=%d block_len=%d is not a usable layout",
 			ps, rl, nr, info.GetBlockLen())
 	}
 	c.mapMu.Lock()
@@ -307,7 +303,7 @@ func (c *LocalClient) reserve(info *v1.KVCacheInfo) error {
 		b, err := unix.Mmap(-1, 0, int(rl), unix.PROT_NONE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
 		if err != nil {
 			c.unreserveLocked()
-			return fmt.Errorf("connector: local client: reserve %d bytes: %w", rl, err)
+			return fmt.Errorf("localapi: client: reserve %d bytes: %w", rl, err)
 		}
 		c.regions = append(c.regions, b)
 		c.mapped = append(c.mapped, make([]bool, rl/ps))
@@ -316,20 +312,20 @@ func (c *LocalClient) reserve(info *v1.KVCacheInfo) error {
 	return nil
 }
 
-func (c *LocalClient) unreserveLocked() {
+func (c *Client) unreserveLocked() {
 	for _, b := range c.regions {
 		_ = unix.Munmap(b)
 	}
 	if c.dev != nil {
 		if err := c.dev.close(); err != nil {
-			c.cfg.Logger.Warn("local client: unmap device pages", "err", err)
+			c.cfg.Logger.Warn("localapi client: unmap device pages", "err", err)
 		}
 	}
 	c.regions, c.dev, c.mapped, c.info = nil, nil, nil, nil
 }
 
 // Info returns the attached cache's description (nil before Attach).
-func (c *LocalClient) Info() *v1.KVCacheInfo {
+func (c *Client) Info() *v1.KVCacheInfo {
 	c.mapMu.RLock()
 	defer c.mapMu.RUnlock()
 	return c.info
@@ -338,7 +334,7 @@ func (c *LocalClient) Info() *v1.KVCacheInfo {
 // Region returns region i's whole reservation in this process. Only pages
 // that are mapped may be touched (the rest fault); use Block for checked
 // access. Nil before Attach, for i out of range and for device memory.
-func (c *LocalClient) Region(i int) []byte {
+func (c *Client) Region(i int) []byte {
 	c.mapMu.RLock()
 	defer c.mapMu.RUnlock()
 	if i < 0 || i >= len(c.regions) {
@@ -349,13 +345,13 @@ func (c *LocalClient) Region(i int) []byte {
 
 // BlockOffset returns the byte offset of block b in every region (blocks
 // never straddle a page).
-func (c *LocalClient) BlockOffset(b int) uint64 {
+func (c *Client) BlockOffset(b int) uint64 {
 	c.mapMu.RLock()
 	defer c.mapMu.RUnlock()
 	return c.blockOffsetLocked(b)
 }
 
-func (c *LocalClient) blockOffsetLocked(b int) uint64 {
+func (c *Client) blockOffsetLocked(b int) uint64 {
 	return kvgeom.Packing{BlockLen: c.info.GetBlockLen(), PageSize: c.info.GetPageSize()}.Offset(kvgeom.BlockID(b))
 }
 
@@ -365,7 +361,7 @@ func (c *LocalClient) blockOffsetLocked(b int) uint64 {
 // allocated; Sync first if it was allocated through another connection);
 // ErrDeviceMemory when the cache is device memory. The slice stays valid
 // while the block stays allocated.
-func (c *LocalClient) Block(region, b int) ([]byte, error) {
+func (c *Client) Block(region, b int) ([]byte, error) {
 	c.mapMu.RLock()
 	defer c.mapMu.RUnlock()
 	if c.dev != nil {
@@ -381,7 +377,7 @@ func (c *LocalClient) Block(region, b int) ([]byte, error) {
 
 // Alloc allocates n blocks; the pages they need are mapped here before it
 // returns. Over the memory limit: a *codes.Error with CODE_BUSY.
-func (c *LocalClient) Alloc(ctx context.Context, n int) ([]uint32, error) {
+func (c *Client) Alloc(ctx context.Context, n int) ([]uint32, error) {
 	if n < 1 || n > 1<<31 {
 		return nil, fmt.Errorf("%w: alloc count %d must be at least 1", ErrInvalidArgument, n)
 	}
@@ -394,27 +390,27 @@ func (c *LocalClient) Alloc(ctx context.Context, n int) ([]uint32, error) {
 
 // Free frees blocks; pages the sidecar unmapped are unmapped here before it
 // returns.
-func (c *LocalClient) Free(ctx context.Context, ids []uint32) error {
+func (c *Client) Free(ctx context.Context, ids []uint32) error {
 	_, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_Free{Free: &v1.FreeBlocks{BlockIds: ids}}})
 	return err
 }
 
 // Available returns the blocks the sidecar could allocate now.
-func (c *LocalClient) Available(ctx context.Context) (uint64, error) {
+func (c *Client) Available(ctx context.Context) (uint64, error) {
 	rep, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_Available{Available: true}})
 	return rep.GetAvailable().GetBlocks(), err
 }
 
 // SetMemoryLimit sets the limit on mapped bytes (0 = none). With strict, a
 // limit below what is in use is refused.
-func (c *LocalClient) SetMemoryLimit(ctx context.Context, bytes uint64, strict bool) error {
+func (c *Client) SetMemoryLimit(ctx context.Context, bytes uint64, strict bool) error {
 	_, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_SetLimit{SetLimit: &v1.SetMemoryLimit{Bytes: bytes, Strict: strict}}})
 	return err
 }
 
 // RequestFinished is Rank.RequestFinished through the sidecar: params for
 // decode when the blocks are held under a lease, nil when freed at once.
-func (c *LocalClient) RequestFinished(ctx context.Context, requestID string, blockIDs []uint32, status v1.FinishStatus, in *v1.KVTransferParams) (*v1.KVTransferParams, error) {
+func (c *Client) RequestFinished(ctx context.Context, requestID string, blockIDs []uint32, status v1.FinishStatus, in *v1.KVTransferParams) (*v1.KVTransferParams, error) {
 	rep, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_RequestFinished{RequestFinished: &v1.RequestFinished{
 		RequestId: requestID, BlockIds: blockIDs, Status: status, Params: in}}})
 	if err != nil {
@@ -424,14 +420,14 @@ func (c *LocalClient) RequestFinished(ctx context.Context, requestID string, blo
 }
 
 // StartLoad is Rank.StartLoad through the sidecar.
-func (c *LocalClient) StartLoad(ctx context.Context, meta *v1.ReqMeta) error {
+func (c *Client) StartLoad(ctx context.Context, meta *v1.ReqMeta) error {
 	_, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_StartLoad{StartLoad: &v1.StartLoad{Meta: meta}}})
 	return err
 }
 
 // GetFinished returns, and the sidecar forgets, what finished since the
 // last call.
-func (c *LocalClient) GetFinished(ctx context.Context) (*v1.GetFinishedReply, error) {
+func (c *Client) GetFinished(ctx context.Context) (*v1.GetFinishedReply, error) {
 	rep, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_GetFinished{GetFinished: &v1.GetFinished{}}})
 	if err != nil {
 		return nil, err
@@ -440,14 +436,14 @@ func (c *LocalClient) GetFinished(ctx context.Context) (*v1.GetFinishedReply, er
 }
 
 // Abort stops a load; it returns after the READ stopped.
-func (c *LocalClient) Abort(ctx context.Context, requestID string) error {
+func (c *Client) Abort(ctx context.Context, requestID string) error {
 	_, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_Abort{Abort: &v1.Abort{RequestId: requestID}}})
 	return err
 }
 
 // Stats returns the sidecar's pool and connector counters (cache_ready
 // false before any engine created the cache).
-func (c *LocalClient) Stats(ctx context.Context) (*v1.StatsReply, error) {
+func (c *Client) Stats(ctx context.Context) (*v1.StatsReply, error) {
 	rep, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_Stats{Stats: &v1.Stats{}}})
 	if err != nil {
 		return nil, err
@@ -457,7 +453,7 @@ func (c *LocalClient) Stats(ctx context.Context) (*v1.StatsReply, error) {
 
 // Sync brings this process's mappings up to date without doing anything
 // else (after another connection allocated, or the limit trimmed pages).
-func (c *LocalClient) Sync(ctx context.Context) error {
+func (c *Client) Sync(ctx context.Context) error {
 	_, err := c.call(ctx, &v1.LocalRequest{Call: &v1.LocalRequest_Sync{Sync: true}})
 	return err
 }
@@ -465,11 +461,11 @@ func (c *LocalClient) Sync(ctx context.Context) error {
 // Close closes the connection and unmaps every region. Slices from Region
 // and Block must not be used after. A second Close returns an error
 // wrapping net.ErrClosed.
-func (c *LocalClient) Close() error {
+func (c *Client) Close() error {
 	c.mapMu.Lock()
 	if c.closed {
 		c.mapMu.Unlock()
-		return fmt.Errorf("connector: local client: %w", net.ErrClosed)
+		return fmt.Errorf("localapi: client: %w", net.ErrClosed)
 	}
 	c.closed = true
 	c.unreserveLocked()

@@ -1,4 +1,4 @@
-package connector_test
+package localapi_test
 
 import (
 	"testing"
@@ -6,7 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/kvsidecar/kvsidecar/connector"
+	"github.com/kvsidecar/kvsidecar/localapi"
 )
 
 // TestLocalClientHostBlockCopy: ReadBlock, WriteBlock and BlockAddr work on
@@ -30,5 +30,5 @@ func TestLocalClientHostBlockCopy(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, addr, uint64(uintptr(unsafe.Pointer(&b[0]))))
 	_, err = c.BlockAddr(9, int(ids[1]))
-	require.ErrorIs(t, err, connector.ErrInvalidArgument)
+	require.ErrorIs(t, err, localapi.ErrInvalidArgument)
 }

@@ -1,4 +1,4 @@
-package connector
+package localapi
 
 import (
 	"errors"
@@ -13,7 +13,7 @@ import (
 // descriptors (CUDA allocations exported with cuMemExportToShareableHandle)
 // into this process's device address space. *cuda.Backend of vmm/cuda
 // implements it with cuMemImportFromShareableHandle, cuMemMap and
-// cuMemSetAccess on its device; connector takes it as an interface so it
+// cuMemSetAccess on its device; localapi takes it as an interface so it
 // never links cgo. Addresses are device addresses (CUdeviceptr), sizes and
 // offsets bytes; Map maps one page of Granularity bytes.
 type DeviceImporter interface {
@@ -32,12 +32,7 @@ type DeviceImporter interface {
 	CopyOut(addr uint64, dst []byte) error
 }
 
-// ErrDeviceMemory: a host-memory view (Region, Block) of a cache whose
-// pages are device memory; use BlockAddr, ReadBlock or WriteBlock. It wraps
-// errors.ErrUnsupported.
-var ErrDeviceMemory = fmt.Errorf("connector: local client: the KV cache is device memory: %w", errors.ErrUnsupported)
-
-// deviceMap is a LocalClient's mapping of a sidecar's device pages: one
+// deviceMap is a Client's mapping of a sidecar's device pages: one
 // device reservation per region, one imported handle per mapped page.
 type deviceMap struct {
 	imp     DeviceImporter
@@ -49,14 +44,14 @@ type deviceMap struct {
 // newDeviceMap reserves nr regions of rl bytes of pages of ps bytes.
 func newDeviceMap(imp DeviceImporter, nr int, ps, rl uint64) (*deviceMap, error) {
 	if g := imp.Granularity(); g != ps {
-		return nil, fmt.Errorf("connector: local client: the sidecar's device pages are %d bytes, this process's device granularity (LocalClientConfig.DeviceImporter) is %d bytes: they must be equal", ps, g)
+		return nil, fmt.Errorf("localapi: client: the sidecar's device pages are %d bytes, this process's device granularity (ClientConfig.DeviceImporter) is %d bytes: they must be equal", ps, g)
 	}
 	d := &deviceMap{imp: imp, ps: ps, rl: rl}
 	for range nr {
 		base, err := imp.Reserve(rl)
 		if err != nil {
 			_ = d.close()
-			return nil, fmt.Errorf("connector: local client: reserve %d bytes of device addresses: %w", rl, err)
+			return nil, fmt.Errorf("localapi: client: reserve %d bytes of device addresses: %w", rl, err)
 		}
 		d.bases = append(d.bases, base)
 		d.handles = append(d.handles, make([]vmm.Handle, rl/ps))
@@ -68,7 +63,7 @@ func newDeviceMap(imp DeviceImporter, nr int, ps, rl uint64) (*deviceMap, error)
 // region r with read-write access, replacing whatever was mapped there.
 func (d *deviceMap) mapPage(r int, off, n uint64, f *os.File, fdOff uint64) error {
 	if n != d.ps {
-		return fmt.Errorf("connector: local client: device mapping [%d, +%d) of region %d: one descriptor maps one page of %d bytes", off, n, r, d.ps)
+		return fmt.Errorf("localapi: client: device mapping [%d, +%d) of region %d: one descriptor maps one page of %d bytes", off, n, r, d.ps)
 	}
 	pg := off / d.ps
 	if err := d.unmap(r, pg); err != nil {
@@ -76,17 +71,17 @@ func (d *deviceMap) mapPage(r int, off, n uint64, f *os.File, fdOff uint64) erro
 	}
 	h, err := d.imp.Import(f, fdOff)
 	if err != nil {
-		return fmt.Errorf("connector: local client: import page %d of region %d: %w", pg, r, err)
+		return fmt.Errorf("localapi: client: import page %d of region %d: %w", pg, r, err)
 	}
 	addr := d.bases[r] + off
 	if err := d.imp.Map(addr, h); err != nil {
 		_ = d.imp.Release(h)
-		return fmt.Errorf("connector: local client: map page %d of region %d: %w", pg, r, err)
+		return fmt.Errorf("localapi: client: map page %d of region %d: %w", pg, r, err)
 	}
 	if err := d.imp.SetAccess(addr, d.ps); err != nil {
 		_ = d.imp.Unmap(addr)
 		_ = d.imp.Release(h)
-		return fmt.Errorf("connector: local client: set access of page %d of region %d: %w", pg, r, err)
+		return fmt.Errorf("localapi: client: set access of page %d of region %d: %w", pg, r, err)
 	}
 	d.handles[r][pg] = h
 	return nil
@@ -99,11 +94,11 @@ func (d *deviceMap) unmap(r int, pg uint64) error {
 		return nil
 	}
 	if err := d.imp.Unmap(d.bases[r] + pg*d.ps); err != nil {
-		return fmt.Errorf("connector: local client: unmap page %d of region %d: %w", pg, r, err)
+		return fmt.Errorf("localapi: client: unmap page %d of region %d: %w", pg, r, err)
 	}
 	d.handles[r][pg] = 0
 	if err := d.imp.Release(h); err != nil {
-		return fmt.Errorf("connector: local client: release page %d of region %d: %w", pg, r, err)
+		return fmt.Errorf("localapi: client: release page %d of region %d: %w", pg, r, err)
 	}
 	return nil
 }
@@ -123,10 +118,10 @@ func (d *deviceMap) close() error {
 
 // blockLocked checks region and block b and returns the block's byte offset
 // in the region; its page must be mapped here. Caller holds mapMu.
-func (c *LocalClient) blockLocked(region, b int) (uint64, error) {
+func (c *Client) blockLocked(region, b int) (uint64, error) {
 	switch {
 	case c.info == nil:
-		return 0, fmt.Errorf("%w: local client not attached", ErrInvalidArgument)
+		return 0, fmt.Errorf("%w: client not attached", ErrInvalidArgument)
 	case region < 0 || region >= len(c.mapped):
 		return 0, fmt.Errorf("%w: region %d outside [0, %d)", ErrInvalidArgument, region, len(c.mapped))
 	case b < 0 || b >= int(c.info.GetNumBlocks()):
@@ -143,7 +138,7 @@ func (c *LocalClient) blockLocked(region, b int) (uint64, error) {
 // device address (CUdeviceptr) for device memory, a host address for host
 // memory, for the engine's kernels. Errors as Block's. The address stays
 // valid while the block stays allocated.
-func (c *LocalClient) BlockAddr(region, b int) (uint64, error) {
+func (c *Client) BlockAddr(region, b int) (uint64, error) {
 	c.mapMu.RLock()
 	defer c.mapMu.RUnlock()
 	off, err := c.blockLocked(region, b)
@@ -159,18 +154,18 @@ func (c *LocalClient) BlockAddr(region, b int) (uint64, error) {
 // ReadBlock copies the first len(dst) bytes (at most BlockLen) of block b of
 // region into dst, from host or device memory (cuMemcpyDtoH through the
 // DeviceImporter). Errors as Block's, or the importer's.
-func (c *LocalClient) ReadBlock(region, b int, dst []byte) error {
+func (c *Client) ReadBlock(region, b int, dst []byte) error {
 	return c.copyBlock(region, b, dst, false)
 }
 
 // WriteBlock copies src (at most BlockLen bytes) to the start of block b of
 // region, in host or device memory (cuMemcpyHtoD through the
 // DeviceImporter). Errors as Block's, or the importer's.
-func (c *LocalClient) WriteBlock(region, b int, src []byte) error {
+func (c *Client) WriteBlock(region, b int, src []byte) error {
 	return c.copyBlock(region, b, src, true)
 }
 
-func (c *LocalClient) copyBlock(region, b int, buf []byte, write bool) error {
+func (c *Client) copyBlock(region, b int, buf []byte, write bool) error {
 	c.mapMu.RLock()
 	defer c.mapMu.RUnlock()
 	off, err := c.blockLocked(region, b)

@@ -1,6 +1,6 @@
 //go:build linux && cgo
 
-package connector_test
+package localapi_test
 
 import (
 	"bytes"
@@ -9,14 +9,14 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/internal/kvgen"
+	"github.com/kvsidecar/kvsidecar/localapi"
 	"github.com/kvsidecar/kvsidecar/vmm"
 	"github.com/kvsidecar/kvsidecar/vmm/cuda"
 	"github.com/kvsidecar/kvsidecar/vmm/cuda/cudatest"
 )
 
-var _ connector.DeviceImporter = (*cuda.Backend)(nil)
+var _ localapi.DeviceImporter = (*cuda.Backend)(nil)
 
 // TestLocalDeviceMemory: a sidecar whose pool is CUDA device memory (the
 // fake driver here) passes its pages as POSIX fds; the Go client imports
@@ -34,10 +34,10 @@ func TestLocalDeviceMemory(t *testing.T) {
 		c := dialLocal(t, s)
 		_, err := c.Attach(t.Context(), createReq(gqa8, 512))
 		require.ErrorIs(t, err, errors.ErrUnsupported)
-		require.ErrorContains(t, err, "LocalClientConfig.DeviceImporter")
+		require.ErrorContains(t, err, "ClientConfig.DeviceImporter")
 	})
 
-	c, err := connector.DialLocal(t.Context(), s.srv.Path(), &connector.LocalClientConfig{DeviceImporter: imp})
+	c, err := localapi.Dial(t.Context(), s.srv.Path(), &localapi.ClientConfig{DeviceImporter: imp})
 	require.NoError(t, err)
 	info, err := c.Attach(t.Context(), createReq(gqa8, 512))
 	require.NoError(t, err)
@@ -49,7 +49,7 @@ func TestLocalDeviceMemory(t *testing.T) {
 	ids, err := c.Alloc(t.Context(), 200)
 	require.NoError(t, err)
 	_, err = c.Block(0, int(ids[0]))
-	require.ErrorIs(t, err, connector.ErrDeviceMemory)
+	require.ErrorIs(t, err, localapi.ErrDeviceMemory)
 	require.ErrorIs(t, err, errors.ErrUnsupported)
 
 	// The engine writes through its imported mapping; the sidecar reads it.
@@ -74,7 +74,7 @@ func TestLocalDeviceMemory(t *testing.T) {
 	part := make([]byte, 16)
 	require.NoError(t, c.ReadBlock(2, int(ids[150]), part))
 	require.Equal(t, "from the sidecar", string(part))
-	require.ErrorIs(t, c.ReadBlock(2, int(ids[150]), make([]byte, info.GetBlockLen()+1)), connector.ErrInvalidArgument)
+	require.ErrorIs(t, c.ReadBlock(2, int(ids[150]), make([]byte, info.GetBlockLen()+1)), localapi.ErrInvalidArgument)
 
 	// BlockAddr is a device address in this process's reservation: a copy
 	// through it reads the block.
@@ -87,7 +87,7 @@ func TestLocalDeviceMemory(t *testing.T) {
 	before := pool.Stats().PagesMapped
 	require.NoError(t, c.Free(t.Context(), ids))
 	require.Less(t, pool.Stats().PagesMapped, before)
-	require.ErrorIs(t, c.ReadBlock(0, int(ids[len(ids)-1]), part), connector.ErrInvalidArgument,
+	require.ErrorIs(t, c.ReadBlock(0, int(ids[len(ids)-1]), part), localapi.ErrInvalidArgument,
 		"the engine dropped its mapping of the unmapped page")
 	ids, err = c.Alloc(t.Context(), 100)
 	require.NoError(t, err)

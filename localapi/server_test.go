@@ -1,4 +1,4 @@
-package connector_test
+package localapi_test
 
 import (
 	"context"
@@ -20,15 +20,16 @@ import (
 	"github.com/kvsidecar/kvsidecar/internal/testutil"
 	"github.com/kvsidecar/kvsidecar/internal/unixsock"
 	"github.com/kvsidecar/kvsidecar/internal/wire"
+	"github.com/kvsidecar/kvsidecar/localapi"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/transfer"
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
 
-// localSidecar is one in-process sidecar: a LocalServer whose Open builds a
+// localSidecar is one in-process sidecar: a Server whose Open builds a
 // host pool and a Rank on loopback, the way `kvsidecar serve` does.
 type localSidecar struct {
-	srv    *connector.LocalServer
+	srv    *localapi.Server
 	engine string
 }
 
@@ -52,18 +53,18 @@ func newLocalSidecarWith(t testing.TB, engine string, reg prometheus.Registerer,
 	dir, err := os.MkdirTemp("", "kvs")
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = os.RemoveAll(dir) })
-	path, err := connector.LocalSocketPath(dir, engine, 0)
+	path, err := localapi.SocketPath(dir, engine, 0)
 	require.NoError(t, err)
 	srvTLS, err := testCA.ServerConfig()
 	require.NoError(t, err)
 	cliTLS, err := testCA.ClientConfig()
 	require.NoError(t, err)
-	open := func(ctx context.Context, req *v1.CreateKVCache) (*connector.LocalCache, error) {
+	open := func(ctx context.Context, req *v1.CreateKVCache) (*localapi.Cache, error) {
 		layout, err := vmm.LayoutFor(req.GetGeometry(), int(req.GetTpRank()), int(req.GetTpSize()))
 		if err != nil {
 			return nil, err
 		}
-		tr := connector.NewPageTracker(nil)
+		tr := localapi.NewPageTracker(nil)
 		var be vmm.Backend
 		if newBackend != nil {
 			if be, err = newBackend(); err != nil {
@@ -90,18 +91,18 @@ func newLocalSidecarWith(t testing.TB, engine string, reg prometheus.Registerer,
 			_ = closeAll()
 			return nil, err
 		}
-		return &connector.LocalCache{Pool: pool, Rank: rank, Tracker: tr, Create: req, EngineID: engine, Close: closeAll,
+		return &localapi.Cache{Pool: pool, Rank: rank, Tracker: tr, Create: req, EngineID: engine, Close: closeAll,
 			DeviceMemory: newBackend != nil}, nil
 	}
-	srv, err := connector.NewLocalServer(t.Context(), &connector.LocalServerConfig{Path: path, Open: open, Geometry: g, Registerer: reg})
+	srv, err := localapi.NewServer(t.Context(), &localapi.ServerConfig{Path: path, Open: open, Geometry: g, Registerer: reg})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = srv.Close() })
 	return &localSidecar{srv: srv, engine: engine}
 }
 
-func dialLocal(t testing.TB, s *localSidecar) *connector.LocalClient {
+func dialLocal(t testing.TB, s *localSidecar) *localapi.Client {
 	t.Helper()
-	c, err := connector.DialLocal(t.Context(), s.srv.Path(), nil)
+	c, err := localapi.Dial(t.Context(), s.srv.Path(), nil)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
 	return c
@@ -155,7 +156,7 @@ func TestLocalSharedMapping(t *testing.T) {
 	require.NoError(t, c.Free(t.Context(), ids))
 	require.Less(t, pool.Stats().PagesMapped, before)
 	_, err = c.Block(0, int(ids[len(ids)-1]))
-	require.ErrorIs(t, err, connector.ErrInvalidArgument, "the engine dropped its mapping of the unmapped page")
+	require.ErrorIs(t, err, localapi.ErrInvalidArgument, "the engine dropped its mapping of the unmapped page")
 
 	st, err := c.Stats(t.Context())
 	require.NoError(t, err)
@@ -251,7 +252,7 @@ func TestLocalBadInput(t *testing.T) {
 		_, err = c.Alloc(t.Context(), 100000)
 		require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, codeOf(err))
 		_, err = c.Block(0, 256)
-		require.ErrorIs(t, err, connector.ErrInvalidArgument)
+		require.ErrorIs(t, err, localapi.ErrInvalidArgument)
 	})
 	// The first engine is still served.
 	ids, err := good.Alloc(t.Context(), 3)
@@ -270,11 +271,11 @@ func TestLocalSocketPath(t *testing.T) {
 		{"sanitized", "/run/kvs", "a/b", 0, "/run/kvs/kvsidecar-a_b-", nil},
 		{"relative dir", "run", "a", 0, "", unixsock.ErrInvalidPath},
 		{"empty engine", "/run", "", 0, "", unixsock.ErrInvalidPath},
-		{"bad rank", "/run", "a", -1, "", connector.ErrInvalidArgument},
+		{"bad rank", "/run", "a", -1, "", localapi.ErrInvalidArgument},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			got, err := connector.LocalSocketPath(tc.dir, tc.engine, tc.rank)
+			got, err := localapi.SocketPath(tc.dir, tc.engine, tc.rank)
 			if tc.wantErr != nil {
 				require.ErrorIs(t, err, tc.wantErr)
 				return
@@ -289,9 +290,9 @@ func TestLocalSocketPath(t *testing.T) {
 func TestLocalStaleSocket(t *testing.T) {
 	s := newLocalSidecar(t, "stale", nil)
 	// A live socket is not stolen.
-	_, err := connector.NewLocalServer(t.Context(), &connector.LocalServerConfig{Path: s.srv.Path(),
-		Open: func(context.Context, *v1.CreateKVCache) (*connector.LocalCache, error) { return nil, nil }})
-	require.ErrorIs(t, err, connector.ErrSocketInUse)
+	_, err := localapi.NewServer(t.Context(), &localapi.ServerConfig{Path: s.srv.Path(),
+		Open: func(context.Context, *v1.CreateKVCache) (*localapi.Cache, error) { return nil, nil }})
+	require.ErrorIs(t, err, localapi.ErrSocketInUse)
 	// A stale one is replaced.
 	dir := t.TempDir()
 	require.NoError(t, os.Chmod(dir, 0o700), "a socket directory grants nothing to others")
@@ -300,8 +301,8 @@ func TestLocalStaleSocket(t *testing.T) {
 	require.NoError(t, err)
 	ln.SetUnlinkOnClose(false)
 	require.NoError(t, ln.Close())
-	srv, err := connector.NewLocalServer(t.Context(), &connector.LocalServerConfig{Path: path,
-		Open: func(context.Context, *v1.CreateKVCache) (*connector.LocalCache, error) { return nil, nil }})
+	srv, err := localapi.NewServer(t.Context(), &localapi.ServerConfig{Path: path,
+		Open: func(context.Context, *v1.CreateKVCache) (*localapi.Cache, error) { return nil, nil }})
 	require.NoError(t, err)
 	fi, err := os.Stat(path)
 	require.NoError(t, err)
@@ -362,7 +363,7 @@ func TestLocalTransfer(t *testing.T) {
 
 // waitFinished polls GetFinished until done says so; polling is how an
 // engine's scheduler loop asks, so this is not a timing assumption.
-func waitFinished(ctx context.Context, t testing.TB, c *connector.LocalClient, done func(*v1.GetFinishedReply) bool) {
+func waitFinished(ctx context.Context, t testing.TB, c *localapi.Client, done func(*v1.GetFinishedReply) bool) {
 	t.Helper()
 	tick := time.NewTicker(time.Millisecond)
 	defer tick.Stop()
@@ -432,7 +433,7 @@ func TestLocalRemap(t *testing.T) {
 	require.NoError(t, b.Free(t.Context(), ids))
 	require.NoError(t, a.Sync(t.Context()))
 	_, err = a.Block(0, int(ids[len(ids)-1]))
-	require.ErrorIs(t, err, connector.ErrInvalidArgument, "the unmapped page is dropped in a too")
+	require.ErrorIs(t, err, localapi.ErrInvalidArgument, "the unmapped page is dropped in a too")
 }
 
 // BenchmarkLocalAllocFree measures one alloc of 16 blocks and its free
@@ -479,10 +480,10 @@ func TestLocalEngineGone(t *testing.T) {
 	tests := []struct {
 		name string
 		// engine runs the engine's calls on its attached connection.
-		engine     func(t *testing.T, c *connector.LocalClient)
+		engine     func(t *testing.T, c *localapi.Client)
 		wantLeased uint64 // blocks left in use after the engine is gone
 	}{
-		{name: "decode_with_load_in_flight", engine: func(t *testing.T, c *connector.LocalClient) {
+		{name: "decode_with_load_in_flight", engine: func(t *testing.T, c *localapi.Client) {
 			dst, err := c.Alloc(t.Context(), 20)
 			require.NoError(t, err)
 			_, err = c.Alloc(t.Context(), 100)
@@ -492,7 +493,7 @@ func TestLocalEngineGone(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, uint64(1), st.GetLoadsInFlight())
 		}},
-		{name: "prefill_with_leased_blocks", wantLeased: 30, engine: func(t *testing.T, c *connector.LocalClient) {
+		{name: "prefill_with_leased_blocks", wantLeased: 30, engine: func(t *testing.T, c *localapi.Client) {
 			ids, err := c.Alloc(t.Context(), 130)
 			require.NoError(t, err)
 			p, err := c.RequestFinished(t.Context(), "held", ids[:30], v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
@@ -506,11 +507,11 @@ func TestLocalEngineGone(t *testing.T) {
 			s := newLocalSidecar(t, "gone-"+tt.name, nil)
 			ctl := dialLocal(t, s) // never attaches: does not keep the engine alive
 			// Two connections of one engine: the state goes with the last.
-			a, err := connector.DialLocal(t.Context(), s.srv.Path(), nil)
+			a, err := localapi.Dial(t.Context(), s.srv.Path(), nil)
 			require.NoError(t, err)
 			_, err = a.Attach(t.Context(), createReq(gqa8, blocks))
 			require.NoError(t, err)
-			b, err := connector.DialLocal(t.Context(), s.srv.Path(), nil)
+			b, err := localapi.Dial(t.Context(), s.srv.Path(), nil)
 			require.NoError(t, err)
 			_, err = b.Attach(t.Context(), createReq(gqa8, blocks))
 			require.NoError(t, err)

@@ -1,4 +1,4 @@
-package connector
+package localapi
 
 import (
 	"context"
@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/internal/codes"
 	"github.com/kvsidecar/kvsidecar/internal/fdpass"
 	"github.com/kvsidecar/kvsidecar/internal/promutil"
@@ -24,7 +25,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
 
-// Defaults of LocalServerConfig and LocalClientConfig.
+// Defaults of ServerConfig and ClientConfig.
 const (
 	// DefaultMaxRequestBytes bounds one local API request frame (1 MiB:
 	// 200,000 block ids).
@@ -38,17 +39,13 @@ const (
 	DefaultWriteTimeout = 10 * time.Second
 )
 
-// ErrNotAttached: an engine call before CreateKVCache on this connection,
-// or a call that needs the cache before any engine created it.
-var ErrNotAttached = codes.New(v1.Code_CODE_UNAVAILABLE, "connector: local: no KV cache attached")
-
-// LocalCache is the KV cache a LocalServer serves, built by
-// LocalServerConfig.Open for the first CreateKVCache.
-type LocalCache struct {
+// Cache is the KV cache a Server serves, built by
+// ServerConfig.Open for the first CreateKVCache.
+type Cache struct {
 	// Pool holds the rank's pages. Required.
 	Pool *vmm.Pool
 	// Rank is the rank's connector over Pool. Required.
-	Rank *Rank
+	Rank *connector.Rank
 	// Tracker sees every map and unmap of Pool (its PageHook, or the
 	// TP-group follower wrapper). Required.
 	Tracker *PageTracker
@@ -61,19 +58,19 @@ type LocalCache struct {
 	// ranges of a host memfd.
 	DeviceMemory bool
 	// Close releases what Open built besides Rank (the pool, the TP group,
-	// the backend); called by LocalServer after the rank drained. Optional.
+	// the backend); called by Server after the rank drained. Optional.
 	Close func() error
 }
 
-// LocalServerConfig configures NewLocalServer. Path and Open are required.
-type LocalServerConfig struct {
-	// Path is the socket path (see LocalSocketPath). Required. A stale
+// ServerConfig configures NewServer. Path and Open are required.
+type ServerConfig struct {
+	// Path is the socket path (see SocketPath). Required. A stale
 	// socket there is replaced; a live one is ErrSocketInUse.
 	Path string
 	// Open builds the KV cache for the first CreateKVCache (validated:
 	// geometry present, tp_rank < tp_size). Its error is returned to the
 	// engine with its code. Required.
-	Open func(ctx context.Context, req *v1.CreateKVCache) (*LocalCache, error)
+	Open func(ctx context.Context, req *v1.CreateKVCache) (*Cache, error)
 	// Geometry, when set, is used for a CreateKVCache that carries none (the
 	// sidecar was started with the model's geometry). Default nil: the
 	// engine must send one.
@@ -92,8 +89,8 @@ type LocalServerConfig struct {
 	Registerer prometheus.Registerer
 }
 
-func (c *LocalServerConfig) withDefaults() (LocalServerConfig, error) {
-	var out LocalServerConfig
+func (c *ServerConfig) withDefaults() (ServerConfig, error) {
+	var out ServerConfig
 	if c != nil {
 		out = *c
 	}
@@ -112,8 +109,8 @@ func (c *LocalServerConfig) withDefaults() (LocalServerConfig, error) {
 	if out.Logger == nil {
 		out.Logger = slog.New(slog.DiscardHandler)
 	}
-	bad := func(field, format string, a ...any) (LocalServerConfig, error) {
-		return LocalServerConfig{}, fmt.Errorf("%w: LocalServerConfig.%s: %s", ErrInvalidArgument, field, fmt.Sprintf(format, a...))
+	bad := func(field, format string, a ...any) (ServerConfig, error) {
+		return ServerConfig{}, fmt.Errorf("%w: ServerConfig.%s: %s", ErrInvalidArgument, field, fmt.Sprintf(format, a...))
 	}
 	switch {
 	case out.Path == "":
@@ -130,16 +127,16 @@ func (c *LocalServerConfig) withDefaults() (LocalServerConfig, error) {
 	return out, nil
 }
 
-// LocalServer serves the local API (docs/engine-integration.md) of one rank on a
+// Server serves the local API (docs/engine-integration.md) of one rank on a
 // unix socket: one goroutine per connection, one call at a time per
 // connection. Every reply to a connection that attached the cache carries a
 // MappingDelta with the fds of pages to map. Bad input gets an error reply,
 // or the connection is closed when the stream cannot be resynchronized; it
 // never affects other connections.
-type LocalServer struct {
-	cfg LocalServerConfig
+type Server struct {
+	cfg ServerConfig
 	ln  *net.UnixListener
-	m   *localMetrics
+	m   *serverMetrics
 
 	ctx    context.Context
 	cancel context.CancelCauseFunc
@@ -148,22 +145,22 @@ type LocalServer struct {
 	openMu sync.Mutex // serializes Open
 
 	mu       sync.Mutex
-	cache    *LocalCache
+	cache    *Cache
 	conns    map[*fdpass.Conn]struct{}
 	eng      *engineState
 	draining bool
 	closed   bool
 }
 
-// NewLocalServer listens on cfg.Path (mode 0600; its directory must be
+// NewServer listens on cfg.Path (mode 0600; its directory must be
 // owned by this user and grant nothing to group or others, or it fails with
 // class CODE_INVALID_ARGUMENT) and starts accepting.
-func NewLocalServer(ctx context.Context, cfg *LocalServerConfig) (*LocalServer, error) {
+func NewServer(ctx context.Context, cfg *ServerConfig) (*Server, error) {
 	c, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
 	}
-	m, err := newLocalMetrics(c.Registerer)
+	m, err := newServerMetrics(c.Registerer)
 	if err != nil {
 		return nil, err
 	}
@@ -171,7 +168,7 @@ func NewLocalServer(ctx context.Context, cfg *LocalServerConfig) (*LocalServer, 
 	if err != nil {
 		return nil, err
 	}
-	s := &LocalServer{cfg: c, ln: ln, m: m, conns: map[*fdpass.Conn]struct{}{}, eng: newEngineState()}
+	s := &Server{cfg: c, ln: ln, m: m, conns: map[*fdpass.Conn]struct{}{}, eng: newEngineState()}
 	s.ctx, s.cancel = context.WithCancelCause(context.WithoutCancel(ctx))
 	s.wg.Go(s.acceptLoop)
 	c.Logger.Info("local API listening", "path", c.Path)
@@ -179,10 +176,10 @@ func NewLocalServer(ctx context.Context, cfg *LocalServerConfig) (*LocalServer, 
 }
 
 // Path is the socket path.
-func (s *LocalServer) Path() string { return s.cfg.Path }
+func (s *Server) Path() string { return s.cfg.Path }
 
 // Cache returns the KV cache, nil before an engine created it.
-func (s *LocalServer) Cache() *LocalCache {
+func (s *Server) Cache() *Cache {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.cache
@@ -193,7 +190,7 @@ func (s *LocalServer) Cache() *LocalCache {
 // holds: "KV cache attached, QUIC listener up", "no KV cache yet (no engine
 // has attached with a create call)", "draining: shutting down, new requests
 // are refused" or "stopped".
-func (s *LocalServer) Ready() (ok bool, why string) {
+func (s *Server) Ready() (ok bool, why string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	switch {
@@ -207,7 +204,7 @@ func (s *LocalServer) Ready() (ok bool, why string) {
 	return true, "KV cache attached, QUIC listener up"
 }
 
-func (s *LocalServer) acceptLoop() {
+func (s *Server) acceptLoop() {
 	for {
 		uc, err := s.ln.AcceptUnix()
 		if err != nil {
@@ -243,7 +240,7 @@ type connState struct {
 	known    map[int]uint64 // pages the engine mapped -> generation
 }
 
-func (s *LocalServer) serveConn(c *fdpass.Conn) {
+func (s *Server) serveConn(c *fdpass.Conn) {
 	r := wire.NewReader(c, s.cfg.MaxRequestBytes)
 	st := &connState{known: map[int]uint64{}}
 	defer s.detach(st)
@@ -259,7 +256,7 @@ func (s *LocalServer) serveConn(c *fdpass.Conn) {
 			s.m.calls.WithLabelValues("bad_frame", v1.Code_CODE_INVALID_ARGUMENT.String()).Inc()
 			s.cfg.Logger.Warn("local API: bad frame, closing connection", "err", err)
 			s.write(c, &v1.LocalReply{Error: &v1.Error{Code: v1.Code_CODE_INVALID_ARGUMENT,
-				Message: fmt.Sprintf("connector: local: unreadable request frame (limit %d bytes): %v", s.cfg.MaxRequestBytes, err)}}, nil)
+				Message: fmt.Sprintf("localapi: unreadable request frame (limit %d bytes): %v", s.cfg.MaxRequestBytes, err)}}, nil)
 			return
 		}
 		var rep *v1.LocalReply
@@ -288,7 +285,7 @@ func (s *LocalServer) serveConn(c *fdpass.Conn) {
 	}
 }
 
-func (s *LocalServer) write(c *fdpass.Conn, rep *v1.LocalReply, files []*os.File) error {
+func (s *Server) write(c *fdpass.Conn, rep *v1.LocalReply, files []*os.File) error {
 	b, err := wire.AppendFrame(nil, rep, s.cfg.MaxReplyBytes)
 	if err != nil {
 		return err
@@ -301,9 +298,9 @@ func errorReply(err error) *v1.LocalReply {
 	return &v1.LocalReply{Error: codes.ToProto(err)}
 }
 
-// localCallNames are the calls callName names; their CODE_OK series start
+// callNames are the calls callName names; their CODE_OK series start
 // at 0.
-var localCallNames = []string{"create", "alloc", "free", "available", "set_limit", "request_finished",
+var callNames = []string{"create", "alloc", "free", "available", "set_limit", "request_finished",
 	"start_load", "get_finished", "abort", "stats", "sync"}
 
 // callName is the bounded metric label of a request.
@@ -335,7 +332,7 @@ func callName(req *v1.LocalRequest) string {
 	return "unknown"
 }
 
-func (s *LocalServer) handle(st *connState, req *v1.LocalRequest) *v1.LocalReply {
+func (s *Server) handle(st *connState, req *v1.LocalRequest) *v1.LocalReply {
 	name := callName(req)
 	rep, err := s.dispatch(st, req)
 	if err != nil {
@@ -345,9 +342,9 @@ func (s *LocalServer) handle(st *connState, req *v1.LocalRequest) *v1.LocalReply
 	return rep
 }
 
-func (s *LocalServer) dispatch(st *connState, req *v1.LocalRequest) (*v1.LocalReply, error) {
+func (s *Server) dispatch(st *connState, req *v1.LocalRequest) (*v1.LocalReply, error) {
 	if v := req.GetWireVersion(); v != v1.WireVersion_WIRE_VERSION_1 {
-		return nil, codes.New(v1.Code_CODE_INCOMPATIBLE_MODEL, "connector: local: wire_version %v, this sidecar speaks %v", v, v1.WireVersion_WIRE_VERSION_1)
+		return nil, codes.New(v1.Code_CODE_INCOMPATIBLE_MODEL, "localapi: wire_version %v, this sidecar speaks %v", v, v1.WireVersion_WIRE_VERSION_1)
 	}
 	s.mu.Lock()
 	draining, cache := s.draining || s.closed, s.cache
@@ -358,7 +355,7 @@ func (s *LocalServer) dispatch(st *connState, req *v1.LocalRequest) (*v1.LocalRe
 	switch call := req.GetCall().(type) {
 	case *v1.LocalRequest_Create:
 		if draining {
-			return nil, fmt.Errorf("%w: local API refuses new caches", ErrDraining)
+			return nil, fmt.Errorf("%w: local API refuses new caches", connector.ErrDraining)
 		}
 		return s.create(ctx, st, call.Create)
 	case *v1.LocalRequest_Stats:
@@ -381,12 +378,12 @@ func (s *LocalServer) dispatch(st *connState, req *v1.LocalRequest) (*v1.LocalRe
 	if draining {
 		switch req.GetCall().(type) {
 		case *v1.LocalRequest_Alloc, *v1.LocalRequest_RequestFinished, *v1.LocalRequest_StartLoad:
-			return nil, fmt.Errorf("%w: %s refused while shutting down", ErrDraining, callName(req))
+			return nil, fmt.Errorf("%w: %s refused while shutting down", connector.ErrDraining, callName(req))
 		}
 	}
 	pool, rank := cache.Pool, cache.Rank
 	session := s.eng.current()
-	ctx = withSession(ctx, session)
+	ctx = connector.WithSession(ctx, session)
 	// Under coordinated ownership ranks 1..N-1 allocate nothing (rank 0
 	// does, for every rank): their engine's block ids are checked by the
 	// Rank against the pages rank 0 mapped here.
@@ -438,7 +435,7 @@ func (s *LocalServer) dispatch(st *connState, req *v1.LocalRequest) (*v1.LocalRe
 		s.eng.addLoad(call.StartLoad.GetMeta().GetRequestId())
 		return &v1.LocalReply{}, nil
 	case *v1.LocalRequest_GetFinished:
-		f := rank.takeSession(session)
+		f := rank.TakeSession(session)
 		s.eng.removeLoads(f.DoneRecving...)
 		for _, fl := range f.Failed {
 			s.eng.removeLoads(fl.RequestID)
@@ -460,7 +457,7 @@ func (s *LocalServer) dispatch(st *connState, req *v1.LocalRequest) (*v1.LocalRe
 }
 
 // create builds the cache on the first call and attaches the connection.
-func (s *LocalServer) create(ctx context.Context, st *connState, req *v1.CreateKVCache) (*v1.LocalReply, error) {
+func (s *Server) create(ctx context.Context, st *connState, req *v1.CreateKVCache) (*v1.LocalReply, error) {
 	if req.GetGeometry() == nil && s.cfg.Geometry != nil {
 		req = proto.Clone(req).(*v1.CreateKVCache)
 		req.Geometry = proto.Clone(s.cfg.Geometry).(*v1.ModelGeometry)
@@ -468,8 +465,8 @@ func (s *LocalServer) create(ctx context.Context, st *connState, req *v1.CreateK
 	switch {
 	case req.GetGeometry() == nil:
 		return nil, fmt.Errorf("%w: create: geometry is required (the sidecar was started without --model or an explicit geometry)", ErrInvalidArgument)
-	case req.GetTpSize() < 1 || req.GetTpSize() > MaxTPSize:
-		return nil, fmt.Errorf("%w: create: tp_size %d must be in [1, %d]", ErrInvalidArgument, req.GetTpSize(), MaxTPSize)
+	case req.GetTpSize() < 1 || req.GetTpSize() > connector.MaxTPSize:
+		return nil, fmt.Errorf("%w: create: tp_size %d must be in [1, %d]", ErrInvalidArgument, req.GetTpSize(), connector.MaxTPSize)
 	case req.GetTpRank() >= req.GetTpSize():
 		return nil, fmt.Errorf("%w: create: tp_rank %d must be in [0, tp_size=%d)", ErrInvalidArgument, req.GetTpRank(), req.GetTpSize())
 	}
@@ -486,7 +483,7 @@ func (s *LocalServer) create(ctx context.Context, st *connState, req *v1.CreateK
 			s.mu.Unlock()
 			_ = c.Rank.Close() // its agent and goroutines, like Close does
 			_ = closeCache(c)
-			return nil, fmt.Errorf("%w: local API refuses new caches", ErrDraining)
+			return nil, fmt.Errorf("%w: local API refuses new caches", connector.ErrDraining)
 		}
 		s.cache, cache = c, c
 		s.mu.Unlock()
@@ -498,7 +495,7 @@ func (s *LocalServer) create(ctx context.Context, st *connState, req *v1.CreateK
 	if !st.attached {
 		st.attached = true
 		if id, started := s.eng.attach(); started {
-			cache.Rank.beginSession(id)
+			cache.Rank.BeginSession(id)
 			s.cfg.Logger.Info("engine session started", "session", id)
 		}
 	}
@@ -509,12 +506,12 @@ func (s *LocalServer) create(ctx context.Context, st *connState, req *v1.CreateK
 // attached to the cache, the engine session ends: every load it started is
 // aborted (Rank.Abort returns once the READ stopped) and the blocks it
 // allocated and still owns are freed. Blocks held under a prefill lease are
-// refused (ErrBusy) and skipped: under local ownership the Rank frees them
+// refused (connector.ErrBusy) and skipped: under local ownership the Rank frees them
 // when the lease ends. The session's results that no GetFinished took (and
 // those that arrive later, such as a lease released afterwards) are logged
 // once and dropped: the next engine never sees them. Nothing is freed while
 // the server closes (Close closes the rank and the pool).
-func (s *LocalServer) detach(st *connState) {
+func (s *Server) detach(st *connState) {
 	if !st.attached {
 		return
 	}
@@ -529,9 +526,9 @@ func (s *LocalServer) detach(st *connState) {
 		return
 	}
 	defer func() {
-		if f := cache.Rank.endSession(session); len(f.ids()) > 0 {
+		if f := cache.Rank.EndSession(session); len(f.RequestIDs()) > 0 {
 			s.cfg.Logger.Info("engine session ended: dropped its results no GetFinished took", "session", session,
-				"done_sending", len(f.DoneSending), "done_recving", len(f.DoneRecving), "failed", len(f.Failed), "request_ids", f.ids())
+				"done_sending", len(f.DoneSending), "done_recving", len(f.DoneRecving), "failed", len(f.Failed), "request_ids", f.RequestIDs())
 		}
 	}()
 	if closed || (len(blocks) == 0 && len(loads) == 0) {
@@ -555,7 +552,7 @@ func (s *LocalServer) detach(st *connState) {
 
 // freeAll frees blocks through rank, all at once when it can, else one by
 // one, and counts the blocks freed, refused as busy (leased) and failed.
-func (s *LocalServer) freeAll(ctx context.Context, rank *Rank, blocks []int) (freed, busy, failed int) {
+func (s *Server) freeAll(ctx context.Context, rank *connector.Rank, blocks []int) (freed, busy, failed int) {
 	if len(blocks) == 0 {
 		return 0, 0, 0
 	}
@@ -567,7 +564,7 @@ func (s *LocalServer) freeAll(ctx context.Context, rank *Rank, blocks []int) (fr
 		switch {
 		case err == nil:
 			freed++
-		case errors.Is(err, ErrBusy):
+		case errors.Is(err, connector.ErrBusy):
 			busy++
 		default:
 			failed++
@@ -588,7 +585,7 @@ func blockInts(ids []uint32) []int {
 // sameCache checks that an attach asks for the cache that exists.
 func sameCache(have, want *v1.CreateKVCache) error {
 	diff := func(field string, h, w any) error {
-		return codes.New(v1.Code_CODE_ALREADY_EXISTS, "connector: local: a KV cache with %s=%v exists; this engine asks for %v", field, h, w)
+		return codes.New(v1.Code_CODE_ALREADY_EXISTS, "localapi: a KV cache with %s=%v exists; this engine asks for %v", field, h, w)
 	}
 	switch {
 	case !proto.Equal(have.GetGeometry(), want.GetGeometry()):
@@ -605,7 +602,7 @@ func sameCache(have, want *v1.CreateKVCache) error {
 	return nil
 }
 
-func cacheInfo(c *LocalCache) *v1.KVCacheInfo {
+func cacheInfo(c *Cache) *v1.KVCacheInfo {
 	regs := c.Pool.Regions()
 	layout := c.Pool.Layout()
 	return &v1.KVCacheInfo{
@@ -617,7 +614,7 @@ func cacheInfo(c *LocalCache) *v1.KVCacheInfo {
 	}
 }
 
-func statsOf(c *LocalCache) *v1.StatsReply {
+func statsOf(c *Cache) *v1.StatsReply {
 	if c == nil {
 		return &v1.StatsReply{}
 	}
@@ -639,7 +636,7 @@ func statsOf(c *LocalCache) *v1.StatsReply {
 // setLimit applies a memory limit: 0 (none) or [one page of every region,
 // the reservation]; with strict, not below the pages that hold allocated
 // blocks.
-func setLimit(c *LocalCache, req *v1.SetMemoryLimit) error {
+func setLimit(c *Cache, req *v1.SetMemoryLimit) error {
 	ps := c.Pool.Stats()
 	pageBytes := ps.PageSize * uint64(ps.NumRegions)
 	reserved := uint64(ps.Pages) * pageBytes
@@ -655,7 +652,7 @@ func setLimit(c *LocalCache, req *v1.SetMemoryLimit) error {
 	return c.Pool.SetMemoryLimit(b)
 }
 
-func finishedProto(f Finished) *v1.GetFinishedReply {
+func finishedProto(f connector.Finished) *v1.GetFinishedReply {
 	out := &v1.GetFinishedReply{DoneSending: f.DoneSending, DoneRecving: f.DoneRecving}
 	for _, fl := range f.Failed {
 		fr := &v1.FailedRequest{RequestId: fl.RequestID, Error: codes.ToProto(fl.Err)}
@@ -673,7 +670,7 @@ func finishedProto(f Finished) *v1.GetFinishedReply {
 // delta computes what the connection must map and unmap to match the pool,
 // and exports the pages to map. A page unmapped while exporting is dropped
 // (and reported unmapped if the engine had it); the next reply catches up.
-func (s *LocalServer) delta(st *connState) (*v1.MappingDelta, *vmm.Export) {
+func (s *Server) delta(st *connState) (*v1.MappingDelta, *vmm.Export) {
 	cache := s.Cache()
 	if cache == nil {
 		return nil, nil
@@ -733,7 +730,7 @@ func (s *LocalServer) delta(st *connState) (*v1.MappingDelta, *vmm.Export) {
 // working), drains the rank (loads in flight finish or are aborted when ctx
 // ends; leases are released), then closes: listener, connections, cache.
 // The socket file is removed.
-func (s *LocalServer) Shutdown(ctx context.Context) error {
+func (s *Server) Shutdown(ctx context.Context) error {
 	s.mu.Lock()
 	s.draining = true
 	cache := s.cache
@@ -750,11 +747,11 @@ func (s *LocalServer) Shutdown(ctx context.Context) error {
 // Close stops accepting, closes every connection, waits for their
 // goroutines, closes the rank and the cache and removes the socket. A second
 // Close returns an error wrapping net.ErrClosed.
-func (s *LocalServer) Close() error {
+func (s *Server) Close() error {
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
-		return fmt.Errorf("connector: local server: %w", net.ErrClosed)
+		return fmt.Errorf("localapi: server: %w", net.ErrClosed)
 	}
 	s.closed = true
 	conns := make([]*fdpass.Conn, 0, len(s.conns))
@@ -763,7 +760,7 @@ func (s *LocalServer) Close() error {
 	}
 	cache := s.cache
 	s.mu.Unlock()
-	s.cancel(fmt.Errorf("%w: local server closed", ErrDraining))
+	s.cancel(fmt.Errorf("%w: local server closed", connector.ErrDraining))
 	err := s.ln.Close()
 	for _, c := range conns {
 		_ = c.Unix().Close()
@@ -779,20 +776,20 @@ func (s *LocalServer) Close() error {
 	return err
 }
 
-func closeCache(c *LocalCache) error {
+func closeCache(c *Cache) error {
 	if c.Close == nil {
 		return nil
 	}
 	return c.Close()
 }
 
-type localMetrics struct {
+type serverMetrics struct {
 	calls *prometheus.CounterVec
 	conns prometheus.Gauge
 }
 
-func newLocalMetrics(reg prometheus.Registerer) (*localMetrics, error) {
-	m := &localMetrics{
+func newServerMetrics(reg prometheus.Registerer) (*serverMetrics, error) {
+	m := &serverMetrics{
 		calls: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvsidecar_local_calls_total",
 			Help: "Local API calls by call name and reply code.",
@@ -802,7 +799,7 @@ func newLocalMetrics(reg prometheus.Registerer) (*localMetrics, error) {
 			Help: "Open local API connections.",
 		}),
 	}
-	for _, call := range localCallNames {
+	for _, call := range callNames {
 		m.calls.WithLabelValues(call, v1.Code_CODE_OK.String())
 	}
 	for _, err := range []error{promutil.Register(reg, &m.calls), promutil.Register(reg, &m.conns)} {

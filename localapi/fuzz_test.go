@@ -1,4 +1,4 @@
-package connector
+package localapi
 
 import (
 	"bytes"
@@ -8,6 +8,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
 	"github.com/kvsidecar/kvsidecar/internal/wire"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
@@ -44,7 +45,7 @@ func FuzzLocalRequest(f *testing.F) {
 	require.NoError(f, err)
 	cliTLS, err := ca.ClientConfig()
 	require.NoError(f, err)
-	open := func(ctx context.Context, req *v1.CreateKVCache) (*LocalCache, error) {
+	open := func(ctx context.Context, req *v1.CreateKVCache) (*Cache, error) {
 		layout, err := vmm.LayoutFor(req.GetGeometry(), int(req.GetTpRank()), int(req.GetTpSize()))
 		if err != nil {
 			return nil, err
@@ -54,17 +55,17 @@ func FuzzLocalRequest(f *testing.F) {
 		if err != nil {
 			return nil, err
 		}
-		rank, err := NewRank(ctx, &Config{EngineID: "fz", TPSize: 1, Geometry: req.GetGeometry(), Pool: pool,
+		rank, err := connector.NewRank(ctx, &connector.Config{EngineID: "fz", TPSize: 1, Geometry: req.GetGeometry(), Pool: pool,
 			Transfer: &transfer.Config{ListenAddr: "127.0.0.1:0", ServerTLS: srvTLS, ClientTLS: cliTLS}})
 		if err != nil {
 			_ = pool.Close()
 			return nil, err
 		}
-		return &LocalCache{Pool: pool, Rank: rank, Tracker: tr, Create: req, EngineID: "fz", Close: pool.Close}, nil
+		return &Cache{Pool: pool, Rank: rank, Tracker: tr, Create: req, EngineID: "fz", Close: pool.Close}, nil
 	}
 	dir := f.TempDir()
 	require.NoError(f, os.Chmod(dir, 0o700), "a socket directory grants nothing to others")
-	s, err := NewLocalServer(f.Context(), &LocalServerConfig{Path: dir + "/fz.sock", Open: open})
+	s, err := NewServer(f.Context(), &ServerConfig{Path: dir + "/fz.sock", Open: open})
 	require.NoError(f, err)
 	f.Cleanup(func() { _ = s.Close() })
 	f.Fuzz(func(t *testing.T, data []byte) {

@@ -1,0 +1,31 @@
+package localapi
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/unixsock"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+// Errors of the local API. A call refused by the sidecar reaches a Client
+// as a *codes.Error with the sidecar's code (codes.Of).
+var (
+	// ErrInvalidArgument: a request, a reply or an argument breaks a rule
+	// of the local API (CODE_INVALID_ARGUMENT).
+	ErrInvalidArgument = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "localapi: invalid argument")
+	// ErrNotAttached: an engine call before CreateKVCache on this connection,
+	// or a call that needs the cache before any engine created it.
+	ErrNotAttached = codes.New(v1.Code_CODE_UNAVAILABLE, "localapi: no KV cache attached")
+	// ErrBrokenConn: an earlier call on this Client failed mid-exchange
+	// (timeout, bad reply), so the stream's state is unknown; dial again.
+	ErrBrokenConn = errors.New("localapi: client: connection broken by an earlier error")
+	// ErrDeviceMemory: a host-memory view (Region, Block) of a cache whose
+	// pages are device memory; use BlockAddr, ReadBlock or WriteBlock. It wraps
+	// errors.ErrUnsupported.
+	ErrDeviceMemory = fmt.Errorf("localapi: client: the KV cache is device memory: %w", errors.ErrUnsupported)
+	// ErrSocketInUse: another live process serves the socket path. It is the
+	// one error of both kvsidecar sockets (tpgroup.ErrSocketInUse too).
+	ErrSocketInUse = unixsock.ErrSocketInUse
+)
