@@ -879,105 +879,61 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 	if n < 2 {
 		return nil, codes.New(v1.Code_CODE_INVALID_ARGUMENT, "kvsidecar serve: create: num_blocks=%d: the engine or --num-blocks must give at least 2", n)
 	}
-	layout, err := vmm.LayoutFor(req.GetGeometry(), f.tpRank, f.tpSize)
-	if err != nil {
+	// The layout is checked before a device is opened for it.
+	if _, err := vmm.LayoutFor(req.GetGeometry(), f.tpRank, f.tpSize); err != nil {
 		return nil, codes.New(v1.Code_CODE_INVALID_ARGUMENT, "kvsidecar serve: create: %v", err)
 	}
-	var closers []func() error
-	defer func() {
-		if err != nil {
-			for i := len(closers) - 1; i >= 0; i-- {
-				_ = closers[i]()
-			}
-		}
-	}()
-	vc := &vmm.Config{Layout: layout, NumBlocks: n, Logger: log, Registerer: reg}
-	deviceMemory := false
+	var be vmm.Backend
 	if f.backend == "cuda" {
-		be, err := cuda.New(f.cudaConfig())
-		if err != nil {
+		if be, err = cuda.New(f.cudaConfig()); err != nil {
 			return nil, codes.New(v1.Code_CODE_UNAVAILABLE, "kvsidecar serve: --backend cuda: %v", err)
 		}
-		closers = append(closers, be.Close)
-		vc.Backend, deviceMemory = be, true
 	}
-	coordinated := cfg.ownership == v1.Ownership_OWNERSHIP_COORDINATED && f.tpSize > 1
-	member := tpgroup.Member{EngineID: f.engineID, TPSize: f.tpSize, TPRank: f.tpRank, Device: f.device}
-	gcfg := &tpgroup.Config{Dir: f.socketDir, Ownership: tpgroup.OwnershipCoordinated, Logger: log, Registerer: reg}
 	var tracker *localapi.PageTracker
-	var pool *vmm.Pool
-	switch {
-	case coordinated && f.tpRank == 0:
-		g, err := tpgroup.New(ctx, member, nil, gcfg)
-		if err != nil {
-			return nil, err
-		}
-		closers = append(closers, g.Close)
-		tracker = localapi.NewPageTracker(g.Hook())
-		vc.PageHook = tracker
-		if pool, err = vmm.NewPool(ctx, vc); err != nil {
-			return nil, err
-		}
-		closers = append(closers, pool.Close)
-	case coordinated:
-		vc.PreallocPages = -1
-		if pool, err = vmm.NewPool(ctx, vc); err != nil {
-			return nil, err
-		}
-		closers = append(closers, pool.Close)
-		tracker = localapi.NewPageTracker(pool)
-		g, err := tpgroup.New(ctx, member, tracker, gcfg)
-		if err != nil {
-			return nil, err
-		}
-		closers = append(closers, g.Close)
-	default:
-		tracker = localapi.NewPageTracker(nil)
-		vc.PageHook = tracker
-		if pool, err = vmm.NewPool(ctx, vc); err != nil {
-			return nil, err
-		}
-		closers = append(closers, pool.Close)
-	}
-	if cfg.limit.set {
-		var reserved uint64
-		regions := pool.Regions()
-		for _, r := range regions {
-			reserved += r.Len
-		}
-		b, err := cfg.limit.bytes(regions[0].PageSize*uint64(len(regions)), reserved)
-		if err != nil {
-			return nil, codes.New(v1.Code_CODE_INVALID_ARGUMENT, "kvsidecar serve: --memory-limit: %v", err)
-		}
-		if err := pool.SetMemoryLimit(b); err != nil {
-			return nil, err
-		}
-	}
-	// Until NewRank's agent has the socket, a failure gives it back (the
+	// Until the rank's agent has the socket, a failure gives it back (the
 	// agent closes it itself on its own failures).
 	defer func() {
 		if err != nil {
 			_ = cfg.udp.Close()
 		}
 	}()
-	rank, err := connector.NewRank(ctx, &connector.Config{
-		EngineID: f.engineID, TPRank: f.tpRank, TPSize: f.tpSize, Geometry: req.GetGeometry(), Pool: pool,
-		Transfer: &transfer.Config{PacketConn: cfg.udp.lend(), ServerTLS: srvTLS, ClientTLS: cliTLS, AllowedPeers: cfg.allowed,
-			ProgressTimeout: f.progressTimeout, StatelessResetKey: cfg.resetKey, QlogDir: f.qlogDir},
-		AdvertiseAddr: cfg.advertise, RankAddrs: cfg.rankAddrs, CapabilitySecret: cfg.secret, Ownership: cfg.ownership,
-		LeaseTTL: f.leaseTTL, LoadTimeout: f.loadTimeout, HandshakeMode: cfg.mode, DeviceID: uint32(max(f.device, 0)),
-		Logger: log, Registerer: reg,
-	})
+	b, err := connector.BuildRank(ctx, &connector.BuildConfig{NumBlocks: n, Backend: be, Device: f.device,
+		Group: &tpgroup.Config{Dir: f.socketDir, Logger: log, Registerer: reg},
+		Track: func(next vmm.PageHook) vmm.PageHook {
+			tracker = localapi.NewPageTracker(next)
+			return tracker
+		},
+		BeforeRank: cfg.applyLimit,
+		Rank: connector.Config{
+			EngineID: f.engineID, TPRank: f.tpRank, TPSize: f.tpSize, Geometry: req.GetGeometry(),
+			Transfer: &transfer.Config{PacketConn: cfg.udp.lend(), ServerTLS: srvTLS, ClientTLS: cliTLS, AllowedPeers: cfg.allowed,
+				ProgressTimeout: f.progressTimeout, StatelessResetKey: cfg.resetKey, QlogDir: f.qlogDir},
+			AdvertiseAddr: cfg.advertise, RankAddrs: cfg.rankAddrs, CapabilitySecret: cfg.secret, Ownership: cfg.ownership,
+			LeaseTTL: f.leaseTTL, LoadTimeout: f.loadTimeout, HandshakeMode: cfg.mode, DeviceID: uint32(max(f.device, 0)),
+			Logger: log, Registerer: reg,
+		}})
 	if err != nil {
 		return nil, err
 	}
-	log.Info("rank listening", "addr", rank.Addr(), "num_blocks", n, "regions", len(pool.Regions()))
-	return &localapi.Cache{Pool: pool, Rank: rank, Tracker: tracker, Create: req, EngineID: f.engineID,
-		DeviceMemory: deviceMemory, Close: func() error {
-			var errs []error
-			for i := len(closers) - 1; i >= 0; i-- {
-				errs = append(errs, closers[i]())
-			}
-			return errors.Join(errs...)
-		}}, nil
+	log.Info("rank listening", "addr", b.Rank.Addr(), "num_blocks", n, "regions", len(b.Pool.Regions()))
+	return &localapi.Cache{Pool: b.Pool, Rank: b.Rank, Tracker: tracker, Create: req, EngineID: f.engineID,
+		DeviceMemory: be != nil, Close: b.Close}, nil
+}
+
+// applyLimit sets --memory-limit on pool, resolved against its page size
+// and reservation; a limit that cannot be resolved is CODE_INVALID_ARGUMENT.
+func (cfg *serveConfig) applyLimit(pool *vmm.Pool) error {
+	if !cfg.limit.set {
+		return nil
+	}
+	var reserved uint64
+	regions := pool.Regions()
+	for _, r := range regions {
+		reserved += r.Len
+	}
+	b, err := cfg.limit.bytes(regions[0].PageSize*uint64(len(regions)), reserved)
+	if err != nil {
+		return codes.New(v1.Code_CODE_INVALID_ARGUMENT, "kvsidecar serve: --memory-limit: %v", err)
+	}
+	return pool.SetMemoryLimit(b)
 }
