@@ -157,3 +157,60 @@ func hostOf(addr string) string {
 	h, _, _ := net.SplitHostPort(addr)
 	return h
 }
+
+// checkWritableDir creates dir if missing and checks that a file can be
+// created in it.
+func checkWritableDir(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	probe, err := os.CreateTemp(dir, ".kvsidecar-probe-*")
+	if err != nil {
+		return err
+	}
+	return errors.Join(probe.Close(), os.Remove(probe.Name()))
+}
+
+// advertisedAddr is the address peers reach this rank at: --advertise, or
+// the entry of --rank-addrs for this rank, or the bound --listen address.
+// A --rank-addrs entry must agree with --advertise or the listen address:
+// the same port, and the same host unless the socket listens on every
+// address (0.0.0.0, ::), when the entry names the host. A disagreement is a
+// usage error naming both.
+func advertisedAddr(f *serveFlags, rankAddrs []string, bound net.Addr) (string, error) {
+	if len(rankAddrs) == 0 {
+		if f.advertise != "" {
+			return f.advertise, nil
+		}
+		return bound.String(), nil
+	}
+	entry := rankAddrs[f.tpRank]
+	eh, _, _ := net.SplitHostPort(entry)
+	disagree := func(what, a string) error {
+		return usageErrorf("--rank-addrs entry %d (--tp-rank) is %s but %s is %s: peers would dial one while this rank announces the other",
+			f.tpRank, entry, what, a)
+	}
+	if f.advertise != "" {
+		ah, _, _ := net.SplitHostPort(f.advertise)
+		if addrPort(entry) != addrPort(f.advertise) || !sameHost(eh, ah) {
+			return "", disagree("--advertise", f.advertise)
+		}
+		return f.advertise, nil
+	}
+	bh, _, _ := net.SplitHostPort(bound.String())
+	lh, _, _ := net.SplitHostPort(f.listen)
+	ip := net.ParseIP(bh)
+	if addrPort(entry) != addrPort(bound.String()) || !(ip.IsUnspecified() || sameHost(eh, bh) || sameHost(eh, lh)) {
+		return "", disagree("the bound --listen address", bound.String())
+	}
+	return entry, nil
+}
+
+// sameHost reports whether two hosts of host:port addresses are the same:
+// equal IPs, or names equal but for case.
+func sameHost(a, b string) bool {
+	if ia, ib := net.ParseIP(a), net.ParseIP(b); ia != nil && ib != nil {
+		return ia.Equal(ib)
+	}
+	return strings.EqualFold(a, b)
+}
