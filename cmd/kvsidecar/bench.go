@@ -112,6 +112,7 @@ func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer)
 	maxBytes := fs.String("max-bytes", "128M", fmt.Sprintf("cap of block size × batch, 1..%s (two buffers of it are allocated); larger cells are skipped with a note", sizeString(maxMaxBytes)))
 	cellTime := fs.Duration("cell-time", demo.DefaultCellTime, fmt.Sprintf("time spent on each (op, block, batch) cell, > 0 and <= %v (at least 3 transfers run)", maxCellTime))
 	rounds := fs.Int("bulk-rounds", demo.DefaultBulkRounds, fmt.Sprintf("rounds of the bulk comparison with the baselines (best kept), 1..%d", maxBulkRounds))
+	samples := fs.Int("latency-samples", demo.DefaultLatencySamples, fmt.Sprintf("timed warm READs of one 4 KiB and one 64 KiB descriptor, and raw quic-go 4 KiB round trips, 1..%d", maxLatencySamples))
 	check := fs.Bool("check", false, "verify every byte of every transfer")
 	asJSON := fs.Bool("json", false, "print the result as one JSON object on the last line of stdout (the table goes to stderr)")
 	if err := parseFlags(fs, args); err != nil {
@@ -144,8 +145,11 @@ func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer)
 	if err := checkInt("bulk-rounds", *rounds, 1, maxBulkRounds); err != nil {
 		return err
 	}
+	if err := checkInt("latency-samples", *samples, 1, maxLatencySamples); err != nil {
+		return err
+	}
 	res, err := demo.RunTransferBench(ctx, &demo.TransferConfig{BlockSizes: bs, BatchSizes: ns, MaxTransferBytes: mb[0],
-		CellTime: *cellTime, BulkRounds: *rounds, Check: *check})
+		CellTime: *cellTime, BulkRounds: *rounds, LatencySamples: *samples, Check: *check})
 	if err != nil {
 		return err
 	}
@@ -176,6 +180,9 @@ func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fmt.Fprintf(table, "\nbulk, %s in %s descriptors, loopback, best of %d:\n", sizeString(res.BulkBytes), sizeString(res.BulkBlockSize), *rounds)
 	fmt.Fprintf(table, "  sidecar READ    %.3f GB/s\n  raw quic-go     %.3f GB/s  (sidecar/raw quic-go = %.3f)\n  TLS 1.3 over TCP %.3f GB/s (sidecar/TLS-TCP = %.3f)\n",
 		res.SidecarReadGBPerS, res.RawQUICGBPerS, res.RatioSidecarOverRawQUIC, res.TLSTCPGBPerS, res.RatioSidecarOverTLSTCP)
+	fmt.Fprintf(table, "\nwarm small reads, loopback, %d samples each (p50 / p99 us):\n", res.LatencySamples)
+	fmt.Fprintf(table, "  sidecar READ 4K   %.1f / %.1f\n  sidecar READ 64K  %.1f / %.1f\n  raw quic-go 4K    %.1f / %.1f  (sidecar/raw quic-go p50 = %.3f)\n",
+		res.Read4KP50Us, res.Read4KP99Us, res.Read64KP50Us, res.Read64KP99Us, res.RawQUIC4KP50Us, res.RawQUIC4KP99Us, res.RatioRead4KOverRawQUIC)
 	if *asJSON {
 		return printJSON(stdout, res)
 	}

@@ -20,13 +20,14 @@ import (
 // Flag ranges of demo and bench that the library does not bound itself:
 // they keep a typo from reserving or allocating far more than a laptop has.
 const (
-	maxConcurrency  = 1024    // demo --concurrency
-	maxCacheEntries = 1 << 16 // demo --cache-entries: 32 Mi tokens of prefix
-	maxTrials       = 1000    // bench handshake --trials
-	maxBulkRounds   = 1000    // bench transfer --bulk-rounds
-	minRTT          = time.Millisecond
-	maxCellTime     = time.Hour // bench transfer --cell-time
-	maxMaxBytes     = 1 << 30   // bench transfer --max-bytes: two buffers of it are allocated
+	maxConcurrency    = 1024      // demo --concurrency
+	maxCacheEntries   = 1 << 16   // demo --cache-entries: 32 Mi tokens of prefix
+	maxTrials         = 1000      // bench handshake --trials
+	maxBulkRounds     = 1000      // bench transfer --bulk-rounds
+	maxLatencySamples = 1_000_000 // bench transfer --latency-samples
+	minRTT            = time.Millisecond
+	maxCellTime       = time.Hour // bench transfer --cell-time
+	maxMaxBytes       = 1 << 30   // bench transfer --max-bytes: two buffers of it are allocated
 )
 
 // checkInt is a usage error naming the flag unless lo <= v <= hi.

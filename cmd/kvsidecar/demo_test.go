@@ -62,6 +62,7 @@ func TestDemoBenchFlagErrors(t *testing.T) {
 		{"hs tp sizes", []string{"bench", "handshake", "--prefill-tp", "2", "--decode-tp", "1", "--model", "qwen3-8b", "--decode-tp", "3"}, "--decode-tp 3: model qwen3-8b"},
 		{"hs model", []string{"bench", "handshake", "--model", "nope"}, `--model "nope": unknown`},
 		{"xfer rounds zero", []string{"bench", "transfer", "--bulk-rounds", "0"}, "--bulk-rounds 0: want 1..1000"},
+		{"xfer latency samples zero", []string{"bench", "transfer", "--latency-samples", "0"}, "--latency-samples 0: want 1..1000000"},
 		{"xfer cell time zero", []string{"bench", "transfer", "--cell-time", "0s"}, "--cell-time 0s: want > 0s and <= 1h0m0s"},
 		{"xfer every block too big", []string{"bench", "transfer", "--max-bytes", "1K"}, "--block-sizes 4K,64K,1M,16M,64M: every size exceeds --max-bytes 1K; want at least one <= 1K"},
 		{"xfer max bytes", []string{"bench", "transfer", "--max-bytes", "2G"}, `--max-bytes "2G": want one size, 1..1G`},
@@ -127,13 +128,14 @@ func TestDemoTinyTrace(t *testing.T) {
 func TestBenchTransferSkipsWithNote(t *testing.T) {
 	var out, errb bytes.Buffer
 	code := run(context.Background(), []string{"bench", "transfer", "--block-sizes", "4K,2M", "--batch-sizes", "1,4",
-		"--max-bytes", "1M", "--cell-time", "1ms", "--bulk-rounds", "1"}, &out, &errb)
+		"--max-bytes", "1M", "--cell-time", "1ms", "--bulk-rounds", "1", "--latency-samples", "20"}, &out, &errb)
 	require.Equal(t, 0, code, errb.String())
 	table := out.String()
 	require.Contains(t, table, "note: skipped block 2M × batch 1 = 2M, over --max-bytes 1M")
 	require.Contains(t, table, "note: skipped block 2M × batch 4 = 8M, over --max-bytes 1M")
 	require.Contains(t, table, "p99 is their maximum")
 	require.Contains(t, table, "bulk, 1M in 4K descriptors")
+	require.Contains(t, table, "warm small reads, loopback, 20 samples each")
 }
 
 // TestDemoProgressLines: the demo's progress moves while a request is in

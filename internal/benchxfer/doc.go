@@ -1,8 +1,14 @@
-// Package benchxfer holds the throughput baselines the transfer benchmark
-// compares the sidecar against: one quic-go stream and Go's TLS 1.3 over
+// Package benchxfer holds the baselines the transfer benchmark compares the
+// sidecar against: for throughput, one quic-go stream and Go's TLS 1.3 over
 // TCP, both on loopback, both moving a fixed number of bytes from one
-// in-memory buffer to another with large writes. `go test -bench` in
-// transfer and `kvsidecar bench transfer` share them.
+// in-memory buffer to another with large writes; for small-read latency, a
+// raw quic-go request/response on a new stream of a warm connection
+// (RoundTripper). `go test -bench` in transfer and `kvsidecar bench
+// transfer` share them.
 //
 //	d, err := benchxfer.RawQUIC(ctx, 128<<20, 2<<20, srvTLS, cliTLS, transfer.QUICConfig(nil))
+//
+//	rt, err := benchxfer.NewRoundTripper(ctx, srvTLS, cliTLS, transfer.QUICConfig(nil))
+//	defer rt.Close()
+//	d, err = rt.RoundTrip(ctx, 4096)
 package benchxfer

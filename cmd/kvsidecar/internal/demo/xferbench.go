@@ -36,6 +36,9 @@ const (
 	// DefaultBulkRounds: the bulk comparison runs each contender this many
 	// times, interleaved, and keeps each one's best.
 	DefaultBulkRounds = 3
+	// DefaultLatencySamples: warm small READs (and raw quic-go round trips)
+	// timed per size for the latency percentiles.
+	DefaultLatencySamples = 2000
 )
 
 // TransferConfig configures RunTransferBench; the zero value (and nil)
@@ -48,7 +51,7 @@ type TransferConfig struct {
 	// Ops swept, in order. Default READ then WRITE.
 	Ops []transfer.Op
 	// MaxTransferBytes caps block × batch and sizes the two registered
-	// buffers (2 × MaxTransferBytes of memory). Cells above it are skipped;
+	// buffers (2 × MaxTransferBytes of memory, at least 64 KiB each). Cells above it are skipped;
 	// at least one block size must fit. Default DefaultMaxTransferBytes.
 	MaxTransferBytes int
 	// CellTime is the time spent per cell (at least 3 transfers run).
@@ -56,6 +59,10 @@ type TransferConfig struct {
 	CellTime time.Duration
 	// BulkRounds of the baseline comparison. Default DefaultBulkRounds.
 	BulkRounds int
+	// LatencySamples is the number of timed warm READs of one 4 KiB and of
+	// one 64 KiB descriptor, and of raw quic-go 4 KiB round trips, run
+	// interleaved. Default DefaultLatencySamples.
+	LatencySamples int
 	// Check verifies every byte of every transfer (the destination is
 	// zeroed before each one).
 	Check bool
@@ -109,6 +116,20 @@ type TransferResult struct {
 	TLSTCPGBPerS            float64 `json:"tls_tcp_gb_per_s"`
 	RatioSidecarOverRawQUIC float64 `json:"ratio_sidecar_over_raw_quic"`
 	RatioSidecarOverTLSTCP  float64 `json:"ratio_sidecar_over_tls_tcp"`
+	// Small reads on the warm connection, in microseconds, nearest rank
+	// over LatencySamples each: a sidecar READ of one 4 KiB and one 64 KiB
+	// descriptor (the wall time of Transfer), and a raw quic-go 4 KiB
+	// request/response on a new stream of a warm connection (same TLS and
+	// quic-go configuration). RatioRead4KOverRawQUIC is
+	// Read4KP50Us / RawQUIC4KP50Us.
+	LatencySamples         int     `json:"latency_samples"`
+	Read4KP50Us            float64 `json:"read_4k_p50_us"`
+	Read4KP99Us            float64 `json:"read_4k_p99_us"`
+	Read64KP50Us           float64 `json:"read_64k_p50_us"`
+	Read64KP99Us           float64 `json:"read_64k_p99_us"`
+	RawQUIC4KP50Us         float64 `json:"raw_quic_4k_p50_us"`
+	RawQUIC4KP99Us         float64 `json:"raw_quic_4k_p99_us"`
+	RatioRead4KOverRawQUIC float64 `json:"ratio_read_4k_over_raw_quic"`
 }
 
 func (c *TransferConfig) withDefaults() (TransferConfig, error) {
@@ -139,6 +160,9 @@ func (c *TransferConfig) withDefaults() (TransferConfig, error) {
 	if out.BulkRounds == 0 {
 		out.BulkRounds = DefaultBulkRounds
 	}
+	if out.LatencySamples == 0 {
+		out.LatencySamples = DefaultLatencySamples
+	}
 	if out.Logger == nil {
 		out.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -166,6 +190,8 @@ func (c *TransferConfig) withDefaults() (TransferConfig, error) {
 		return bad("CellTime", "%v must not be negative", out.CellTime)
 	case out.BulkRounds < 1:
 		return bad("BulkRounds", "%d must be at least 1", out.BulkRounds)
+	case out.LatencySamples < 1:
+		return bad("LatencySamples", "%d must be at least 1", out.LatencySamples)
 	}
 	return out, nil
 }
@@ -220,7 +246,9 @@ func RunTransferBench(ctx context.Context, cfg *TransferConfig) (_ *TransferResu
 	if err != nil {
 		return nil, err
 	}
-	srvMem, cliMem := make([]byte, c.MaxTransferBytes), make([]byte, c.MaxTransferBytes)
+	// At least 64 KiB: the latency READs' largest descriptor.
+	memBytes := max(c.MaxTransferBytes, 64<<10)
+	srvMem, cliMem := make([]byte, memBytes), make([]byte, memBytes)
 	_, _ = crand.Read(srvMem[:min(len(srvMem), 1<<20)])
 	for off := 1 << 20; off < len(srvMem); off *= 2 {
 		copy(srvMem[off:], srvMem[:off])
@@ -261,6 +289,9 @@ func RunTransferBench(ctx context.Context, cfg *TransferConfig) (_ *TransferResu
 		}
 	}
 	if err := b.bulk(ctx, res, srvTLS, cliTLS); err != nil {
+		return nil, err
+	}
+	if err := b.latency(ctx, res, srvTLS, cliTLS); err != nil {
 		return nil, err
 	}
 	return res, nil
@@ -430,4 +461,73 @@ func postHist(g prometheus.Gatherer, op string) (hist, error) {
 		}
 	}
 	return hist{}, nil // nothing observed yet
+}
+
+// latencyBatch is how many samples of one kind run back to back before the
+// next kind's turn, so machine noise spreads over all kinds alike.
+const latencyBatch = 50
+
+// latency times warm READs of one 4 KiB and one 64 KiB descriptor against
+// raw quic-go 4 KiB round trips on a new stream of a warm connection,
+// interleaved in batches.
+func (b *xferBench) latency(ctx context.Context, res *TransferResult, st, ct *tls.Config) error {
+	rt, err := benchxfer.NewRoundTripper(ctx, st, ct, transfer.QUICConfig(nil))
+	if err != nil {
+		return fmt.Errorf("demo: raw quic-go round trips: %w", err)
+	}
+	defer rt.Close()
+	n := b.c.LatencySamples
+	x4, x64 := b.readOne(4<<10), b.readOne(64<<10)
+	r4, r64, raw := make([]time.Duration, 0, n), make([]time.Duration, 0, n), make([]time.Duration, 0, n)
+	for len(raw) < n {
+		k := min(latencyBatch, n-len(raw))
+		for range k {
+			d, err := b.timedRead(ctx, x4)
+			if err != nil {
+				return err
+			}
+			r4 = append(r4, d)
+		}
+		for range k {
+			d, err := rt.RoundTrip(ctx, 4<<10)
+			if err != nil {
+				return fmt.Errorf("demo: raw quic-go round trip: %w", err)
+			}
+			raw = append(raw, d)
+		}
+		for range k {
+			d, err := b.timedRead(ctx, x64)
+			if err != nil {
+				return err
+			}
+			r64 = append(r64, d)
+		}
+	}
+	us := func(s []time.Duration, q float64) float64 { return round(float64(nearestRank(s, q))/1e3, 1) }
+	for _, s := range [][]time.Duration{r4, r64, raw} {
+		slices.Sort(s)
+	}
+	res.LatencySamples = n
+	res.Read4KP50Us, res.Read4KP99Us = us(r4, 0.5), us(r4, 0.99)
+	res.Read64KP50Us, res.Read64KP99Us = us(r64, 0.5), us(r64, 0.99)
+	res.RawQUIC4KP50Us, res.RawQUIC4KP99Us = us(raw, 0.5), us(raw, 0.99)
+	res.RatioRead4KOverRawQUIC = round(float64(nearestRank(r4, 0.5))/float64(nearestRank(raw, 0.5)), 3)
+	return nil
+}
+
+// readOne is a READ of one descriptor of bs bytes at the start of both
+// buffers.
+func (b *xferBench) readOne(bs int) *transfer.Xfer {
+	return &transfer.Xfer{Op: transfer.OpRead, Peer: b.peer,
+		Local:  []transfer.Desc{{Addr: b.cliReg.Base, Len: uint64(bs)}},
+		Remote: []transfer.Desc{{Addr: b.srvReg.Base, Len: uint64(bs)}}}
+}
+
+// timedRead runs x and returns the wall time of the Transfer call.
+func (b *xferBench) timedRead(ctx context.Context, x *transfer.Xfer) (time.Duration, error) {
+	start := time.Now()
+	if _, err := b.cli.Transfer(ctx, x); err != nil {
+		return 0, fmt.Errorf("demo: transfer bench latency READ of %d B: %w", x.Local[0].Len, err)
+	}
+	return time.Since(start), nil
 }

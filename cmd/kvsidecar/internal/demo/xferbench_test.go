@@ -19,8 +19,14 @@ func TestTransferBenchShape(t *testing.T) {
 		ops = ops[:1]
 	}
 	res, err := RunTransferBench(t.Context(), &TransferConfig{BlockSizes: []int{4 << 10, 256 << 10}, BatchSizes: []int{1, 4},
-		Ops: ops, MaxTransferBytes: 512 << 10, CellTime: time.Millisecond, BulkRounds: 1, Check: true})
+		Ops: ops, MaxTransferBytes: 512 << 10, CellTime: time.Millisecond, BulkRounds: 1, LatencySamples: 7, Check: true})
 	require.NoError(t, err)
+	require.Equal(t, 7, res.LatencySamples)
+	for _, p := range [][2]float64{{res.Read4KP50Us, res.Read4KP99Us}, {res.Read64KP50Us, res.Read64KP99Us}, {res.RawQUIC4KP50Us, res.RawQUIC4KP99Us}} {
+		require.Positive(t, p[0])
+		require.GreaterOrEqual(t, p[1], p[0], "p99 below p50")
+	}
+	require.InDelta(t, res.Read4KP50Us/res.RawQUIC4KP50Us, res.RatioRead4KOverRawQUIC, 0.01)
 	// 256K × 4 exceeds MaxTransferBytes and is skipped.
 	require.Len(t, res.Rows, 3*len(ops))
 	require.Equal(t, []SkippedCell{{BlockSize: 256 << 10, Batch: 4}}, res.Skipped)
@@ -46,7 +52,8 @@ func TestTransferBenchShape(t *testing.T) {
 	require.NoError(t, err)
 	var got map[string]any
 	require.NoError(t, json.Unmarshal(b, &got))
-	for _, k := range []string{"ratio_sidecar_over_raw_quic", "ratio_sidecar_over_tls_tcp", "raw_quic_gb_per_s", "tls_tcp_gb_per_s", "sidecar_read_gb_per_s"} {
+	for _, k := range []string{"ratio_sidecar_over_raw_quic", "ratio_sidecar_over_tls_tcp", "raw_quic_gb_per_s", "tls_tcp_gb_per_s", "sidecar_read_gb_per_s",
+		"read_4k_p50_us", "read_4k_p99_us", "read_64k_p50_us", "read_64k_p99_us", "raw_quic_4k_p50_us", "raw_quic_4k_p99_us"} {
 		v, ok := got[k].(float64)
 		require.True(t, ok, k)
 		require.Positive(t, v, k)
@@ -64,6 +71,7 @@ func TestTransferConfigValidation(t *testing.T) {
 		{"max bytes", TransferConfig{MaxTransferBytes: -1}, "TransferConfig.MaxTransferBytes: -1 must be positive"},
 		{"batch zero", TransferConfig{BatchSizes: []int{1, 0}}, "TransferConfig.BatchSizes: [1]=0 must be in [1, 65536]"},
 		{"rounds", TransferConfig{BulkRounds: -1}, "TransferConfig.BulkRounds: -1 must be at least 1"},
+		{"latency samples", TransferConfig{LatencySamples: -2}, "TransferConfig.LatencySamples: -2 must be at least 1"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
