@@ -76,6 +76,7 @@ type Agent struct {
 	dials     map[string]int
 	budgets   map[string]*budget
 	servConns map[*quic.Conn]struct{}
+	laneTrs   []*quic.Transport // READ lane i's transport at i-1, opened on first use
 
 	nextXfer atomic.Uint64
 	nextList atomic.Uint64
@@ -110,6 +111,8 @@ type peer struct {
 	notifMu  sync.Mutex // serializes notifications so they arrive in order
 	attempt0 bool       // dialed with a session ticket available
 	gone     sync.Once  // OnPeerGone runs once per connection
+	lane     int        // 0: the cached connection; i > 0: READ lane i of one
+	lanes    laneGroup  // lane 0's READ lanes 1..K-1
 }
 
 // PeerInfo describes the current connection to a remote agent.
@@ -122,6 +125,10 @@ type PeerInfo struct {
 	Used0RTT bool
 	// LocalAddr and RemoteAddr are the connection's UDP endpoints.
 	LocalAddr, RemoteAddr net.Addr
+	// ReadLanes is the number of connections to Addr with a completed
+	// handshake that a large READ is striped over now, lane 0 included:
+	// 1 when Config.ReadLanes is 1 or no other lane is up.
+	ReadLanes int
 }
 
 // New starts an agent: it opens (or adopts) the UDP socket and, when
@@ -237,12 +244,15 @@ func (a *Agent) CloseWithReason(code v1.Code, reason string) error {
 		return fmt.Errorf("transfer: agent already closed: %w", net.ErrClosed)
 	}
 	a.closed = true
-	var conns []*quic.Conn
+	var (
+		conns []*quic.Conn
+		up    []*peer
+	)
 	for _, p := range a.peers {
 		select {
 		case <-p.ready:
 			if p.conn != nil {
-				conns = append(conns, p.conn)
+				up = append(up, p)
 			}
 		default:
 		}
@@ -251,6 +261,10 @@ func (a *Agent) CloseWithReason(code v1.Code, reason string) error {
 		conns = append(conns, c)
 	}
 	a.mu.Unlock()
+	for _, p := range up {
+		conns = append(conns, p.conn)
+		conns = append(conns, p.laneConns()...) // lanes lock p.lanes.mu, then a.mu
+	}
 	a.cancel(fmt.Errorf("transfer: agent closed: %w", net.ErrClosed))
 	for _, c := range conns {
 		_ = c.CloseWithError(quic.ApplicationErrorCode(code), reason)
@@ -258,7 +272,7 @@ func (a *Agent) CloseWithReason(code v1.Code, reason string) error {
 	if a.ln != nil {
 		_ = a.ln.Close()
 	}
-	err := a.tr.Close()
+	err := errors.Join(a.tr.Close(), a.closeLaneTransports())
 	a.wg.Wait()
 	if cerr := a.tr.Conn.Close(); err == nil && cerr != nil && !errors.Is(cerr, net.ErrClosed) {
 		err = cerr
@@ -301,7 +315,7 @@ func (a *Agent) peerFor(ctx context.Context, addr string) (*peer, error) {
 			// that gives up leaves it running for the others waiting on p.
 			a.wg.Add(1)
 			a.mu.Unlock()
-			go a.dial(p)
+			go a.dial(p, a.tr)
 		} else {
 			a.mu.Unlock()
 		}
@@ -329,6 +343,7 @@ func (a *Agent) peerFor(ctx context.Context, addr string) (*peer, error) {
 // caller finding it dead, or the redial rule.
 func (a *Agent) peerGone(p *peer) {
 	a.dropPeer(p)
+	a.closeLanes(p)
 	p.gone.Do(func() {
 		if a.isClosed() {
 			return
@@ -349,11 +364,11 @@ func (a *Agent) dropPeer(p *peer) {
 	a.mu.Unlock()
 }
 
-// dial connects p and closes p.ready. It runs on the agent's goroutine
+// dial connects p from tr and closes p.ready. It runs on the agent's goroutine
 // under the agent's context bounded by Config.HandshakeTimeout (address
 // resolution included), never under a caller's: every caller waiting on p
 // shares its outcome, whichever of them gives up first.
-func (a *Agent) dial(p *peer) {
+func (a *Agent) dial(p *peer, tr *quic.Transport) {
 	defer a.wg.Done()
 	defer close(p.ready)
 	ctx, cancel := context.WithTimeoutCause(a.ctx, a.cfg.HandshakeTimeout,
@@ -385,7 +400,7 @@ func (a *Agent) dial(p *peer) {
 		tc.ServerName, _, _ = net.SplitHostPort(p.addr)
 	}
 	a.m.dials.Inc()
-	conn, err := a.tr.DialEarly(ctx, udp, tc, a.qconf)
+	conn, err := tr.DialEarly(ctx, udp, tc, a.qconf)
 	if err != nil {
 		if a.isClosed() {
 			err = errClosed()
@@ -455,8 +470,10 @@ func resolveUDP(ctx context.Context, addr string) (*net.UDPAddr, error) {
 }
 
 // watch follows one dialed connection: it records whether 0-RTT was
-// accepted, re-enables streams after a 0-RTT rejection, probes it while it
-// lasts, and reports the peer gone when it ends.
+// accepted, re-enables streams after a 0-RTT rejection, dials the READ
+// lanes of a lane-0 connection once its handshake is complete (so they
+// resume its session), probes it while it lasts, and reports the peer gone
+// when lane 0 ends.
 func (a *Agent) watch(p *peer) {
 	defer a.wg.Done()
 	conn := p.conn
@@ -466,10 +483,15 @@ func (a *Agent) watch(p *peer) {
 		if conn.ConnectionState().Used0RTT {
 			a.m.zeroRTT.Inc()
 		}
+		if p.lane == 0 {
+			a.startLanes(p)
+		}
 	case <-conn.Context().Done():
 	}
 	a.probe(conn)
-	a.peerGone(p)
+	if p.lane == 0 {
+		a.peerGone(p)
+	}
 }
 
 // probeBytes is the payload of a keep-alive probe. quic-go answers a packet
@@ -525,9 +547,15 @@ func (a *Agent) PeerInfo(ctx context.Context, addr string) (PeerInfo, error) {
 	case <-ctx.Done():
 		return PeerInfo{}, context.Cause(ctx)
 	}
+	lanes := 1
+	for _, c := range p.laneConns() {
+		if c.Context().Err() == nil && handshakeDone(c) {
+			lanes++
+		}
+	}
 	return PeerInfo{
 		Addr: addr, Dials: dials, Used0RTT: p.conn.ConnectionState().Used0RTT,
-		LocalAddr: p.conn.LocalAddr(), RemoteAddr: p.conn.RemoteAddr(),
+		LocalAddr: p.conn.LocalAddr(), RemoteAddr: p.conn.RemoteAddr(), ReadLanes: lanes,
 	}, nil
 }
 

@@ -356,7 +356,7 @@ func (a *Agent) Transfer(ctx context.Context, x *Xfer) (Result, error) {
 				}
 			}
 		}
-		return a.transferOn(ctx, p, x, req, local, xe, start)
+		return a.transferLanes(ctx, p, x, req, local, xe, start)
 	})
 	if err != nil {
 		return fail(err)

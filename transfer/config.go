@@ -132,8 +132,30 @@ type Config struct {
 	ProgressTimeout time.Duration
 	// MaxInflightPerPeer bounds the bytes of transfers in flight to or from
 	// one peer, in each role; more wait (back-pressure). A single transfer
-	// larger than the bound runs alone. Default 1 GiB.
+	// larger than the bound runs alone. The dialer counts a transfer once,
+	// whatever number of READ lanes it is striped over; the serving side
+	// counts per accepted connection, so a dialer's READ lanes together
+	// stay within the dialer's own bound. Default 1 GiB.
 	MaxInflightPerPeer uint64
+	// ReadLanes is the number of QUIC connections to one peer, each
+	// dialed from its own UDP socket, that a READ of at least
+	// ReadLaneMinBytes with explicit descriptors (Xfer.Remote) is striped
+	// over, so that the READ runs on that many cores on each side. Lane 0
+	// is the cached connection, which carries everything else; lanes
+	// 1..ReadLanes-1 are dialed in the background once lane 0's handshake
+	// completes, kept alive like it and closed with it. READs naming a
+	// prepared list (Xfer.RemoteList) stay on lane 0, where the list is
+	// prepared. A lane that cannot be dialed is left out until lane 0 is
+	// redialed. Default 1 (no lanes); at most MaxReadLanes.
+	ReadLanes int
+	// ReadLaneMinBytes is the smallest READ striped over the lanes;
+	// smaller ones stay on lane 0 and keep its latency. Default
+	// DefaultReadLaneMinBytes (1 MiB).
+	ReadLaneMinBytes uint64
+	// LanePacketConn, when set, opens the UDP socket of READ lane i
+	// (1..ReadLanes-1), once per lane index; the agent closes it on Close.
+	// Default nil: a socket on the IP of the agent's own socket, any port.
+	LanePacketConn func(lane int) (net.PacketConn, error)
 	// StagingBytes is the size of the staging buffer used when memory is not
 	// host-addressable. Default 1 MiB.
 	StagingBytes int
@@ -189,6 +211,12 @@ func (c *Config) withDefaults() *Config {
 	if out.MaxInflightPerPeer == 0 {
 		out.MaxInflightPerPeer = DefaultMaxInflightPerPeer
 	}
+	if out.ReadLanes == 0 {
+		out.ReadLanes = 1
+	}
+	if out.ReadLaneMinBytes == 0 {
+		out.ReadLaneMinBytes = DefaultReadLaneMinBytes
+	}
 	if out.StagingBytes == 0 {
 		out.StagingBytes = DefaultStagingBytes
 	}
@@ -225,6 +253,8 @@ func (c *Config) validate() error {
 	switch {
 	case c.ProgressTimeout < 0:
 		return fmt.Errorf("transfer: Config.ProgressTimeout %v must be >= 0", c.ProgressTimeout)
+	case c.ReadLanes < 1 || c.ReadLanes > MaxReadLanes:
+		return fmt.Errorf("transfer: Config.ReadLanes %d must be in [1, %d] (0 means 1)", c.ReadLanes, MaxReadLanes)
 	case c.StagingBytes < 4096:
 		return fmt.Errorf("transfer: Config.StagingBytes %d must be >= 4096", c.StagingBytes)
 	case c.MaxStreamWindow < 64<<10:

@@ -77,6 +77,36 @@
 // every new connection, so nobody sends into an unread socket until a
 // deadline.
 //
+// # READ lanes
+//
+// quic-go runs one connection's packets on one goroutine per side, so one
+// connection moves a READ at about one core's speed. With Config.ReadLanes
+// K > 1 a READ of at least Config.ReadLaneMinBytes (1 MiB) with explicit
+// descriptors is cut into K contiguous runs of its bytes (cuts 64 KiB
+// aligned, a descriptor split where a cut falls inside it), and each run
+// is read on its own lane: lane 0 is the cached connection, lanes 1..K-1
+// are connections to the same peer dialed from K-1 more UDP sockets of this
+// agent once lane 0's handshake completed (resuming its session), kept
+// alive by the same probes and closed with lane 0. Lanes 1..K-1 carry
+// nothing but READ streams: handshakes, notifications, heartbeats, WRITEs,
+// small READs and READs naming a prepared list (prepared on lane 0 only)
+// stay on lane 0. The serving side sees K ordinary READs, each authorized,
+// bounds-checked and released (Config.Release) on its own.
+//
+// A laned READ succeeds only when every lane landed all its bytes. When one
+// lane fails, the others are aborted, and Transfer returns that lane's
+// error only after every lane stopped touching local memory, never a
+// partial success. A lane that failed on a stalled path or a dead
+// connection is closed, so the next READ dials it anew; one whose
+// connection died (the redial rule's condition) closes lane 0 too, so the
+// redial rule sends the whole READ again, once, on new connections. A
+// lane that cannot be dialed, or whose handshake fails, is left out of
+// every READ until lane 0 is redialed; a refusal closes no lane.
+//
+// The dialer counts a laned READ once against its MaxInflightPerPeer; the
+// serving side counts per connection, so the lanes of one dialer stay
+// within the dialer's bound, as before.
+//
 // # Checks on the serving side
 //
 // Every descriptor, whether explicit, prepared or named by index, is checked

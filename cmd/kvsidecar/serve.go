@@ -382,7 +382,7 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 		Rank: connector.Config{
 			EngineID: f.engineID, TPRank: f.tpRank, TPSize: f.tpSize, Geometry: req.GetGeometry(),
 			Transfer: &transfer.Config{PacketConn: cfg.udp.lend(), ServerTLS: srvTLS, ClientTLS: cliTLS, AllowedPeers: cfg.allowed,
-				ProgressTimeout: f.progressTimeout, StatelessResetKey: cfg.resetKey, QlogDir: f.qlogDir},
+				ProgressTimeout: f.progressTimeout, StatelessResetKey: cfg.resetKey, QlogDir: f.qlogDir, ReadLanes: f.readLanes},
 			AdvertiseAddr: cfg.advertise, RankAddrs: cfg.rankAddrs, CapabilitySecret: cfg.secret, Ownership: cfg.ownership,
 			LeaseTTL: f.leaseTTL, LoadTimeout: f.loadTimeout, HandshakeMode: cfg.mode, DeviceID: uint32(max(f.device, 0)),
 			Logger: log, Registerer: reg,

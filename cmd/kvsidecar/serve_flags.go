@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -31,7 +32,7 @@ type serveFlags struct {
 	engineID, role, ownership, backend, model, dtype, attention string
 	cudaLibrary                                                 string
 	tpRank, tpSize, device, layers, kvHeads, headDim, blockSize int
-	numBlocks                                                   int
+	numBlocks, readLanes                                        int
 	memoryLimit, listen, advertise, rankAddrs, allowPeers       string
 	tlsCert, tlsKey, tlsCA, capKeyFile, socketDir, metricsAddr  string
 	qlogDir, logLevel, handshakeMode                            string
@@ -80,8 +81,19 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&f.loadTimeout, "load-timeout", connector.DefaultLoadTimeout, "bound on one decode load")
 	fs.DurationVar(&f.progressTimeout, "progress-timeout", transfer.DefaultProgressTimeout, "how long one transfer (served or read) may go without a byte moving before it fails with CODE_TIMEOUT")
 	fs.StringVar(&f.handshakeMode, "handshake-mode", "piggyback", "piggyback or legacy")
+	fs.IntVar(&f.readLanes, "read-lanes", defaultReadLanes(runtime.NumCPU()), fmt.Sprintf("QUIC connections, each from its own UDP socket, that one READ of 1 MiB or more is striped over, in [1, %d] (default: a quarter of the CPUs, 1 to 4)", transfer.MaxReadLanes))
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM/SIGINT/SIGHUP, how long in-flight transfers may take before they are aborted")
 }
+
+// defaultReadLanes is --read-lanes' default on a host with ncpu CPUs:
+// min(4, max(1, ncpu/4)). Each lane runs quic-go's packet path, about one
+// core per side at full speed, and the sidecar shares its host with the
+// engine's own threads and with the sidecars of the other GPUs, so it
+// takes a quarter of the cores: 1 lane on a 2-core host, where a second
+// lane only competes for the same cores, and 4 on 16 cores or more, past
+// which a READ gains little while every lane costs a connection (a
+// handshake and keep-alives) per peer.
+func defaultReadLanes(ncpu int) int { return min(4, max(1, ncpu/4)) }
 
 // cudaConfig is the cuda backend's configuration from the flags.
 func (f *serveFlags) cudaConfig() *cuda.Config {
@@ -389,6 +401,9 @@ func (f *serveFlags) validate() (*serveConfig, error) {
 	}
 	if f.drainTimeout <= 0 {
 		return bad("drain-timeout", "%v: must be positive", f.drainTimeout)
+	}
+	if f.readLanes < 1 || f.readLanes > transfer.MaxReadLanes {
+		return bad("read-lanes", "%d: must be in [1, %d]", f.readLanes, transfer.MaxReadLanes)
 	}
 	m, err := handshake.ParseMode(f.handshakeMode)
 	if err != nil {

@@ -47,6 +47,8 @@ func TestServeFlagErrors(t *testing.T) {
 		{"lease", append(base, "--lease-ttl", "-1s"), "--lease-ttl"},
 		{"progress", append(base, "--progress-timeout", "0s"), "--progress-timeout: 0s: must be positive"},
 		{"handshake mode", append(base, "--handshake-mode", "telepathy"), "--handshake-mode"},
+		{"read lanes 0", append(base, "--read-lanes", "0"), "--read-lanes: 0: must be in [1, 16]"},
+		{"read lanes 17", append(base, "--read-lanes", "17"), "--read-lanes: 17: must be in [1, 16]"},
 		{"allow peers entry", append(base, "--allow-peers", "10.0.0.0/8,prefill-0"), `--allow-peers: entry "prefill-0": want a CIDR prefix (10.0.0.0/8), an IP address or host:port`},
 		{"allow peers port", append(base, "--allow-peers", "10.0.0.1:99999"), `--allow-peers: entry "10.0.0.1:99999": port "99999" is not in [1, 65535]`},
 		{"missing tls files", base, "--tls-ca/--tls-cert/--tls-key"},
@@ -80,4 +82,10 @@ func TestServeEnv(t *testing.T) {
 	code = run(t.Context(), []string{"serve"}, &bytes.Buffer{}, &errb)
 	require.Equal(t, 2, code)
 	require.Contains(t, errb.String(), `KVSIDECAR_TP_SIZE="many" (for --tp-size)`)
+}
+
+func TestDefaultReadLanes(t *testing.T) {
+	for ncpu, want := range map[int]int{1: 1, 2: 1, 7: 1, 8: 2, 12: 3, 16: 4, 128: 4} {
+		require.Equal(t, want, defaultReadLanes(ncpu), "%d CPUs", ncpu)
+	}
 }

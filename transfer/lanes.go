@@ -1,0 +1,354 @@
+package transfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/quic-go/quic-go"
+	"google.golang.org/protobuf/proto"
+
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+// READ lanes: a READ of at least Config.ReadLaneMinBytes is striped over
+// Config.ReadLanes QUIC connections to the peer, lane 0 being the cached
+// connection (peer.conn) and lanes 1..K-1 extra connections, each dialed
+// from its own UDP socket (its own quic.Transport), so that quic-go's
+// per-connection packet path runs on K cores on each side. The extra lanes
+// carry READ bytes only; everything else stays on lane 0.
+
+const (
+	// MaxReadLanes bounds Config.ReadLanes.
+	MaxReadLanes = 16
+	// DefaultReadLaneMinBytes is the default Config.ReadLaneMinBytes: a
+	// READ under 1 MiB stays on lane 0, where it costs one stream and
+	// nothing more.
+	DefaultReadLaneMinBytes = 1 << 20
+	// laneAlign aligns the byte offsets at which a READ is cut into lane
+	// shares, so each lane reads whole pages in large sequential runs.
+	laneAlign = 64 << 10
+)
+
+// errLaneFailed is the cause with which the other lanes of a READ are
+// aborted when one lane failed.
+var errLaneFailed = errors.New("transfer: another READ lane failed")
+
+// laneShare is one lane's contiguous part of a READ: local spans and the
+// matching remote descriptors, in transfer order.
+type laneShare struct {
+	local  []span
+	remote []*v1.Descriptor
+	total  uint64
+}
+
+// stripe cuts a READ of local spans and the matching remote descriptors
+// into at most k shares of contiguous bytes, as equal as laneAlign allows:
+// share j holds bytes [cut j, cut j+1) of the transfer, splitting a
+// descriptor where a cut falls inside it. Empty shares are left out.
+func stripe(local []span, remote []*v1.Descriptor, k int) []laneShare {
+	var total uint64
+	for _, s := range local {
+		total += s.n
+	}
+	per := total / uint64(k)
+	shares := make([]laneShare, 0, k)
+	var i int       // descriptor being cut
+	var off uint64  // bytes of descriptor i already given out
+	var done uint64 // bytes of the transfer already given out
+	for j := range k {
+		end := total
+		if j < k-1 {
+			end = per * uint64(j+1) &^ (laneAlign - 1)
+		}
+		if end <= done {
+			continue
+		}
+		var sh laneShare
+		for done < end {
+			n := min(local[i].n-off, end-done)
+			r := remote[i]
+			sh.local = append(sh.local, span{reg: local[i].reg, off: local[i].off + off, n: n})
+			sh.remote = append(sh.remote, &v1.Descriptor{Addr: r.GetAddr() + off, Len: n, DevId: r.GetDevId()})
+			sh.total += n
+			done += n
+			off += n
+			if off == local[i].n {
+				i, off = i+1, 0
+			}
+		}
+		shares = append(shares, sh)
+	}
+	return shares
+}
+
+// transferLanes runs one attempt of x: a READ of at least
+// Config.ReadLaneMinBytes with explicit remote descriptors is striped over
+// p's READ lanes, anything else runs on p's connection alone
+// (transferOn). READs naming a prepared list stay on lane 0, where the
+// list is prepared. A laned READ succeeds only when every lane landed its
+// bytes; when one lane fails the others are aborted, and transferLanes
+// returns that lane's error only after every lane stopped touching local
+// memory. A lane whose connection died takes lane 0 down with it, so the
+// redial rule (withConn) sends the whole READ again on new connections.
+func (a *Agent) transferLanes(ctx context.Context, p *peer, x *Xfer, req *v1.XferRequest, local []span, xe *XferError, start time.Time) error {
+	if x.Op != OpRead || a.cfg.ReadLanes < 2 || req.GetTotalLen() < a.cfg.ReadLaneMinBytes || req.GetList() == nil {
+		return a.transferOn(ctx, p, x, req, local, xe, start)
+	}
+	conns := append([]*peer{p}, a.lanesFor(ctx, p)...)
+	shares := stripe(local, req.GetList().GetDescs(), len(conns))
+	if len(shares) < 2 {
+		return a.transferOn(ctx, p, x, req, local, xe, start)
+	}
+	lctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	var (
+		wg     sync.WaitGroup
+		mu     sync.Mutex
+		failed = -1
+		errs   = make([]error, len(shares))
+		subs   = make([]XferError, len(shares))
+	)
+	for i, sh := range shares {
+		subs[i] = XferError{Op: x.Op, Peer: x.Peer, XferID: xe.XferID, Total: sh.total}
+		lreq := proto.CloneOf(req)
+		lreq.Descs = &v1.XferRequest_List{List: &v1.DescriptorList{Descs: sh.remote}}
+		lreq.TotalLen = sh.total
+		wg.Go(func() {
+			err := a.transferOn(lctx, conns[i], x, lreq, sh.local, &subs[i], start)
+			if err == nil {
+				return
+			}
+			mu.Lock()
+			errs[i] = err
+			if failed < 0 {
+				failed = i
+				cancel(errLaneFailed)
+			}
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	xe.Bytes = 0
+	for i := range subs {
+		xe.Bytes += subs[i].Bytes
+	}
+	if failed < 0 {
+		return nil
+	}
+	err := errs[failed]
+	if failed > 0 {
+		a.laneFailed(p, conns[failed], err)
+	}
+	return err
+}
+
+// laneFailed closes a lane whose READ share failed for another reason than
+// a refusal (the path stalled or its connection ended), so that the next
+// READ dials it anew. When its connection died (the redial rule's
+// condition), lane 0 is closed too: the peer may have restarted, and the
+// redial rule sends the whole READ again on new connections.
+func (a *Agent) laneFailed(p, lane *peer, err error) {
+	if !errors.Is(err, ErrTimeout) && !connEnded(err) {
+		return
+	}
+	a.log.Info("transfer: READ lane failed; closing it", "peer", p.addr, "lane", lane.lane, "err", err)
+	_ = lane.conn.CloseWithError(0, "read lane failed")
+	if connDied(err) {
+		_ = p.conn.CloseWithError(0, fmt.Sprintf("read lane %d died", lane.lane))
+	}
+}
+
+// laneGroup is the READ lanes 1..K-1 of one lane-0 connection. They live
+// and die with it.
+type laneGroup struct {
+	mu     sync.Mutex
+	lanes  []*peer // index i-1 holds lane i; nil until dialed
+	closed bool    // lane 0 is gone: dial nothing more, close what finishes
+}
+
+// startLanes dials p's missing READ lanes in the background: every lane
+// never dialed, or whose connection ended after its handshake completed. A
+// lane whose dial or handshake failed is not dialed again for this lane-0
+// connection, so an unreachable lane costs one Config.HandshakeTimeout,
+// not one per READ. It returns the lanes, dials in progress included.
+func (a *Agent) startLanes(p *peer) []*peer {
+	if a.cfg.ReadLanes < 2 {
+		return nil
+	}
+	g := &p.lanes
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.closed {
+		return nil
+	}
+	if g.lanes == nil {
+		g.lanes = make([]*peer, a.cfg.ReadLanes-1)
+	}
+	for i, l := range g.lanes {
+		if l != nil {
+			select {
+			case <-l.ready:
+				if l.err != nil || l.conn.Context().Err() == nil || !handshakeDone(l.conn) {
+					continue // failed to dial or to complete its handshake, or up
+				}
+			default:
+				continue // dialing
+			}
+		}
+		tr, err := a.laneTransport(i + 1)
+		if err != nil {
+			l = &peer{addr: p.addr, lane: i + 1, ready: make(chan struct{}), err: err}
+			close(l.ready)
+			a.log.Warn("transfer: cannot open a READ lane's socket; READs use fewer lanes", "peer", p.addr, "lane", i+1, "err", err)
+			g.lanes[i] = l
+			continue
+		}
+		l = &peer{addr: p.addr, lane: i + 1, ready: make(chan struct{})}
+		g.lanes[i] = l
+		go func() { // a.dial calls a.wg.Done (laneTransport added it)
+			a.dial(l, tr)
+			if l.err != nil {
+				a.log.Warn("transfer: READ lane dial failed; READs to this peer use fewer lanes until it is redialed", "peer", p.addr, "lane", l.lane, "err", l.err)
+				return
+			}
+			g.mu.Lock()
+			closed := g.closed
+			g.mu.Unlock()
+			if closed {
+				_ = l.conn.CloseWithError(0, "lane 0 gone")
+			}
+		}()
+	}
+	return append([]*peer(nil), g.lanes...)
+}
+
+// lanesFor returns p's READ lanes 1..K-1 whose handshake is complete,
+// dialing the missing ones and waiting for handshakes in progress (bounded
+// by Config.HandshakeTimeout and ctx). A lane that cannot be had is left
+// out.
+func (a *Agent) lanesFor(ctx context.Context, p *peer) []*peer {
+	var up []*peer
+	for _, l := range a.startLanes(p) {
+		select {
+		case <-l.ready:
+		case <-ctx.Done():
+			return up
+		}
+		if l.err != nil {
+			continue
+		}
+		select {
+		case <-l.conn.HandshakeComplete():
+		case <-l.conn.Context().Done():
+		case <-ctx.Done():
+			return up
+		}
+		if l.conn.Context().Err() == nil {
+			up = append(up, l)
+		}
+	}
+	return up
+}
+
+// closeLanes closes p's READ lanes, now or when their dial finishes: lane 0
+// is gone.
+func (a *Agent) closeLanes(p *peer) {
+	g := &p.lanes
+	g.mu.Lock()
+	g.closed = true
+	lanes := g.lanes
+	g.mu.Unlock()
+	for _, l := range lanes {
+		select {
+		case <-l.ready:
+			if l.conn != nil {
+				_ = l.conn.CloseWithError(0, "lane 0 gone")
+			}
+		default: // the dialer closes it (startLanes)
+		}
+	}
+}
+
+// laneConns returns the connections of p's READ lanes that finished dialing.
+func (p *peer) laneConns() []*quic.Conn {
+	g := &p.lanes
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var out []*quic.Conn
+	for _, l := range g.lanes {
+		if l == nil {
+			continue
+		}
+		select {
+		case <-l.ready:
+			if l.conn != nil {
+				out = append(out, l.conn)
+			}
+		default:
+		}
+	}
+	return out
+}
+
+// laneTransport returns the quic.Transport that dials READ lane i (one
+// UDP socket per lane index, shared by every peer), opening it on first
+// use with Config.LanePacketConn, or on the IP of the agent's own socket.
+// On success it adds the dial about to start to the agent's goroutines
+// (a.dial calls a.wg.Done), so that Close waits for it.
+func (a *Agent) laneTransport(i int) (*quic.Transport, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return nil, errClosed()
+	}
+	if a.laneTrs == nil {
+		a.laneTrs = make([]*quic.Transport, a.cfg.ReadLanes-1)
+	}
+	if tr := a.laneTrs[i-1]; tr != nil {
+		a.wg.Add(1)
+		return tr, nil
+	}
+	var (
+		pc  net.PacketConn
+		err error
+	)
+	if a.cfg.LanePacketConn != nil {
+		pc, err = a.cfg.LanePacketConn(i)
+	} else {
+		host := "127.0.0.1"
+		if h, _, serr := net.SplitHostPort(a.tr.Conn.LocalAddr().String()); serr == nil {
+			host = h
+		}
+		pc, err = net.ListenPacket("udp", net.JoinHostPort(host, "0"))
+	}
+	if err != nil {
+		return nil, fmt.Errorf("transfer: READ lane %d: open its UDP socket: %w", i, err)
+	}
+	tr := &quic.Transport{Conn: pc}
+	a.laneTrs[i-1] = tr
+	a.wg.Add(1)
+	return tr, nil
+}
+
+// closeLaneTransports closes the READ lanes' transports and sockets; the
+// agent is closed, so none is opened after.
+func (a *Agent) closeLaneTransports() error {
+	a.mu.Lock()
+	trs := a.laneTrs
+	a.mu.Unlock()
+	var errs []error
+	for _, tr := range trs {
+		if tr == nil {
+			continue
+		}
+		errs = append(errs, tr.Close())
+		if err := tr.Conn.Close(); err != nil && !errors.Is(err, net.ErrClosed) {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,349 @@
+package transfer
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"slices"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/netem"
+	"github.com/kvsidecar/kvsidecar/internal/testutil"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+func TestStripe(t *testing.T) {
+	reg := &Region{}
+	spans := func(lens ...uint64) ([]span, []*v1.Descriptor) {
+		var (
+			ls  []span
+			rs  []*v1.Descriptor
+			off uint64
+		)
+		for _, n := range lens {
+			ls = append(ls, span{reg: reg, off: off, n: n})
+			rs = append(rs, &v1.Descriptor{Addr: 1<<40 + off, Len: n, DevId: 3})
+			off += n + 4096 // a hole between descriptors
+		}
+		return ls, rs
+	}
+	const mib = 1 << 20
+	for _, tc := range []struct {
+		name   string
+		lens   []uint64
+		k      int
+		totals []uint64 // bytes per share
+		descs  []int    // descriptors per share
+	}{
+		{"one descriptor in two", []uint64{4 * mib}, 2, []uint64{2 * mib, 2 * mib}, []int{1, 1}},
+		{"whole descriptors", []uint64{mib, mib, mib, mib}, 4, []uint64{mib, mib, mib, mib}, []int{1, 1, 1, 1}},
+		{"cut inside the second", []uint64{mib, 2 * mib}, 2, []uint64{1536 << 10, 1536 << 10}, []int{2, 1}},
+		{"cuts aligned to 64 KiB", []uint64{3*mib + 100}, 3, []uint64{mib, mib, mib + 100}, []int{1, 1, 1}},
+		{"too small for every lane", []uint64{100 << 10}, 4, []uint64{64 << 10, 36 << 10}, []int{1, 1}},
+		{"one lane", []uint64{mib, 5}, 1, []uint64{mib + 5}, []int{2}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ls, rs := spans(tc.lens...)
+			shares := stripe(ls, rs, tc.k)
+			var totals []uint64
+			var descs []int
+			// Concatenated, the shares are the transfer, in order.
+			var gotL []span
+			var gotR []*v1.Descriptor
+			for _, sh := range shares {
+				totals = append(totals, sh.total)
+				descs = append(descs, len(sh.local))
+				require.Len(t, sh.remote, len(sh.local))
+				var sum uint64
+				for i, s := range sh.local {
+					require.Equal(t, s.n, sh.remote[i].GetLen())
+					require.Equal(t, uint32(3), sh.remote[i].GetDevId())
+					sum += s.n
+				}
+				require.Equal(t, sh.total, sum)
+				gotL, gotR = append(gotL, sh.local...), append(gotR, sh.remote...)
+			}
+			require.Equal(t, tc.totals, totals)
+			require.Equal(t, tc.descs, descs)
+			// Merging adjacent pieces gives the original descriptors back.
+			var mergedL []span
+			var mergedR []*v1.Descriptor
+			for i, s := range gotL {
+				if n := len(mergedL); n > 0 && mergedL[n-1].off+mergedL[n-1].n == s.off {
+					mergedL[n-1].n += s.n
+					mergedR[n-1] = &v1.Descriptor{Addr: mergedR[n-1].GetAddr(), Len: mergedR[n-1].GetLen() + s.n, DevId: 3}
+					require.Equal(t, mergedR[n-1].GetAddr()+mergedR[n-1].GetLen()-s.n, gotR[i].GetAddr())
+					continue
+				}
+				mergedL = append(mergedL, s)
+				mergedR = append(mergedR, gotR[i])
+			}
+			require.Equal(t, ls, mergedL)
+			for i := range rs {
+				require.Equal(t, rs[i].GetAddr(), mergedR[i].GetAddr())
+				require.Equal(t, rs[i].GetLen(), mergedR[i].GetLen())
+			}
+		})
+	}
+}
+
+// laneRig is a serving agent and a dialer with READ lanes on a SimNet.
+type laneRig struct {
+	srv, cli   *Agent
+	srvMem     []byte
+	srvReg     Region
+	cliMem     []byte
+	cliReg     Region
+	lanePCs    map[int]*netem.PacketConn // the dialer's lane sockets by lane
+	mu         sync.Mutex
+	accesses   []Access // what the server was asked to authorize, in order
+	allowed    int      // accesses it allowed
+	released   []*Access
+	cliEvents  map[uint64]int // "released" test hooks per transfer id
+	denyBlocks map[uint32]bool
+}
+
+const (
+	laneMemBytes = 8 << 20
+	laneBlockLen = 64 << 10
+)
+
+// startLaneRig starts a server serving laneMemBytes in blocks of
+// laneBlockLen and a dialer with k READ lanes, on a SimNet with 1 ms one
+// way. It must run in a synctest bubble.
+func startLaneRig(t *testing.T, k int) *laneRig {
+	t.Helper()
+	n := testutil.NewSimNet(time.Millisecond)
+	srvTLS, cliTLS := simTLS(t)
+	r := &laneRig{srvMem: make([]byte, laneMemBytes), cliMem: make([]byte, laneMemBytes),
+		lanePCs: map[int]*netem.PacketConn{}, cliEvents: map[uint64]int{}, denyBlocks: map[uint32]bool{}}
+	fill(r.srvMem, 5)
+	r.srvReg, r.cliReg = SliceRegion(r.srvMem, laneBlockLen, 0), SliceRegion(r.cliMem, 0, 0)
+	var err error
+	r.srv, err = New(&Config{PacketConn: n.Listen(t, simServer), ServerTLS: srvTLS, Regions: []Region{r.srvReg},
+		ProgressTimeout: time.Second,
+		Authorize: func(_ context.Context, acc *Access) error {
+			r.mu.Lock()
+			defer r.mu.Unlock()
+			r.accesses = append(r.accesses, *acc)
+			for _, b := range acc.BlockIDs {
+				if r.denyBlocks[b] {
+					return fmt.Errorf("%w: block %d is not exported to %s", ErrCapabilityDenied, b, acc.Peer)
+				}
+			}
+			r.allowed++
+			return nil
+		},
+		Release: func(acc *Access) {
+			r.mu.Lock()
+			defer r.mu.Unlock()
+			r.released = append(r.released, acc)
+		}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.srv.Close() })
+	cfg := &Config{PacketConn: n.Listen(t, "127.0.0.2:1"), ClientTLS: cliTLS, Regions: []Region{r.cliReg},
+		ReadLanes: k, ProgressTimeout: time.Second, HandshakeTimeout: 2 * time.Second,
+		LanePacketConn: func(lane int) (net.PacketConn, error) {
+			pc, err := n.ListenPacket("127.0.0.2:0")
+			if err == nil {
+				r.mu.Lock()
+				r.lanePCs[lane] = pc
+				r.mu.Unlock()
+			}
+			return pc, err
+		}}
+	cfg.testHook = func(event string, id uint64) {
+		if event == "released" {
+			r.mu.Lock()
+			r.cliEvents[id]++
+			r.mu.Unlock()
+		}
+	}
+	r.cli, err = New(cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.cli.Close() })
+	return r
+}
+
+// read READs n bytes at off of the server's memory into the same place of
+// the dialer's, in descriptors of descLen bytes, after zeroing that range.
+func (r *laneRig) read(ctx context.Context, off, n, descLen int) (Result, error) {
+	clear(r.cliMem[off : off+n])
+	x := &Xfer{Op: OpRead, Peer: simServer, RequestID: "req"}
+	for o := off; o < off+n; o += descLen {
+		x.Local = append(x.Local, Desc{Addr: r.cliReg.Base + uint64(o), Len: uint64(descLen)})
+		x.Remote = append(x.Remote, Desc{Addr: r.srvReg.Base + uint64(o), Len: uint64(descLen)})
+	}
+	return r.cli.Transfer(ctx, x)
+}
+
+// takeAccesses returns the accesses authorized since the last call.
+func (r *laneRig) takeAccesses() []Access {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := r.accesses
+	r.accesses = nil
+	return out
+}
+
+// peers returns the distinct dialer addresses of accs, sorted.
+func peers(accs []Access) []string {
+	var out []string
+	for _, a := range accs {
+		out = append(out, a.Peer)
+	}
+	slices.Sort(out)
+	return slices.Compact(out)
+}
+
+// TestReadLanes: with K lanes, a large READ lands byte-exact and is served
+// on K connections, each a contiguous share of the descriptors, while a
+// small READ stays on lane 0; a refusal of one lane's share fails the READ
+// with the server's class and message and closes no lane.
+func TestReadLanes(t *testing.T) {
+	for _, k := range []int{2, 4} {
+		t.Run(fmt.Sprintf("K=%d", k), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				r := startLaneRig(t, k)
+				ctx := t.Context()
+				// A small READ first: lane 0 only; the lanes are dialed meanwhile.
+				_, err := r.read(ctx, 0, 64<<10, 64<<10)
+				require.NoError(t, err)
+				small := r.takeAccesses()
+				require.Len(t, small, 1)
+				lane0 := small[0].Peer
+				synctest.Wait() // the lanes' handshakes
+				info, err := r.cli.PeerInfo(ctx, simServer)
+				require.NoError(t, err)
+				require.Equal(t, k, info.ReadLanes)
+
+				const off, n = 1 << 20, 4 << 20
+				res, err := r.read(ctx, off, n, 256<<10)
+				require.NoError(t, err)
+				require.Equal(t, uint64(n), res.Bytes)
+				require.Equal(t, r.srvMem[off:off+n], r.cliMem[off:off+n], "READ bytes")
+				require.Zero(t, r.cliMem[off-1], "no byte before the READ's range")
+				require.Zero(t, r.cliMem[off+n], "no byte after it")
+				accs := r.takeAccesses()
+				require.Len(t, accs, k, "one served access per lane")
+				require.Len(t, peers(accs), k, "K distinct connections")
+				require.Contains(t, peers(accs), lane0)
+				// Together the lanes' shares are the READ's blocks, each once,
+				// a contiguous run per lane.
+				var blocks []uint32
+				for _, a := range accs {
+					require.Equal(t, uint32(len(a.BlockIDs)), a.BlockIDs[len(a.BlockIDs)-1]-a.BlockIDs[0]+1, "contiguous blocks")
+					blocks = append(blocks, a.BlockIDs...)
+				}
+				slices.Sort(blocks)
+				var want []uint32
+				for b := uint32(off / laneBlockLen); b < (off+n)/laneBlockLen; b++ {
+					want = append(want, b)
+				}
+				require.Equal(t, want, blocks)
+				require.Equal(t, 1, r.cli.DialCount(simServer), "lanes do not count as redials")
+
+				// The last block is refused: only the last lane's share
+				// touches it.
+				last := uint32((off+n)/laneBlockLen - 1)
+				r.mu.Lock()
+				r.denyBlocks[last] = true
+				r.mu.Unlock()
+				_, err = r.read(ctx, off, n, 256<<10)
+				require.ErrorIs(t, err, ErrCapabilityDenied)
+				require.Equal(t, v1.Code_CODE_CAPABILITY_DENIED, codes.Of(err))
+				require.ErrorContains(t, err, fmt.Sprintf("block %d is not exported to ", last))
+				var xe *XferError
+				require.ErrorAs(t, err, &xe)
+				require.Less(t, xe.Bytes, xe.Total)
+				require.Len(t, peers(r.takeAccesses()), k)
+				synctest.Wait()
+				info, err = r.cli.PeerInfo(ctx, simServer)
+				require.NoError(t, err)
+				require.Equal(t, k, info.ReadLanes, "a refusal closes no lane")
+			})
+		})
+	}
+}
+
+// TestReadLaneFails: one lane's path dies in the middle of a READ. The READ
+// fails as a whole with the lane's class (ErrTimeout: no byte for
+// ProgressTimeout), and only after every lane stopped touching local
+// memory; the server released every access. The next READ leaves out the
+// lane that cannot be dialed again and lands byte-exact on the others.
+//
+// fault-matrix: read-lane-dies
+func TestReadLaneFails(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const k = 2
+		r := startLaneRig(t, k)
+		ctx := t.Context()
+		_, err := r.read(ctx, 0, 64<<10, 64<<10)
+		require.NoError(t, err)
+		synctest.Wait()
+		info, err := r.cli.PeerInfo(ctx, simServer)
+		require.NoError(t, err)
+		require.Equal(t, k, info.ReadLanes)
+		r.takeAccesses()
+
+		// Lane 1 goes dark after its request and a few ACKs: the server
+		// has sent some of its share by then.
+		r.mu.Lock()
+		r.lanePCs[1].KillAfter(4 << 10)
+		r.mu.Unlock()
+		const n = 8 << 20
+		start := time.Now()
+		_, err = r.read(ctx, 0, n, 512<<10)
+		require.ErrorIs(t, err, ErrTimeout)
+		var xe *XferError
+		require.ErrorAs(t, err, &xe)
+		require.Equal(t, uint64(n), xe.Total)
+		require.Less(t, xe.Bytes, xe.Total, "no partial success")
+		require.Positive(t, r.lanePCs[1].SentBytes())
+		r.mu.Lock()
+		released := r.cliEvents[xe.XferID]
+		r.mu.Unlock()
+		require.Equal(t, k, released, "Transfer returned after every lane stopped")
+		// The dark lane failed ProgressTimeout after its last byte.
+		require.Less(t, time.Since(start), 2*time.Second)
+		// Lane 1's share is the second half: part of it landed.
+		landed := firstDiff(r.cliMem[n/2:n], r.srvMem[n/2:n])
+		require.Positive(t, landed, "lane 1 failed in the middle of its share")
+		require.Less(t, landed, n/2)
+		time.Sleep(2 * time.Second) // the server's ProgressTimeout, in virtual time
+		synctest.Wait()
+		r.mu.Lock()
+		require.Len(t, r.released, r.allowed, "the server released every access it allowed")
+		r.mu.Unlock()
+		require.Len(t, peers(r.takeAccesses()), k)
+
+		// The failed lane was closed; it cannot be dialed again on its dark
+		// socket, so the next READ runs on lane 0 alone.
+		res, err := r.read(ctx, 0, n, 512<<10)
+		require.NoError(t, err)
+		require.Equal(t, uint64(n), res.Bytes)
+		require.Equal(t, r.srvMem[:n], r.cliMem[:n])
+		accs := r.takeAccesses()
+		require.Len(t, accs, 1)
+		info, err = r.cli.PeerInfo(ctx, simServer)
+		require.NoError(t, err)
+		require.Equal(t, 1, info.ReadLanes)
+		require.Equal(t, info.LocalAddr.String(), "127.0.0.2:1")
+	})
+}
+
+// firstDiff is the index of the first byte where a and b differ, or len(a).
+func firstDiff(a, b []byte) int {
+	for i := range a {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return len(a)
+}
