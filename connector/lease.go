@@ -273,8 +273,10 @@ func (t *leaseTable) endLocked(l *lease, expired bool) bool {
 // pin keeps export r's blocks from being freed while a READ is served from
 // them; check (called with the lease, under the table's lock) decides
 // whether the READ may be served. It fails like getLocked for an export
-// that is not live.
-func (t *leaseTable) pin(r exportRef, check func(l *lease) error) (*lease, error) {
+// that is not live. genuine is false for a READ that arrived in 0-RTT
+// before its handshake completed: it may be a replay, so it does not mark
+// the lease as read (which a drain waits on).
+func (t *leaseTable) pin(r exportRef, genuine bool, check func(l *lease) error) (*lease, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	l, err := t.getLocked(r)
@@ -285,19 +287,24 @@ func (t *leaseTable) pin(r exportRef, check func(l *lease) error) (*lease, error
 		return nil, err
 	}
 	l.pins++
-	l.read = true
+	l.read = l.read || genuine
 	t.pins++
 	return l, nil
 }
 
 // unpin drops a pin; the last pin of a released lease frees its blocks.
-// completed says the READ was served to its end.
-func (t *leaseTable) unpin(l *lease, completed bool) {
+// completed says the READ was served to its end; genuine that its dialer
+// proved it holds the connection's keys (not a 0-RTT replay), which only
+// then marks the lease as read and counts the READ.
+func (t *leaseTable) unpin(l *lease, completed, genuine bool) {
 	t.mu.Lock()
 	l.pins--
 	t.pins--
-	if completed {
-		t.stats.readsServed++
+	if genuine {
+		l.read = true
+		if completed {
+			t.stats.readsServed++
+		}
 	}
 	freeNow := l.pins == 0 && l.pending
 	if freeNow {

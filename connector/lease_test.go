@@ -54,7 +54,7 @@ func (t *testTable) notifyExport(id string, e uint64, c consumer, count int) (bo
 }
 
 func (t *testTable) pinExport(id string, e uint64) (*lease, error) {
-	return t.pin(exportRef{id, e}, func(*lease) error { return nil })
+	return t.pin(exportRef{id, e}, true, func(*lease) error { return nil })
 }
 
 func (t *testTable) extendExports(refs ...exportRef) []time.Time {
@@ -169,7 +169,7 @@ func TestStaleExportNeverReachesANewOne(t *testing.T) {
 
 		l, err := lt.pinExport("R", 2)
 		require.NoError(t, err)
-		lt.unpin(l, true)
+		lt.unpin(l, true, true)
 		require.Error(t, lt.addExport("R", 3, 6), "one live export per request id")
 		require.ErrorIs(t, lt.addExport("Q", 1, 6), errExportTaken, "a recent export id is not reused")
 	})
@@ -212,13 +212,13 @@ func TestPinnedLeaseFreesAfterTheRead(t *testing.T) {
 
 		waited := make(chan error, 1)
 		go func() { waited <- lt.waitDrained(t.Context()) }()
-		lt.unpin(la, true)
+		lt.unpin(la, true, true)
 		got := freedList()
 		require.Len(t, got, 1)
 		require.Equal(t, freed{"A", []int{1}, true, 11 * time.Second}, got[0])
 		synctest.Wait()
 		require.Empty(t, waited, "B still pinned")
-		lt.unpin(lb, false)
+		lt.unpin(lb, false, true)
 		require.NoError(t, <-waited)
 		require.Len(t, freedList(), 2)
 		require.Equal(t, 1, lt.close().readsServed, "one READ served to its end")
@@ -238,7 +238,7 @@ func TestDrainWaitsForReadLeases(t *testing.T) {
 		require.NoError(t, lt.addExport("unread", 2, 2))
 		l, err := lt.pinExport("read", 1)
 		require.NoError(t, err)
-		lt.unpin(l, true) // its READ finished; the notification is still to come
+		lt.unpin(l, true, true) // its READ finished; the notification is still to come
 
 		waited := make(chan error, 1)
 		go func() { waited <- lt.waitDrained(t.Context()) }()

@@ -34,6 +34,10 @@ type load struct {
 	reached []bool
 	cancel  context.CancelCauseFunc
 	done    chan struct{}
+	// start is when StartLoad accepted the load; firstByte observes the
+	// time to its first KV byte once.
+	start     time.Time
+	firstByte sync.Once
 }
 
 // StartLoad starts importing a request's KV into local blocks (vLLM
@@ -92,7 +96,7 @@ func (r *Rank) StartLoad(ctx context.Context, meta *v1.ReqMeta) error {
 		return fmt.Errorf("%w: local block_len=%d, the TP mapping of prefill tp_size=%d to decode tp_size=%d needs %d",
 			ErrTPMapping, bl, p.GetTpSize(), r.cfg.TPSize, plan.LocalBlockLen)
 	}
-	l := &load{id: id, blocks: local, dst: local[:dst], hit: hit, params: p, plan: plan, session: sessionOf(ctx), done: make(chan struct{})}
+	l := &load{id: id, blocks: local, dst: local[:dst], hit: hit, params: p, plan: plan, session: sessionOf(ctx), done: make(chan struct{}), start: time.Now()}
 	for _, s := range plan.Sources {
 		a, err := RankAddr(p, s.PrefillRank)
 		if err != nil {
@@ -206,10 +210,21 @@ func (r *Rank) targets(l *load) []handshake.Target {
 	return ts
 }
 
-// load handshakes with every source in parallel and READs every reading
-// source's slice of the blocks to read, in parallel, each through the
-// source's own export. It marks in l.reached the sources to notify
-// afterwards: those whose handshake succeeded.
+// load handshakes with every source and READs every reading source's
+// slice of the blocks to read, each through the source's own export, all
+// in parallel. It marks in l.reached the sources to notify afterwards:
+// those whose handshake succeeded.
+//
+// In piggyback mode a READ does not wait for its source's handshake: it
+// names the source's memory by region and block (transfer.BlockDescs,
+// resolved by the source) and carries what the handshake checks
+// (handshake.ExpectOf: engine id, tp_rank, tp_size, geometry, block_len,
+// capability key id), which the source checks before it serves a byte. So
+// the first KV byte from a never-seen prefill rank arrives after the QUIC
+// handshake and one round trip, and a failure still reads as the
+// handshake's: its error, when it has one, is the one reported. In legacy
+// mode the READs start once every handshake succeeded (tp_size is only
+// known from remote rank 0).
 func (r *Rank) load(ctx context.Context, l *load) error {
 	l.reached = make([]bool, len(l.plan.Sources))
 	var missing []error
@@ -232,9 +247,9 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 	ts := r.targets(l)
 	mds := make([]*handshake.Metadata, len(ts))
 	errs := make([]error, len(ts))
-	var wg sync.WaitGroup
+	var hsWG sync.WaitGroup
 	for i := range ts {
-		wg.Go(func() {
+		hsWG.Go(func() {
 			mds[i], errs[i] = r.hs.Get(ctx, ts[i])
 			if errs[i] != nil {
 				// Name the params the expectation came from: a wrong
@@ -244,7 +259,32 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 			}
 		})
 	}
+	if r.hs.Mode() != handshake.ModePiggyback {
+		hsWG.Wait()
+		if errors.Join(errs...) != nil {
+			for i, err := range errs {
+				l.reached[i] = err == nil
+			}
+			return fmt.Errorf("connector: load %q: %w", l.id, errors.Join(errs...))
+		}
+	}
+	readErrs := make([]error, len(ts))
+	var wg sync.WaitGroup
+	for i, s := range l.plan.Sources {
+		if s.NotifyOnly || len(l.dst) == 0 {
+			continue
+		}
+		remote := sourceBlocks(l.params, l.exports[i])[l.hit : l.hit+len(l.dst)]
+		wg.Go(func() {
+			readErrs[i] = r.readSource(ctx, l, s, l.exports[i], ts[i], remote)
+			if readErrs[i] != nil && codes.Of(readErrs[i]) == v1.Code_CODE_UNAVAILABLE && ctx.Err() == nil {
+				readErrs[i] = fmt.Errorf("prefill rank %d at %s stopped serving the READ (it is shutting down, or gone): %w", s.PrefillRank, ts[i].Addr, readErrs[i])
+			}
+		})
+	}
+	hsWG.Wait()
 	wg.Wait()
+	// What the handshake found explains a refused READ best: report it first.
 	for i, err := range errs {
 		l.reached[i] = err == nil
 	}
@@ -252,7 +292,7 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 		return fmt.Errorf("connector: load %q: %w", l.id, err)
 	}
 	// A source whose capability key is not the one its export was signed
-	// with would refuse every READ: say so, naming both, before any.
+	// with refused every READ: say so, naming both.
 	for i, s := range l.plan.Sources {
 		if want, got := l.exports[i].GetCapabilityKeyId(), mds[i].CapabilityKeyID; want != "" && got != "" && want != got {
 			l.reached[i] = false // its notification would be refused too
@@ -276,30 +316,16 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 			return fmt.Errorf("connector: load %q: %w", l.id, err)
 		}
 	}
-	for i, s := range l.plan.Sources {
-		if s.NotifyOnly {
-			continue
-		}
-		remote := sourceBlocks(l.params, l.exports[i])[l.hit : l.hit+len(l.dst)]
-		wg.Go(func() {
-			errs[i] = r.readSource(ctx, l, s, l.exports[i], ts[i], mds[i], remote)
-			if errs[i] != nil && codes.Of(errs[i]) == v1.Code_CODE_UNAVAILABLE && ctx.Err() == nil {
-				errs[i] = fmt.Errorf("prefill rank %d at %s stopped serving the READ (it is shutting down, or gone): %w", s.PrefillRank, ts[i].Addr, errs[i])
-			}
-		})
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	if err := errors.Join(readErrs...); err != nil {
 		return fmt.Errorf("connector: load %q: %w", l.id, err)
 	}
 	return nil
 }
 
 // checkRemoteBlocks checks export e's block ids against the block count
-// its rank advertised, before anything is read: an id outside
-// [1, num_blocks) is a *ParamsError naming it (the prefill would refuse the
-// descriptor as outside its regions, or it would land in padding: never a
-// read).
+// its rank advertised: an id outside [1, num_blocks) is a *ParamsError
+// naming it (the prefill refuses such a READ as outside its regions or
+// its export, so this only names the cause).
 func checkRemoteBlocks(p *v1.KVTransferParams, e *v1.RankExport, md *handshake.Metadata) error {
 	field := "remote_block_ids"
 	if len(e.GetBlockIds()) > 0 {
@@ -318,86 +344,52 @@ func checkRemoteBlocks(p *v1.KVTransferParams, e *v1.RankExport, md *handshake.M
 	return nil
 }
 
-// readSource READs source s's slice of every block to read (remote[k] into
-// l.dst[k]) through its export e, with the region addresses of md. When a
-// READ's connection died under it, the agent redials and sends it again
-// (transfer's redial rule), but first the source is asked for its metadata
-// on the new connection: a prefill restarted on the same address is another
-// incarnation whose regions lie elsewhere (and which holds no export of the
-// old one, so the READ is refused there with CODE_LEASE_EXPIRED), so the
-// READ is not sent with its predecessor's addresses but planned again from
-// the new metadata, once. A READ moves bytes only into this load's own
-// blocks, so reading again is safe.
-func (r *Rank) readSource(ctx context.Context, l *load, s Source, e *v1.RankExport, t handshake.Target, md *handshake.Metadata, remote []uint32) error {
-	for again := false; ; again = true {
-		var next *handshake.Metadata
-		onRedial := func(ctx context.Context) error {
-			r.hs.Forget(t.Addr)
-			md2, err := r.hs.Get(ctx, t)
-			if err != nil {
-				return err
-			}
-			if md2.Incarnation == md.Incarnation {
-				return nil
-			}
-			next = md2
-			return fmt.Errorf("%w: prefill rank %d at %s restarted during the READ (incarnation %#x, now %#x)",
-				transfer.ErrUnavailable, md.TPRank, t.Addr, md.Incarnation, md2.Incarnation)
-		}
-		err := r.readRegions(ctx, l, s, e, t.Addr, md, remote, onRedial)
-		if next == nil || again {
-			return err
-		}
-		r.cfg.Logger.Info("prefill restarted during a READ; reading again with its new metadata", "request_id", l.id, "peer", t.Addr, "err", err)
-		if err := checkRemoteBlocks(l.params, e, next); err != nil {
-			return err
-		}
-		md = next
-	}
-}
-
-// readRegions READs source s's slice of every block to read through its
-// export e, region by region, in batches of at most MaxDescsPerXfer
-// descriptors; adjacent blocks that are contiguous on both sides travel as
-// one descriptor. onRedial is each READ's Xfer.OnRedial.
-func (r *Rank) readRegions(ctx context.Context, l *load, s Source, e *v1.RankExport, addr string, md *handshake.Metadata, remote []uint32, onRedial func(context.Context) error) error {
-	var loc, rem []transfer.Desc
-	flush := func() error {
-		if len(loc) == 0 {
-			return nil
-		}
-		_, err := r.agent.Transfer(ctx, &transfer.Xfer{Op: transfer.OpRead, Peer: addr, RequestID: l.params.GetRemoteRequestId(),
-			ExportID: e.GetExportId(), Capability: e.GetCapability(), Local: loc, Remote: rem, OnRedial: onRedial})
-		if err == nil {
-			var n uint64
-			for _, d := range loc {
-				n += d.Len
-			}
-			r.m.bytesRead.Add(float64(n))
-		}
-		loc, rem = loc[:0], rem[:0]
+// readSource READs source s's slice of every block to read (remote[k]
+// into l.dst[k]) through its export e, naming the source's memory by
+// region and block, in batches of at most MaxDescsPerXfer entries
+// (regions × blocks); local blocks adjacent in memory travel as one local
+// descriptor. Every READ carries t's expectations, checked by the source
+// before it serves a byte. When a READ's connection died under it, the
+// agent redials and sends it again (transfer's redial rule); first the
+// source's metadata is fetched anew on the new connection (a prefill
+// restarted on the same address is another incarnation), so the cache
+// holds the new process and a mismatch fails the READ with the
+// handshake's error. The new process resolves the blocks in its own
+// memory, and holds no export of the old one, so the READ is refused
+// there with CODE_LEASE_EXPIRED, never served from the wrong place. A READ
+// moves bytes only into this load's own blocks, so reading again is safe.
+func (r *Rank) readSource(ctx context.Context, l *load, s Source, e *v1.RankExport, t handshake.Target, remote []uint32) error {
+	onRedial := func(ctx context.Context) error {
+		r.hs.Forget(t.Addr)
+		_, err := r.hs.Get(ctx, t)
 		return err
 	}
-	for ri, lr := range r.regions {
-		rr := md.Regions[ri]
-		for k, b := range l.dst {
-			ld := transfer.Desc{Addr: lr.Base + lr.BlockOffset(b) + s.LocalOffset, Len: s.Len, DevID: uint32(lr.DevID)}
-			rd := transfer.Desc{Addr: rr.Base + rr.BlockOffset(int(remote[k])) + s.RemoteOffset, Len: s.Len, DevID: rr.DevID}
-			if n := len(loc); n > 0 && loc[n-1].Addr+loc[n-1].Len == ld.Addr && rem[n-1].Addr+rem[n-1].Len == rd.Addr &&
-				loc[n-1].DevID == ld.DevID && rem[n-1].DevID == rd.DevID {
-				loc[n-1].Len += s.Len
-				rem[n-1].Len += s.Len
-				continue
-			}
-			if len(loc) == r.cfg.MaxDescsPerXfer {
-				if err := flush(); err != nil {
-					return err
+	expect := handshake.ExpectOf(t.Expect, e.GetCapabilityKeyId())
+	firstByte := func() { l.firstByte.Do(func() { r.m.firstByte.Observe(time.Since(l.start).Seconds()) }) }
+	chunk := max(1, r.cfg.MaxDescsPerXfer/len(r.regions))
+	for first := 0; first < len(remote); first += chunk {
+		last := min(len(remote), first+chunk)
+		var loc []transfer.Desc
+		for _, lr := range r.regions {
+			for _, b := range l.dst[first:last] {
+				ld := transfer.Desc{Addr: lr.Base + lr.BlockOffset(b) + s.LocalOffset, Len: s.Len, DevID: uint32(lr.DevID)}
+				if n := len(loc); n > 0 && loc[n-1].Addr+loc[n-1].Len == ld.Addr && loc[n-1].DevID == ld.DevID {
+					loc[n-1].Len += s.Len
+					continue
 				}
+				loc = append(loc, ld)
 			}
-			loc, rem = append(loc, ld), append(rem, rd)
 		}
+		x := &transfer.Xfer{Op: transfer.OpRead, Peer: t.Addr, RequestID: l.params.GetRemoteRequestId(),
+			ExportID: e.GetExportId(), Capability: e.GetCapability(), Local: loc, Expect: expect, OnRedial: onRedial, OnFirstByte: firstByte,
+			RemoteBlocks: &transfer.BlockDescs{NumRegions: uint32(len(r.regions)), Offset: s.RemoteOffset, Len: s.Len, BlockIDs: remote[first:last]}}
+		res, err := r.agent.Transfer(ctx, x)
+		if err != nil {
+			return err
+		}
+		r.m.bytesRead.Add(float64(res.Bytes))
 	}
-	return flush()
+	return nil
 }
 
 // notifyAll tells every source of l this rank reached that it is done with

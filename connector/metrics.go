@@ -17,6 +17,7 @@ type metrics struct {
 	blocksHeld    prometheus.Gauge
 	loadsInFlight prometheus.Gauge
 	loadSeconds   prometheus.Histogram
+	firstByte     prometheus.Histogram
 	bytesRead     prometheus.Counter
 }
 
@@ -56,6 +57,11 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help:    "Duration of a decode load from StartLoad to its last notification.",
 			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16),
 		}),
+		firstByte: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvsidecar_connector_load_first_byte_seconds",
+			Help:    "Time to first KV byte of a decode load: from StartLoad until its first KV byte is in local memory (loads that read nothing observe nothing).",
+			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 18),
+		}),
 		bytesRead: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvsidecar_connector_read_bytes_total",
 			Help: "KV bytes read into local pages by decode loads.",
@@ -69,7 +75,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	for _, err := range []error{
 		promutil.Register(reg, &m.requests), promutil.Register(reg, &m.leasesExpired),
 		promutil.Register(reg, &m.blocksHeld), promutil.Register(reg, &m.loadsInFlight),
-		promutil.Register(reg, &m.loadSeconds), promutil.Register(reg, &m.bytesRead),
+		promutil.Register(reg, &m.loadSeconds), promutil.Register(reg, &m.bytesRead), promutil.Register(reg, &m.firstByte),
 	} {
 		if err != nil {
 			return nil, err

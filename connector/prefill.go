@@ -227,12 +227,14 @@ func (r *Rank) released(l *lease, expired bool) {
 // and the first bad block, and moves no byte. The lease is pinned until
 // release: if it expires or is notified while the READ runs, its blocks are
 // freed (and their pages unmapped) only after the READ stopped reading
-// them.
+// them. A READ that arrived in 0-RTT (a.Early) holds only that pin: it
+// marks nothing as read until its handshake completed (release), so a
+// replayed flight changes no lasting state of the lease.
 func (r *Rank) authorize(_ context.Context, a *transfer.Access) error {
 	if a.Op != transfer.OpRead {
 		return fmt.Errorf("%w: %s into exported blocks of request %q is not allowed", ErrCapabilityDenied, a.Op, a.RequestID)
 	}
-	l, err := r.leases.pin(exportRef{a.RequestID, a.ExportID}, func(l *lease) error {
+	l, err := r.leases.pin(exportRef{a.RequestID, a.ExportID}, !a.Early, func(l *lease) error {
 		if err := r.capKey.VerifyExport(a.Capability, r.exportRef(l), l.tokens()); err != nil {
 			return fmt.Errorf("connector: READ of request %q on rank %d: %w; no byte was read", l.id, r.cfg.TPRank, err)
 		}
@@ -266,10 +268,12 @@ func (r *Rank) exportRef(l *lease) transfer.ExportRef {
 }
 
 // release is the serving side's hook after an authorized READ stopped
-// touching memory: the lease's blocks may be freed from now on.
+// touching memory: the lease's blocks may be freed from now on. A READ
+// whose handshake never completed (a.Early still set: a replayed 0-RTT
+// flight, or a dialer gone before its handshake ended) counts for nothing.
 func (r *Rank) release(a *transfer.Access) {
 	if l, ok := r.pinned.LoadAndDelete(a); ok {
-		r.leases.unpin(l.(*lease), a.Err == nil)
+		r.leases.unpin(l.(*lease), a.Err == nil, !a.Early)
 	}
 }
 

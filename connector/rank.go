@@ -64,8 +64,9 @@ type Config struct {
 	// Pool holds this rank's KV pages. Required; not closed by the Rank.
 	Pool *vmm.Pool
 	// Transfer configures the rank's QUIC agent (TLS, listen address or
-	// packet conn, timeouts, qlog). Its Regions, Authorize, OnNotification,
-	// OnHeartbeat, OnHandshake and OnPeerGone are set by the Rank. Required.
+	// packet conn, timeouts, qlog). Its Regions, Authorize, Release,
+	// OnNotification, OnHeartbeat, OnHandshake, CheckExpect and OnPeerGone
+	// are set by the Rank. Required.
 	Transfer *transfer.Config
 	// AdvertiseAddr is the host:port peers reach this rank at. Default: the
 	// agent's local address.
@@ -264,6 +265,7 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 	tc.OnNotification = r.onNotification
 	tc.OnHeartbeat = r.onHeartbeat
 	tc.OnHandshake = r.onHandshake
+	tc.CheckExpect = r.checkExpect
 	tc.OnPeerGone = func(addr string, err error) {
 		if hs := r.hsGone.Load(); hs != nil {
 			hs.Forget(addr)
@@ -347,6 +349,20 @@ func (r *Rank) onHandshake(ctx context.Context, req *v1.HandshakeRequest) *v1.Ha
 		return &v1.HandshakeResponse{Error: codes.ToProto(codes.New(v1.Code_CODE_UNAVAILABLE, "connector: rank %d is starting", r.cfg.TPRank))}
 	}
 	return srv.Handle(ctx, req)
+}
+
+// checkExpect is the serving side's check of a READ's PeerExpect (a
+// decode rank that READs without waiting for the handshake): the
+// handshake server's checks, on this rank's metadata.
+func (r *Rank) checkExpect(ctx context.Context, e *v1.PeerExpect) error {
+	srv := r.hsServer.Load()
+	if srv == nil {
+		return codes.New(v1.Code_CODE_UNAVAILABLE, "connector: rank %d is starting", r.cfg.TPRank)
+	}
+	if err := srv.CheckExpect(ctx, e); err != nil {
+		return fmt.Errorf("connector: rank %d of engine %q refused a READ: %w", r.cfg.TPRank, r.cfg.EngineID, err)
+	}
+	return nil
 }
 
 // checkBlocks validates engine block ids against the pool: in

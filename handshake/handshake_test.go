@@ -380,3 +380,44 @@ func TestInflightKeyedByAddress(t *testing.T) {
 		require.Equal(t, b.Addr, mdB.Addr)
 	})
 }
+
+// TestCheckExpect: the expectations a READ carries instead of a handshake
+// are refused with the handshake's classes, naming both values, and a
+// READ expecting exactly this rank passes.
+func TestCheckExpect(t *testing.T) {
+	md := rankMeta("prefill", 1, 2, 0x77)
+	md.CapabilityKeyID = "k1"
+	s, err := handshake.NewServer(md)
+	require.NoError(t, err)
+	e := handshake.Expect{EngineID: "prefill", TPRank: 1, TPSize: 2, ModelHash: md.ModelHash, Geometry: md.Geometry,
+		NumRegions: len(md.Regions), BlockLen: md.Regions[0].BlockLen, Incarnation: 0x77}
+	require.NoError(t, s.CheckExpect(t.Context(), handshake.ExpectOf(e, "k1")))
+
+	other := proto.Clone(md.Geometry).(*v1.ModelGeometry)
+	other.NumLayers++
+	tests := []struct {
+		name string
+		edit func(x *v1.PeerExpect)
+		want v1.Code
+		msg  string
+	}{
+		{"engine", func(x *v1.PeerExpect) { x.EngineId = "decode" }, v1.Code_CODE_NOT_FOUND, `engine_id "prefill", the READ expects "decode"`},
+		{"rank", func(x *v1.PeerExpect) { x.TpRank = 0 }, v1.Code_CODE_NOT_FOUND, "tp_rank 1, the READ expects 0"},
+		{"tp_size", func(x *v1.PeerExpect) { x.TpSize = 4 }, v1.Code_CODE_TP_MISMATCH, "tp_size=2, kv_transfer_params said tp_size=4"},
+		{"geometry", func(x *v1.PeerExpect) { x.Geometry, x.ModelHash = other, handshake.ModelHash(other) }, v1.Code_CODE_INCOMPATIBLE_MODEL,
+			fmt.Sprintf("num_layers: this agent %d, reader %d", md.Geometry.GetNumLayers(), other.GetNumLayers())},
+		{"regions", func(x *v1.PeerExpect) { x.NumRegions++ }, v1.Code_CODE_INCOMPATIBLE_MODEL, "regions, the reader's layout has"},
+		{"block_len", func(x *v1.PeerExpect) { x.BlockLen++ }, v1.Code_CODE_INCOMPATIBLE_MODEL, "the reader's TP mapping needs"},
+		{"incarnation", func(x *v1.PeerExpect) { x.Incarnation = 0x99 }, v1.Code_CODE_NOT_FOUND, "kv_transfer_params said 0x99"},
+		{"capability key", func(x *v1.PeerExpect) { x.CapabilityKeyId = "k2" }, v1.Code_CODE_CAPABILITY_DENIED, "holds capability key id k1, the export was signed with key id k2"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			x := handshake.ExpectOf(e, "k1")
+			tt.edit(x)
+			err := s.CheckExpect(t.Context(), x)
+			require.Equal(t, tt.want, codes.Of(err), "%v", err)
+			require.ErrorContains(t, err, tt.msg)
+		})
+	}
+}

@@ -260,10 +260,15 @@ func (e Expect) Check(md *Metadata) error {
 // compared (ModelHash excludes it: two names of one geometry are
 // compatible).
 func GeometryDiff(peer, local *v1.ModelGeometry) string {
+	return geometryDiff(peer, local, "peer", "local")
+}
+
+// geometryDiff is GeometryDiff with the two sides named pName and lName.
+func geometryDiff(peer, local *v1.ModelGeometry, pName, lName string) string {
 	var d []string
 	add := func(field string, p, l any) {
 		if p != l {
-			d = append(d, fmt.Sprintf("%s: peer %v, local %v", field, p, l))
+			d = append(d, fmt.Sprintf("%s: %s %v, %s %v", field, pName, p, lName, l))
 		}
 	}
 	add("num_layers", peer.GetNumLayers(), local.GetNumLayers())

@@ -585,8 +585,8 @@ func (a *Agent) Alive(addr string) bool {
 }
 
 // Disconnect closes the connection to addr, if any, without closing the
-// agent; the next call to addr dials again (with 0-RTT). OnPeerGone is
-// called for it.
+// agent; the next call to addr dials again (with 0-RTT). OnPeerGone has
+// been called for it when Disconnect returns.
 func (a *Agent) Disconnect(addr string) {
 	a.mu.Lock()
 	p := a.peers[addr]
@@ -598,6 +598,8 @@ func (a *Agent) Disconnect(addr string) {
 	if p.conn != nil {
 		_ = p.conn.CloseWithError(0, "disconnect")
 		<-p.conn.Context().Done()
+		a.peerGone(p) // before returning, as the doc says, not when the watcher gets to it
+		return
 	}
 	a.dropPeer(p)
 }

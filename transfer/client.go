@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"math"
 	"net"
 	"strings"
 	"sync"
@@ -35,9 +36,19 @@ type Xfer struct {
 	// Remote names the peer's memory explicitly, or
 	Remote []Desc
 	// RemoteList with Indices names entries of a prepared list
-	// (index = region × num_blocks + block_id).
+	// (index = region × num_blocks + block_id), or
 	RemoteList *DescList
 	Indices    []uint32
+	// RemoteBlocks names the peer's memory by region and block (READ
+	// only): the peer resolves it against its own layout, so the dialer
+	// needs none of its addresses. Local descriptors then need only total
+	// its bytes (BlockDescs.Bytes), bytes landing in Local's order; with
+	// Checksum they must pair one to one with its entries.
+	RemoteBlocks *BlockDescs
+	// Expect, when set, is checked by the peer (its Config.CheckExpect)
+	// before it serves a byte: the compatibility facts a handshake would
+	// have checked, for a READ that does not wait for one.
+	Expect *v1.PeerExpect
 	// Checksum asks the sender of the bytes for a CRC-32C per descriptor,
 	// checked by the receiver (ErrDataLoss on mismatch).
 	Checksum bool
@@ -48,6 +59,30 @@ type Xfer struct {
 	// the transfer, which then fails with that error. Default nil: the
 	// transfer is sent again as it is.
 	OnRedial func(ctx context.Context) error
+	// OnFirstByte, when set on a READ, is called once, on the transfer's
+	// goroutine, as soon as the first payload byte is in local memory (the
+	// time to first KV byte); it must not block. Default nil.
+	OnFirstByte func()
+}
+
+// BlockDescs names, region-major, bytes [Offset, Offset+Len) of every block
+// of BlockIDs in every region of [FirstRegion, FirstRegion+NumRegions) of
+// the peer (regions in the order the peer registered them: for a rank, its
+// AgentMetadata order). Wire form: v1.BlockDescs.
+type BlockDescs struct {
+	FirstRegion, NumRegions uint32
+	// Offset is bytes from the start of each block; Len bytes taken from
+	// each block (> 0, Offset+Len <= the region's block_len).
+	Offset, Len uint64
+	BlockIDs    []uint32
+}
+
+// Entries is the number of descriptors b stands for:
+// NumRegions × len(BlockIDs).
+func (b *BlockDescs) Entries() uint64 { return uint64(b.NumRegions) * uint64(len(b.BlockIDs)) }
+
+func (b *BlockDescs) proto() *v1.BlockDescs {
+	return &v1.BlockDescs{FirstRegion: b.FirstRegion, NumRegions: b.NumRegions, Offset: b.Offset, Len: b.Len, BlockIds: b.BlockIDs}
 }
 
 // Result reports a finished transfer.
@@ -256,6 +291,9 @@ func (a *Agent) exchange(ctx context.Context, conn *quic.Conn, req *v1.PeerReque
 	_ = str.Close()
 	var resp v1.PeerResponse
 	if err := wire.NewReader(str, 0).ReadMsg(&resp); err != nil {
+		if errors.Is(err, quic.Err0RTTRejected) {
+			return nil, err // see transferOn: the stream is gone
+		}
 		str.CancelRead(quic.StreamErrorCode(v1.Code_CODE_INVALID_ARGUMENT))
 		return nil, err
 	}
@@ -341,15 +379,20 @@ func (a *Agent) Transfer(ctx context.Context, x *Xfer) (Result, error) {
 		a.m.inflight.Sub(float64(total))
 	}()
 	req := &v1.XferRequest{Op: v1.XferOp(x.Op), RequestId: x.RequestID, ExportId: x.ExportID, Capability: x.Capability,
-		Checksum: x.Checksum, XferId: id, TotalLen: total}
-	if x.RemoteList != nil {
+		Checksum: x.Checksum, XferId: id, TotalLen: total, Expect: x.Expect}
+	switch {
+	case x.RemoteBlocks != nil:
+		req.Descs = &v1.XferRequest_Blocks{Blocks: x.RemoteBlocks.proto()}
+	case x.RemoteList != nil:
 		req.Descs = &v1.XferRequest_Indexed{Indexed: &v1.IndexedDescs{DlistId: x.RemoteList.id, Indices: x.Indices}}
-	} else {
+	default:
 		req.Descs = &v1.XferRequest_List{List: descsToProto(remote)}
 	}
+	checkedRedial := false // withConn redials at most once; a READ resent after 0-RTT was rejected comes here again
 	err = a.withConn(ctx, x.Peer, func(p *peer, redialed bool) error {
-		if redialed {
-			xe.Bytes, xe.Sent = 0, 0
+		xe.Bytes, xe.Sent = 0, 0
+		if redialed && !checkedRedial {
+			checkedRedial = true
 			if x.OnRedial != nil {
 				if err := x.OnRedial(ctx); err != nil {
 					return err
@@ -376,8 +419,14 @@ func (a *Agent) transferOn(ctx context.Context, p *peer, x *Xfer, req *v1.XferRe
 			return err
 		}
 	}
-	if err := waitConn(ctx, p.conn); err != nil {
-		return a.streamErr(ctx, x.Peer, err)
+	// A READ may travel in 0-RTT: the server serves it before the
+	// handshake completes, sending bytes only to this connection and
+	// changing no lasting state (the package doc's replay argument). A
+	// WRITE changes the peer's memory, so it waits.
+	if x.Op != OpRead || noEarlyStreams {
+		if err := waitConn(ctx, p.conn); err != nil {
+			return a.streamErr(ctx, x.Peer, err)
+		}
 	}
 	str, err := p.conn.OpenStreamSync(ctx)
 	if err != nil {
@@ -405,6 +454,16 @@ func (a *Agent) transferOn(ctx context.Context, p *peer, x *Xfer, req *v1.XferRe
 		abort(v1.Code_CODE_TIMEOUT, errorf(v1.Code_CODE_TIMEOUT, "no progress from %s for %v", x.Peer, a.cfg.ProgressTimeout))
 	})
 	wd.count = a.meter(x.Op, "client")
+	if first := x.OnFirstByte; first != nil && x.Op == OpRead {
+		count, called := wd.count, false
+		wd.count = func(n int) {
+			count(n)
+			if !called {
+				called = true
+				first()
+			}
+		}
+	}
 	stopCtx := context.AfterFunc(ctx, func() {
 		cause := context.Cause(ctx)
 		if errors.Is(cause, context.DeadlineExceeded) {
@@ -432,6 +491,12 @@ func (a *Agent) transferOn(ctx context.Context, p *peer, x *Xfer, req *v1.XferRe
 	if abortCause != nil {
 		return abortCause
 	}
+	if errors.Is(ioErr, quic.Err0RTTRejected) {
+		// The stream died with the rejected 0-RTT data; quic-go numbers
+		// the streams of the connection it goes on with from 0 again, so
+		// cancelling this one would reset the resent request's stream.
+		return a.streamErr(ctx, x.Peer, ioErr)
+	}
 	str.CancelRead(quic.StreamErrorCode(codes.Of(ioErr)))
 	str.CancelWrite(quic.StreamErrorCode(codes.Of(ioErr)))
 	return a.streamErr(ctx, x.Peer, ioErr)
@@ -445,6 +510,9 @@ func (a *Agent) checkXfer(x *Xfer) (local []span, remote []Desc, total uint64, e
 	n := len(x.Local)
 	if n == 0 || n > a.cfg.MaxDescsPerTransfer {
 		return nil, nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "Xfer.Local has %d descriptors, want 1..%d", n, a.cfg.MaxDescsPerTransfer)
+	}
+	if x.RemoteBlocks != nil {
+		return a.checkBlockXfer(x)
 	}
 	if x.RemoteList != nil {
 		if x.Remote != nil || x.RemoteList.peer != x.Peer {
@@ -476,6 +544,45 @@ func (a *Agent) checkXfer(x *Xfer) (local []span, remote []Desc, total uint64, e
 		}
 	}
 	return local, remote, total, nil
+}
+
+// checkBlockXfer validates a READ whose remote side is x.RemoteBlocks and
+// resolves its local descriptors, which must total the blocks' bytes (and
+// pair one to one with their entries when x.Checksum is set).
+func (a *Agent) checkBlockXfer(x *Xfer) (local []span, remote []Desc, total uint64, err error) {
+	b := x.RemoteBlocks
+	bad := func(code v1.Code, format string, args ...any) ([]span, []Desc, uint64, error) {
+		return nil, nil, 0, errorf(code, "Xfer.RemoteBlocks: "+format, args...)
+	}
+	switch {
+	case x.Op != OpRead:
+		return bad(v1.Code_CODE_INVALID_ARGUMENT, "names the peer's blocks for a %v; only a READ may", x.Op)
+	case x.Remote != nil || x.RemoteList != nil:
+		return bad(v1.Code_CODE_INVALID_ARGUMENT, "excludes Xfer.Remote and Xfer.RemoteList")
+	case b.NumRegions == 0 || len(b.BlockIDs) == 0 || b.Len == 0:
+		return bad(v1.Code_CODE_INVALID_ARGUMENT, "%d regions × %d blocks × %d bytes names no byte; each must be > 0", b.NumRegions, len(b.BlockIDs), b.Len)
+	case b.Entries() > uint64(a.cfg.MaxDescsPerTransfer):
+		return bad(v1.Code_CODE_INVALID_ARGUMENT, "%d regions × %d blocks = %d entries, want at most %d (Config.MaxDescsPerTransfer)",
+			b.NumRegions, len(b.BlockIDs), b.Entries(), a.cfg.MaxDescsPerTransfer)
+	case b.Len > math.MaxUint64/b.Entries():
+		return bad(v1.Code_CODE_OUT_OF_RANGE, "%d entries of %d bytes overflow 64 bits", b.Entries(), b.Len)
+	}
+	n := len(x.Local)
+	if n == 0 || n > a.cfg.MaxDescsPerTransfer {
+		return nil, nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "Xfer.Local has %d descriptors, want 1..%d", n, a.cfg.MaxDescsPerTransfer)
+	}
+	local, total, err = a.regionSet().resolveAll(x.Local)
+	if err != nil {
+		return nil, nil, 0, fmt.Errorf("transfer: Xfer.Local: %w", err)
+	}
+	if want := b.Entries() * b.Len; total != want {
+		return nil, nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "Xfer.Local totals %d bytes, Xfer.RemoteBlocks names %d (%d regions × %d blocks × %d bytes)",
+			total, want, b.NumRegions, len(b.BlockIDs), b.Len)
+	}
+	if x.Checksum && uint64(n) != b.Entries() {
+		return nil, nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "Xfer.Checksum needs one local descriptor per entry of Xfer.RemoteBlocks: %d for %d", n, b.Entries())
+	}
+	return local, nil, total, nil
 }
 
 // runRead sends the request and reads the bytes straight into local memory.

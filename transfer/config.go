@@ -63,6 +63,17 @@ type Access struct {
 	// Err is set by the agent before it calls Config.Release: nil when the
 	// transfer was served to its end, else why it failed.
 	Err error
+	// Early is true when the READ arrived in 0-RTT data and the
+	// connection's TLS handshake had not completed when it was authorized.
+	// Such a request may be a replay of a captured flight (TLS 1.3 0-RTT
+	// has no replay protection, RFC 8446 section 8): its bytes can only
+	// reach the holder of the session's keys, but it must change no lasting
+	// state (no lease extended, notified, released or marked as read).
+	// The agent sets it again before Release: still true then means the
+	// handshake never completed while the READ was served (a replay, or a
+	// peer gone before its handshake ended); false means the dialer proved
+	// it holds the keys, so the READ was genuine.
+	Early bool
 }
 
 // Config configures an Agent. The zero value works except that TLS and
@@ -105,6 +116,13 @@ type Config struct {
 	OnNotification func(ctx context.Context, peer string, n *v1.Notification) error
 	// OnHeartbeat answers a Heartbeat. Default: every request id is unknown.
 	OnHeartbeat func(ctx context.Context, peer string, hb *v1.Heartbeat) *v1.HeartbeatAck
+	// CheckExpect checks a request's PeerExpect (a READ that did not wait
+	// for a handshake carries one) against this agent's own metadata before
+	// anything else of the request is looked at; a non-nil error refuses it
+	// with its class. It may run in 0-RTT and must not change state.
+	// Default nil: a request carrying a PeerExpect is refused with
+	// CODE_UNAVAILABLE.
+	CheckExpect func(ctx context.Context, e *v1.PeerExpect) error
 	// OnHandshake answers a HandshakeRequest; it may run in 0-RTT and must be
 	// idempotent. Default: answered with CODE_UNAVAILABLE.
 	OnHandshake func(ctx context.Context, req *v1.HandshakeRequest) *v1.HandshakeResponse

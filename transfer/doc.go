@@ -35,13 +35,41 @@
 //
 // One connection per remote address, dialed with DialEarly and a session
 // ticket cache keyed by address, so a returning peer reconnects in 0-RTT.
-// Only the idempotent Handshake travels in 0-RTT. Heartbeat, Prepare and its
-// release (DescList.Close), READ, WRITE and notifications wait for the
-// handshake to complete, on the dialer and again on the server, so replayed
-// 0-RTT data can never move bytes, extend a lease, pile up prepared lists or
-// count a consumer; a READ loses nothing by waiting since it follows the
-// handshake exchange anyway. When the server rejects 0-RTT the request is
-// resent on the completed connection (the redial rule below).
+// Two requests travel in 0-RTT: the idempotent Handshake and a READ. So the
+// first KV byte from a returning peer arrives one round trip after the
+// dial, and from a new one two (QUIC and TLS, then the READ): a READ that
+// names the peer's memory by region and block (Xfer.RemoteBlocks) and
+// carries the handshake's expectations (Xfer.Expect) needs no metadata
+// round trip before it. Heartbeat, Prepare and its release
+// (DescList.Close), WRITE and notifications wait for the handshake to
+// complete, on the dialer and again on the server.
+//
+// Why a READ in 0-RTT is safe to replay. TLS 1.3 early data has no replay
+// protection (RFC 8446 section 8): anyone on the path can capture a
+// dialer's first flight and send it again, and the server runs the READ
+// again. What the replay can reach:
+//
+//   - The bytes. They go on the stream of the connection that asked,
+//     sealed with that connection's 1-RTT keys, which come from the
+//     dialer's ephemeral key share: a replayer without the dialer's
+//     private key cannot read them, and cannot finish the handshake.
+//   - The memory. The served memory is only read, and only under the same
+//     checks as any READ (expectations, bounds, the export's capability);
+//     the served blocks are pinned while the stream runs, so they are
+//     never freed under it, and the pin ends with the stream (a replayed
+//     connection never completes its handshake and ends at its handshake
+//     timeout).
+//   - Lasting state. None changes: Access.Early tells the owner the READ
+//     came before the handshake completed, and the owner neither marks
+//     the lease as read nor counts the READ until it did (a drain does not
+//     wait for a replay); leases are extended only by heartbeats, released
+//     only by notifications, and both wait for the handshake.
+//   - Work. A replay costs the server what the original READ cost, bounded
+//     per connection by MaxInflightPerPeer and by the handshake timeout.
+//
+// When the server rejects 0-RTT the request is resent on the completed
+// connection (the redial rule below). Race builds open no stream before the
+// handshake completes (quic-go/quic-go#4303).
 //
 // # Redial rule
 //

@@ -224,3 +224,53 @@ func descsFromProto(l *v1.DescriptorList) []Desc {
 	}
 	return out
 }
+
+// resolveBlocks checks b against the registered regions (in registration
+// order) and returns its spans, region-major, each block's slice in
+// b.BlockIds order: every region exists and is divided into blocks,
+// offset+len fits one block, every block lies inside its region, and
+// regions × blocks is at most maxEntries. With merge, slices adjacent in
+// memory become one span (fewer, larger writes; checksums need them apart).
+func (rs regionSet) resolveBlocks(b *v1.BlockDescs, maxEntries int, merge bool) ([]span, uint64, error) {
+	ids := b.GetBlockIds()
+	first, nr := uint64(b.GetFirstRegion()), uint64(b.GetNumRegions())
+	entries := nr * uint64(len(ids))
+	switch {
+	case nr == 0 || len(ids) == 0 || b.GetLen() == 0:
+		return nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "block descriptors of %d regions × %d blocks × %d bytes name no byte; each must be > 0",
+			nr, len(ids), b.GetLen())
+	case entries > uint64(maxEntries):
+		return nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "block descriptors name %d regions × %d blocks = %d entries, at most %d allowed",
+			nr, len(ids), entries, maxEntries)
+	case first+nr > uint64(len(rs)):
+		return nil, 0, errorf(v1.Code_CODE_OUT_OF_RANGE, "block descriptors name regions [%d, %d), this agent registered %d", first, first+nr, len(rs))
+	}
+	out := make([]span, 0, entries)
+	var total uint64
+	for ri := first; ri < first+nr; ri++ {
+		r := rs[ri]
+		end, carry := bits.Add64(b.GetOffset(), b.GetLen(), 0)
+		switch {
+		case r.BlockLen == 0:
+			return nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "region %d is not divided into blocks; name its bytes by address", ri)
+		case carry != 0 || end > r.BlockLen:
+			return nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "block slice offset %d + len %d exceeds region %d's block_len %d",
+				b.GetOffset(), b.GetLen(), ri, r.BlockLen)
+		}
+		p := kvgeom.Packing{BlockLen: r.BlockLen, PageSize: r.PageSize}
+		for k, id := range ids {
+			off := p.Offset(kvgeom.BlockID(id))
+			if off > r.Len || r.Len-off < r.BlockLen {
+				return nil, 0, errorf(v1.Code_CODE_OUT_OF_RANGE, "block_ids[%d]=%d is beyond region %d (%d bytes of %d-byte blocks)", k, id, ri, r.Len, r.BlockLen)
+			}
+			s := span{reg: r, off: off + b.GetOffset(), n: b.GetLen()}
+			if n := len(out); merge && n > 0 && out[n-1].reg == r && out[n-1].off+out[n-1].n == s.off {
+				out[n-1].n += s.n
+			} else {
+				out = append(out, s)
+			}
+			total += s.n
+		}
+	}
+	return out, total, nil
+}

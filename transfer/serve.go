@@ -165,7 +165,10 @@ func (a *Agent) serveStream(sc *servedConn, str *quic.Stream) {
 		a.m.notifs.WithLabelValues(codes.Of(err).String()).Inc()
 		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Notification{Notification: &v1.NotificationAck{Error: codes.ToProto(err)}}})
 	case *v1.PeerRequest_Xfer:
-		if waitHandshake(sc) != nil {
+		// A READ is served in 0-RTT: its bytes go only to the holder of
+		// the session's keys, and Access.Early keeps it from changing
+		// lasting state. A WRITE changes memory: never from 0-RTT.
+		if Op(body.Xfer.GetOp()) != OpRead && waitHandshake(sc) != nil {
 			return
 		}
 		a.serveXfer(ctx, sc, str, r, body.Xfer)
@@ -276,6 +279,11 @@ func (a *Agent) servedSpans(sc *servedConn, x *v1.XferRequest) ([]span, uint64, 
 			total += list[k].n
 		}
 		return out, total, nil
+	case *v1.XferRequest_Blocks:
+		if Op(x.GetOp()) != OpRead {
+			return nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "block descriptors name memory to READ; a %v names addresses", Op(x.GetOp()))
+		}
+		return a.regionSet().resolveBlocks(d.Blocks, a.cfg.MaxDescsPerTransfer, !x.GetChecksum())
 	}
 	return nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "transfer names no descriptors")
 }
@@ -305,6 +313,16 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 		refuse(errorf(v1.Code_CODE_INVALID_ARGUMENT, "transfer op %v is neither READ nor WRITE", x.GetOp()))
 		return
 	}
+	if e := x.GetExpect(); e != nil {
+		err := errorf(v1.Code_CODE_UNAVAILABLE, "this agent has no metadata to check the request's expectations against")
+		if a.cfg.CheckExpect != nil {
+			err = a.cfg.CheckExpect(ctx, e)
+		}
+		if err != nil {
+			refuse(err)
+			return
+		}
+	}
 	spans, total, err := a.servedSpans(sc, x)
 	if err != nil {
 		refuse(err)
@@ -329,7 +347,7 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 		})
 	}
 	acc := &Access{Peer: sc.peer, Op: op, RequestID: x.GetRequestId(), ExportID: x.GetExportId(), Capability: x.GetCapability(),
-		BlockIDs: ids, Abort: func(err error) { reset(codes.Of(err)) }}
+		BlockIDs: ids, Abort: func(err error) { reset(codes.Of(err)) }, Early: !handshakeDone(sc.conn)}
 	acc.Descs = make([]Desc, len(spans))
 	for i, s := range spans {
 		acc.Descs[i] = Desc{Addr: s.reg.Base + s.off, Len: s.n, DevID: s.reg.DevID}
@@ -339,7 +357,10 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 		return
 	}
 	if a.cfg.Release != nil {
-		defer a.cfg.Release(acc)
+		defer func() {
+			acc.Early = acc.Early && !handshakeDone(sc.conn)
+			a.cfg.Release(acc)
+		}()
 	}
 	if err := sc.budget.acquire(ctx.Done(), func() error { return context.Cause(ctx) }, total); err != nil {
 		acc.Err = fmt.Errorf("%w: transfer: %w", ErrUnavailable, err)

@@ -345,6 +345,217 @@ func (x *IndexedDescs) GetIndices() []uint32 {
 	return nil
 }
 
+// BlockDescs names the served agent's memory by region and block instead of
+// by address, so a dialer can READ without first learning the peer's
+// addresses (AgentMetadata). It stands for, region-major, the descriptors
+// {region r, block b, bytes [offset, offset+len) of the block} for every r
+// in [first_region, first_region+num_regions) (regions in the order the
+// served agent registered them, which for a rank is its AgentMetadata
+// order) and every b of block_ids in order. The served side resolves each
+// against its own region layout (block b starts where its packing puts it)
+// and refuses, before any byte moves, a region or block outside its
+// registered memory (CODE_OUT_OF_RANGE) or offset+len beyond block_len
+// (CODE_INVALID_ARGUMENT).
+type BlockDescs struct {
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	FirstRegion uint32                 `protobuf:"varint,1,opt,name=first_region,json=firstRegion,proto3" json:"first_region,omitempty"`
+	NumRegions  uint32                 `protobuf:"varint,2,opt,name=num_regions,json=numRegions,proto3" json:"num_regions,omitempty"`
+	// Bytes from the start of each block, and bytes taken from each block.
+	Offset        uint64   `protobuf:"varint,3,opt,name=offset,proto3" json:"offset,omitempty"`
+	Len           uint64   `protobuf:"varint,4,opt,name=len,proto3" json:"len,omitempty"`
+	BlockIds      []uint32 `protobuf:"varint,5,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockDescs) Reset() {
+	*x = BlockDescs{}
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockDescs) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockDescs) ProtoMessage() {}
+
+func (x *BlockDescs) ProtoReflect() protoreflect.Message {
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockDescs.ProtoReflect.Descriptor instead.
+func (*BlockDescs) Descriptor() ([]byte, []int) {
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *BlockDescs) GetFirstRegion() uint32 {
+	if x != nil {
+		return x.FirstRegion
+	}
+	return 0
+}
+
+func (x *BlockDescs) GetNumRegions() uint32 {
+	if x != nil {
+		return x.NumRegions
+	}
+	return 0
+}
+
+func (x *BlockDescs) GetOffset() uint64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+func (x *BlockDescs) GetLen() uint64 {
+	if x != nil {
+		return x.Len
+	}
+	return 0
+}
+
+func (x *BlockDescs) GetBlockIds() []uint32 {
+	if x != nil {
+		return x.BlockIds
+	}
+	return nil
+}
+
+// PeerExpect carries what a dialer expects of the served rank (the facts a
+// handshake would check) on a request that did not wait for one. The served
+// side checks every set field against its own metadata before it serves a
+// byte and refuses a mismatch with the handshake's classes:
+// CODE_NOT_FOUND (engine_id, tp_rank, incarnation), CODE_TP_MISMATCH
+// (tp_size), CODE_INCOMPATIBLE_MODEL (model_hash, num_regions, block_len),
+// CODE_CAPABILITY_DENIED (capability_key_id). Zero fields are not checked.
+type PeerExpect struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// remote_engine_id of kv_transfer_params.
+	EngineId string `protobuf:"bytes,1,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
+	TpRank   uint32 `protobuf:"varint,2,opt,name=tp_rank,json=tpRank,proto3" json:"tp_rank,omitempty"`
+	// tp_size of kv_transfer_params.
+	TpSize uint32 `protobuf:"varint,3,opt,name=tp_size,json=tpSize,proto3" json:"tp_size,omitempty"`
+	// SHA-256 of the dialer's geometry; geometry lets the refusal name the
+	// fields that differ.
+	ModelHash []byte         `protobuf:"bytes,4,opt,name=model_hash,json=modelHash,proto3" json:"model_hash,omitempty"`
+	Geometry  *ModelGeometry `protobuf:"bytes,5,opt,name=geometry,proto3" json:"geometry,omitempty"`
+	// Regions of the dialer's layout; the served rank must have as many.
+	NumRegions uint32 `protobuf:"varint,6,opt,name=num_regions,json=numRegions,proto3" json:"num_regions,omitempty"`
+	// Bytes of one block of every served region the TP mapping needs.
+	BlockLen uint64 `protobuf:"varint,7,opt,name=block_len,json=blockLen,proto3" json:"block_len,omitempty"`
+	// remote_incarnation of kv_transfer_params (rank 0 only).
+	Incarnation uint64 `protobuf:"varint,8,opt,name=incarnation,proto3" json:"incarnation,omitempty"`
+	// RankExport.capability_key_id: the key the export was signed with.
+	CapabilityKeyId string `protobuf:"bytes,9,opt,name=capability_key_id,json=capabilityKeyId,proto3" json:"capability_key_id,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *PeerExpect) Reset() {
+	*x = PeerExpect{}
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PeerExpect) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PeerExpect) ProtoMessage() {}
+
+func (x *PeerExpect) ProtoReflect() protoreflect.Message {
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PeerExpect.ProtoReflect.Descriptor instead.
+func (*PeerExpect) Descriptor() ([]byte, []int) {
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *PeerExpect) GetEngineId() string {
+	if x != nil {
+		return x.EngineId
+	}
+	return ""
+}
+
+func (x *PeerExpect) GetTpRank() uint32 {
+	if x != nil {
+		return x.TpRank
+	}
+	return 0
+}
+
+func (x *PeerExpect) GetTpSize() uint32 {
+	if x != nil {
+		return x.TpSize
+	}
+	return 0
+}
+
+func (x *PeerExpect) GetModelHash() []byte {
+	if x != nil {
+		return x.ModelHash
+	}
+	return nil
+}
+
+func (x *PeerExpect) GetGeometry() *ModelGeometry {
+	if x != nil {
+		return x.Geometry
+	}
+	return nil
+}
+
+func (x *PeerExpect) GetNumRegions() uint32 {
+	if x != nil {
+		return x.NumRegions
+	}
+	return 0
+}
+
+func (x *PeerExpect) GetBlockLen() uint64 {
+	if x != nil {
+		return x.BlockLen
+	}
+	return 0
+}
+
+func (x *PeerExpect) GetIncarnation() uint64 {
+	if x != nil {
+		return x.Incarnation
+	}
+	return 0
+}
+
+func (x *PeerExpect) GetCapabilityKeyId() string {
+	if x != nil {
+		return x.CapabilityKeyId
+	}
+	return ""
+}
+
 // XferRequest starts one READ or WRITE.
 type XferRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -358,6 +569,7 @@ type XferRequest struct {
 	//
 	//	*XferRequest_Indexed
 	//	*XferRequest_List
+	//	*XferRequest_Blocks
 	Descs isXferRequest_Descs `protobuf_oneof:"descs"`
 	// When set, the sender of the bytes appends a CRC-32C per descriptor in
 	// the final XferStatus and the receiver checks them.
@@ -368,14 +580,17 @@ type XferRequest struct {
 	TotalLen uint64 `protobuf:"varint,8,opt,name=total_len,json=totalLen,proto3" json:"total_len,omitempty"`
 	// The served side's export (RankExport.export_id) the descriptors read
 	// from: every block they touch must belong to it.
-	ExportId      uint64 `protobuf:"varint,9,opt,name=export_id,json=exportId,proto3" json:"export_id,omitempty"`
+	ExportId uint64 `protobuf:"varint,9,opt,name=export_id,json=exportId,proto3" json:"export_id,omitempty"`
+	// When set, the served side checks it before anything else (READ with
+	// block descriptors: the dialer skipped the handshake).
+	Expect        *PeerExpect `protobuf:"bytes,11,opt,name=expect,proto3" json:"expect,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *XferRequest) Reset() {
 	*x = XferRequest{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[5]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -387,7 +602,7 @@ func (x *XferRequest) String() string {
 func (*XferRequest) ProtoMessage() {}
 
 func (x *XferRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[5]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -400,7 +615,7 @@ func (x *XferRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use XferRequest.ProtoReflect.Descriptor instead.
 func (*XferRequest) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{5}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *XferRequest) GetOp() XferOp {
@@ -449,6 +664,15 @@ func (x *XferRequest) GetList() *DescriptorList {
 	return nil
 }
 
+func (x *XferRequest) GetBlocks() *BlockDescs {
+	if x != nil {
+		if x, ok := x.Descs.(*XferRequest_Blocks); ok {
+			return x.Blocks
+		}
+	}
+	return nil
+}
+
 func (x *XferRequest) GetChecksum() bool {
 	if x != nil {
 		return x.Checksum
@@ -477,6 +701,13 @@ func (x *XferRequest) GetExportId() uint64 {
 	return 0
 }
 
+func (x *XferRequest) GetExpect() *PeerExpect {
+	if x != nil {
+		return x.Expect
+	}
+	return nil
+}
+
 type isXferRequest_Descs interface {
 	isXferRequest_Descs()
 }
@@ -489,9 +720,16 @@ type XferRequest_List struct {
 	List *DescriptorList `protobuf:"bytes,5,opt,name=list,proto3,oneof"`
 }
 
+type XferRequest_Blocks struct {
+	// READ only.
+	Blocks *BlockDescs `protobuf:"bytes,10,opt,name=blocks,proto3,oneof"`
+}
+
 func (*XferRequest_Indexed) isXferRequest_Descs() {}
 
 func (*XferRequest_List) isXferRequest_Descs() {}
+
+func (*XferRequest_Blocks) isXferRequest_Descs() {}
 
 // XferStatus is the header of a READ reply (bytes follow) and the final
 // status of every transfer. For WRITE it is the receiver's ack: bytes counts
@@ -509,7 +747,7 @@ type XferStatus struct {
 
 func (x *XferStatus) Reset() {
 	*x = XferStatus{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[6]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -521,7 +759,7 @@ func (x *XferStatus) String() string {
 func (*XferStatus) ProtoMessage() {}
 
 func (x *XferStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[6]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -534,7 +772,7 @@ func (x *XferStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use XferStatus.ProtoReflect.Descriptor instead.
 func (*XferStatus) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{6}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *XferStatus) GetError() *Error {
@@ -581,7 +819,7 @@ type Notification struct {
 
 func (x *Notification) Reset() {
 	*x = Notification{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[7]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -593,7 +831,7 @@ func (x *Notification) String() string {
 func (*Notification) ProtoMessage() {}
 
 func (x *Notification) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[7]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -606,7 +844,7 @@ func (x *Notification) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Notification.ProtoReflect.Descriptor instead.
 func (*Notification) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{7}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Notification) GetRequestId() string {
@@ -669,7 +907,7 @@ type NotificationAck struct {
 
 func (x *NotificationAck) Reset() {
 	*x = NotificationAck{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[8]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -681,7 +919,7 @@ func (x *NotificationAck) String() string {
 func (*NotificationAck) ProtoMessage() {}
 
 func (x *NotificationAck) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[8]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -694,7 +932,7 @@ func (x *NotificationAck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NotificationAck.ProtoReflect.Descriptor instead.
 func (*NotificationAck) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{8}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *NotificationAck) GetError() *Error {
@@ -721,7 +959,7 @@ type Heartbeat struct {
 
 func (x *Heartbeat) Reset() {
 	*x = Heartbeat{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[9]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -733,7 +971,7 @@ func (x *Heartbeat) String() string {
 func (*Heartbeat) ProtoMessage() {}
 
 func (x *Heartbeat) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[9]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -746,7 +984,7 @@ func (x *Heartbeat) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Heartbeat.ProtoReflect.Descriptor instead.
 func (*Heartbeat) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{9}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *Heartbeat) GetRequestIds() []string {
@@ -797,7 +1035,7 @@ type HeartbeatAck struct {
 
 func (x *HeartbeatAck) Reset() {
 	*x = HeartbeatAck{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[10]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -809,7 +1047,7 @@ func (x *HeartbeatAck) String() string {
 func (*HeartbeatAck) ProtoMessage() {}
 
 func (x *HeartbeatAck) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[10]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -822,7 +1060,7 @@ func (x *HeartbeatAck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatAck.ProtoReflect.Descriptor instead.
 func (*HeartbeatAck) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{10}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *HeartbeatAck) GetError() *Error {
@@ -858,7 +1096,7 @@ type PeerRequest struct {
 
 func (x *PeerRequest) Reset() {
 	*x = PeerRequest{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[11]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -870,7 +1108,7 @@ func (x *PeerRequest) String() string {
 func (*PeerRequest) ProtoMessage() {}
 
 func (x *PeerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[11]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -883,7 +1121,7 @@ func (x *PeerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PeerRequest.ProtoReflect.Descriptor instead.
 func (*PeerRequest) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{11}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *PeerRequest) GetWireVersion() WireVersion {
@@ -1013,7 +1251,7 @@ type PeerResponse struct {
 
 func (x *PeerResponse) Reset() {
 	*x = PeerResponse{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[12]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1025,7 +1263,7 @@ func (x *PeerResponse) String() string {
 func (*PeerResponse) ProtoMessage() {}
 
 func (x *PeerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[12]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1038,7 +1276,7 @@ func (x *PeerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PeerResponse.ProtoReflect.Descriptor instead.
 func (*PeerResponse) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{12}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *PeerResponse) GetBody() isPeerResponse_Body {
@@ -1162,7 +1400,28 @@ const file_kvsidecar_v1_xfer_proto_rawDesc = "" +
 	"\bdlist_id\x18\x01 \x01(\x04R\adlistId\"C\n" +
 	"\fIndexedDescs\x12\x19\n" +
 	"\bdlist_id\x18\x01 \x01(\x04R\adlistId\x12\x18\n" +
-	"\aindices\x18\x02 \x03(\rR\aindices\"\xd6\x02\n" +
+	"\aindices\x18\x02 \x03(\rR\aindices\"\x97\x01\n" +
+	"\n" +
+	"BlockDescs\x12!\n" +
+	"\ffirst_region\x18\x01 \x01(\rR\vfirstRegion\x12\x1f\n" +
+	"\vnum_regions\x18\x02 \x01(\rR\n" +
+	"numRegions\x12\x16\n" +
+	"\x06offset\x18\x03 \x01(\x04R\x06offset\x12\x10\n" +
+	"\x03len\x18\x04 \x01(\x04R\x03len\x12\x1b\n" +
+	"\tblock_ids\x18\x05 \x03(\rR\bblockIds\"\xbf\x02\n" +
+	"\n" +
+	"PeerExpect\x12\x1b\n" +
+	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12\x17\n" +
+	"\atp_rank\x18\x02 \x01(\rR\x06tpRank\x12\x17\n" +
+	"\atp_size\x18\x03 \x01(\rR\x06tpSize\x12\x1d\n" +
+	"\n" +
+	"model_hash\x18\x04 \x01(\fR\tmodelHash\x127\n" +
+	"\bgeometry\x18\x05 \x01(\v2\x1b.kvsidecar.v1.ModelGeometryR\bgeometry\x12\x1f\n" +
+	"\vnum_regions\x18\x06 \x01(\rR\n" +
+	"numRegions\x12\x1b\n" +
+	"\tblock_len\x18\a \x01(\x04R\bblockLen\x12 \n" +
+	"\vincarnation\x18\b \x01(\x04R\vincarnation\x12*\n" +
+	"\x11capability_key_id\x18\t \x01(\tR\x0fcapabilityKeyId\"\xbc\x03\n" +
 	"\vXferRequest\x12$\n" +
 	"\x02op\x18\x01 \x01(\x0e2\x14.kvsidecar.v1.XferOpR\x02op\x12\x1d\n" +
 	"\n" +
@@ -1171,11 +1430,14 @@ const file_kvsidecar_v1_xfer_proto_rawDesc = "" +
 	"capability\x18\x03 \x01(\fR\n" +
 	"capability\x126\n" +
 	"\aindexed\x18\x04 \x01(\v2\x1a.kvsidecar.v1.IndexedDescsH\x00R\aindexed\x122\n" +
-	"\x04list\x18\x05 \x01(\v2\x1c.kvsidecar.v1.DescriptorListH\x00R\x04list\x12\x1a\n" +
+	"\x04list\x18\x05 \x01(\v2\x1c.kvsidecar.v1.DescriptorListH\x00R\x04list\x122\n" +
+	"\x06blocks\x18\n" +
+	" \x01(\v2\x18.kvsidecar.v1.BlockDescsH\x00R\x06blocks\x12\x1a\n" +
 	"\bchecksum\x18\x06 \x01(\bR\bchecksum\x12\x17\n" +
 	"\axfer_id\x18\a \x01(\x04R\x06xferId\x12\x1b\n" +
 	"\ttotal_len\x18\b \x01(\x04R\btotalLen\x12\x1b\n" +
-	"\texport_id\x18\t \x01(\x04R\bexportIdB\a\n" +
+	"\texport_id\x18\t \x01(\x04R\bexportId\x120\n" +
+	"\x06expect\x18\v \x01(\v2\x18.kvsidecar.v1.PeerExpectR\x06expectB\a\n" +
 	"\x05descs\"k\n" +
 	"\n" +
 	"XferStatus\x12)\n" +
@@ -1241,7 +1503,7 @@ func file_kvsidecar_v1_xfer_proto_rawDescGZIP() []byte {
 }
 
 var file_kvsidecar_v1_xfer_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvsidecar_v1_xfer_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_kvsidecar_v1_xfer_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
 var file_kvsidecar_v1_xfer_proto_goTypes = []any{
 	(XferOp)(0),               // 0: kvsidecar.v1.XferOp
 	(*Descriptor)(nil),        // 1: kvsidecar.v1.Descriptor
@@ -1249,46 +1511,52 @@ var file_kvsidecar_v1_xfer_proto_goTypes = []any{
 	(*PrepDescList)(nil),      // 3: kvsidecar.v1.PrepDescList
 	(*UnprepDescList)(nil),    // 4: kvsidecar.v1.UnprepDescList
 	(*IndexedDescs)(nil),      // 5: kvsidecar.v1.IndexedDescs
-	(*XferRequest)(nil),       // 6: kvsidecar.v1.XferRequest
-	(*XferStatus)(nil),        // 7: kvsidecar.v1.XferStatus
-	(*Notification)(nil),      // 8: kvsidecar.v1.Notification
-	(*NotificationAck)(nil),   // 9: kvsidecar.v1.NotificationAck
-	(*Heartbeat)(nil),         // 10: kvsidecar.v1.Heartbeat
-	(*HeartbeatAck)(nil),      // 11: kvsidecar.v1.HeartbeatAck
-	(*PeerRequest)(nil),       // 12: kvsidecar.v1.PeerRequest
-	(*PeerResponse)(nil),      // 13: kvsidecar.v1.PeerResponse
-	(*Error)(nil),             // 14: kvsidecar.v1.Error
-	(WireVersion)(0),          // 15: kvsidecar.v1.WireVersion
-	(*HandshakeRequest)(nil),  // 16: kvsidecar.v1.HandshakeRequest
-	(*HandshakeResponse)(nil), // 17: kvsidecar.v1.HandshakeResponse
+	(*BlockDescs)(nil),        // 6: kvsidecar.v1.BlockDescs
+	(*PeerExpect)(nil),        // 7: kvsidecar.v1.PeerExpect
+	(*XferRequest)(nil),       // 8: kvsidecar.v1.XferRequest
+	(*XferStatus)(nil),        // 9: kvsidecar.v1.XferStatus
+	(*Notification)(nil),      // 10: kvsidecar.v1.Notification
+	(*NotificationAck)(nil),   // 11: kvsidecar.v1.NotificationAck
+	(*Heartbeat)(nil),         // 12: kvsidecar.v1.Heartbeat
+	(*HeartbeatAck)(nil),      // 13: kvsidecar.v1.HeartbeatAck
+	(*PeerRequest)(nil),       // 14: kvsidecar.v1.PeerRequest
+	(*PeerResponse)(nil),      // 15: kvsidecar.v1.PeerResponse
+	(*ModelGeometry)(nil),     // 16: kvsidecar.v1.ModelGeometry
+	(*Error)(nil),             // 17: kvsidecar.v1.Error
+	(WireVersion)(0),          // 18: kvsidecar.v1.WireVersion
+	(*HandshakeRequest)(nil),  // 19: kvsidecar.v1.HandshakeRequest
+	(*HandshakeResponse)(nil), // 20: kvsidecar.v1.HandshakeResponse
 }
 var file_kvsidecar_v1_xfer_proto_depIdxs = []int32{
 	1,  // 0: kvsidecar.v1.DescriptorList.descs:type_name -> kvsidecar.v1.Descriptor
 	2,  // 1: kvsidecar.v1.PrepDescList.descs:type_name -> kvsidecar.v1.DescriptorList
-	0,  // 2: kvsidecar.v1.XferRequest.op:type_name -> kvsidecar.v1.XferOp
-	5,  // 3: kvsidecar.v1.XferRequest.indexed:type_name -> kvsidecar.v1.IndexedDescs
-	2,  // 4: kvsidecar.v1.XferRequest.list:type_name -> kvsidecar.v1.DescriptorList
-	14, // 5: kvsidecar.v1.XferStatus.error:type_name -> kvsidecar.v1.Error
-	14, // 6: kvsidecar.v1.NotificationAck.error:type_name -> kvsidecar.v1.Error
-	14, // 7: kvsidecar.v1.HeartbeatAck.error:type_name -> kvsidecar.v1.Error
-	15, // 8: kvsidecar.v1.PeerRequest.wire_version:type_name -> kvsidecar.v1.WireVersion
-	16, // 9: kvsidecar.v1.PeerRequest.handshake:type_name -> kvsidecar.v1.HandshakeRequest
-	3,  // 10: kvsidecar.v1.PeerRequest.prep:type_name -> kvsidecar.v1.PrepDescList
-	6,  // 11: kvsidecar.v1.PeerRequest.xfer:type_name -> kvsidecar.v1.XferRequest
-	8,  // 12: kvsidecar.v1.PeerRequest.notification:type_name -> kvsidecar.v1.Notification
-	10, // 13: kvsidecar.v1.PeerRequest.heartbeat:type_name -> kvsidecar.v1.Heartbeat
-	4,  // 14: kvsidecar.v1.PeerRequest.unprep:type_name -> kvsidecar.v1.UnprepDescList
-	17, // 15: kvsidecar.v1.PeerResponse.handshake:type_name -> kvsidecar.v1.HandshakeResponse
-	14, // 16: kvsidecar.v1.PeerResponse.prep:type_name -> kvsidecar.v1.Error
-	7,  // 17: kvsidecar.v1.PeerResponse.xfer:type_name -> kvsidecar.v1.XferStatus
-	9,  // 18: kvsidecar.v1.PeerResponse.notification:type_name -> kvsidecar.v1.NotificationAck
-	11, // 19: kvsidecar.v1.PeerResponse.heartbeat:type_name -> kvsidecar.v1.HeartbeatAck
-	14, // 20: kvsidecar.v1.PeerResponse.unprep:type_name -> kvsidecar.v1.Error
-	21, // [21:21] is the sub-list for method output_type
-	21, // [21:21] is the sub-list for method input_type
-	21, // [21:21] is the sub-list for extension type_name
-	21, // [21:21] is the sub-list for extension extendee
-	0,  // [0:21] is the sub-list for field type_name
+	16, // 2: kvsidecar.v1.PeerExpect.geometry:type_name -> kvsidecar.v1.ModelGeometry
+	0,  // 3: kvsidecar.v1.XferRequest.op:type_name -> kvsidecar.v1.XferOp
+	5,  // 4: kvsidecar.v1.XferRequest.indexed:type_name -> kvsidecar.v1.IndexedDescs
+	2,  // 5: kvsidecar.v1.XferRequest.list:type_name -> kvsidecar.v1.DescriptorList
+	6,  // 6: kvsidecar.v1.XferRequest.blocks:type_name -> kvsidecar.v1.BlockDescs
+	7,  // 7: kvsidecar.v1.XferRequest.expect:type_name -> kvsidecar.v1.PeerExpect
+	17, // 8: kvsidecar.v1.XferStatus.error:type_name -> kvsidecar.v1.Error
+	17, // 9: kvsidecar.v1.NotificationAck.error:type_name -> kvsidecar.v1.Error
+	17, // 10: kvsidecar.v1.HeartbeatAck.error:type_name -> kvsidecar.v1.Error
+	18, // 11: kvsidecar.v1.PeerRequest.wire_version:type_name -> kvsidecar.v1.WireVersion
+	19, // 12: kvsidecar.v1.PeerRequest.handshake:type_name -> kvsidecar.v1.HandshakeRequest
+	3,  // 13: kvsidecar.v1.PeerRequest.prep:type_name -> kvsidecar.v1.PrepDescList
+	8,  // 14: kvsidecar.v1.PeerRequest.xfer:type_name -> kvsidecar.v1.XferRequest
+	10, // 15: kvsidecar.v1.PeerRequest.notification:type_name -> kvsidecar.v1.Notification
+	12, // 16: kvsidecar.v1.PeerRequest.heartbeat:type_name -> kvsidecar.v1.Heartbeat
+	4,  // 17: kvsidecar.v1.PeerRequest.unprep:type_name -> kvsidecar.v1.UnprepDescList
+	20, // 18: kvsidecar.v1.PeerResponse.handshake:type_name -> kvsidecar.v1.HandshakeResponse
+	17, // 19: kvsidecar.v1.PeerResponse.prep:type_name -> kvsidecar.v1.Error
+	9,  // 20: kvsidecar.v1.PeerResponse.xfer:type_name -> kvsidecar.v1.XferStatus
+	11, // 21: kvsidecar.v1.PeerResponse.notification:type_name -> kvsidecar.v1.NotificationAck
+	13, // 22: kvsidecar.v1.PeerResponse.heartbeat:type_name -> kvsidecar.v1.HeartbeatAck
+	17, // 23: kvsidecar.v1.PeerResponse.unprep:type_name -> kvsidecar.v1.Error
+	24, // [24:24] is the sub-list for method output_type
+	24, // [24:24] is the sub-list for method input_type
+	24, // [24:24] is the sub-list for extension type_name
+	24, // [24:24] is the sub-list for extension extendee
+	0,  // [0:24] is the sub-list for field type_name
 }
 
 func init() { file_kvsidecar_v1_xfer_proto_init() }
@@ -1298,11 +1566,12 @@ func file_kvsidecar_v1_xfer_proto_init() {
 	}
 	file_kvsidecar_v1_agent_proto_init()
 	file_kvsidecar_v1_common_proto_init()
-	file_kvsidecar_v1_xfer_proto_msgTypes[5].OneofWrappers = []any{
+	file_kvsidecar_v1_xfer_proto_msgTypes[7].OneofWrappers = []any{
 		(*XferRequest_Indexed)(nil),
 		(*XferRequest_List)(nil),
+		(*XferRequest_Blocks)(nil),
 	}
-	file_kvsidecar_v1_xfer_proto_msgTypes[11].OneofWrappers = []any{
+	file_kvsidecar_v1_xfer_proto_msgTypes[13].OneofWrappers = []any{
 		(*PeerRequest_Handshake)(nil),
 		(*PeerRequest_Prep)(nil),
 		(*PeerRequest_Xfer)(nil),
@@ -1310,7 +1579,7 @@ func file_kvsidecar_v1_xfer_proto_init() {
 		(*PeerRequest_Heartbeat)(nil),
 		(*PeerRequest_Unprep)(nil),
 	}
-	file_kvsidecar_v1_xfer_proto_msgTypes[12].OneofWrappers = []any{
+	file_kvsidecar_v1_xfer_proto_msgTypes[14].OneofWrappers = []any{
 		(*PeerResponse_Handshake)(nil),
 		(*PeerResponse_Prep)(nil),
 		(*PeerResponse_Xfer)(nil),
@@ -1324,7 +1593,7 @@ func file_kvsidecar_v1_xfer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvsidecar_v1_xfer_proto_rawDesc), len(file_kvsidecar_v1_xfer_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   13,
+			NumMessages:   15,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -15,7 +15,7 @@ from kvsidecar.v1 import agent_pb2 as kvsidecar_dot_v1_dot_agent__pb2
 from kvsidecar.v1 import common_pb2 as kvsidecar_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvsidecar/v1/xfer.proto\x12\x0ckvsidecar.v1\x1a\x18kvsidecar/v1/agent.proto\x1a\x19kvsidecar/v1/common.proto\"7\n\nDescriptor\x12\x0c\n\x04\x61\x64\x64r\x18\x01 \x01(\x04\x12\x0b\n\x03len\x18\x02 \x01(\x04\x12\x0e\n\x06\x64\x65v_id\x18\x03 \x01(\r\"9\n\x0e\x44\x65scriptorList\x12\'\n\x05\x64\x65scs\x18\x01 \x03(\x0b\x32\x18.kvsidecar.v1.Descriptor\"M\n\x0cPrepDescList\x12\x10\n\x08\x64list_id\x18\x01 \x01(\x04\x12+\n\x05\x64\x65scs\x18\x02 \x01(\x0b\x32\x1c.kvsidecar.v1.DescriptorList\"\"\n\x0eUnprepDescList\x12\x10\n\x08\x64list_id\x18\x01 \x01(\x04\"1\n\x0cIndexedDescs\x12\x10\n\x08\x64list_id\x18\x01 \x01(\x04\x12\x0f\n\x07indices\x18\x02 \x03(\r\"\x86\x02\n\x0bXferRequest\x12 \n\x02op\x18\x01 \x01(\x0e\x32\x14.kvsidecar.v1.XferOp\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\ncapability\x18\x03 \x01(\x0c\x12-\n\x07indexed\x18\x04 \x01(\x0b\x32\x1a.kvsidecar.v1.IndexedDescsH\x00\x12,\n\x04list\x18\x05 \x01(\x0b\x32\x1c.kvsidecar.v1.DescriptorListH\x00\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x08\x12\x0f\n\x07xfer_id\x18\x07 \x01(\x04\x12\x11\n\ttotal_len\x18\x08 \x01(\x04\x12\x11\n\texport_id\x18\t \x01(\x04\x42\x07\n\x05\x64\x65scs\"R\n\nXferStatus\x12\"\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x13.kvsidecar.v1.Error\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\r\"\xa8\x01\n\x0cNotification\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ncapability\x18\x02 \x01(\x0c\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x1a\n\x12\x63onsumer_engine_id\x18\x04 \x01(\t\x12\x18\n\x10\x63onsumer_tp_rank\x18\x05 \x01(\r\x12\x16\n\x0e\x63onsumer_count\x18\x06 \x01(\r\x12\x11\n\texport_id\x18\x07 \x01(\x04\"5\n\x0fNotificationAck\x12\"\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x13.kvsidecar.v1.Error\"\x80\x01\n\tHeartbeat\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x1a\n\x12\x63onsumer_engine_id\x18\x02 \x01(\t\x12\x18\n\x10\x63onsumer_tp_rank\x18\x03 \x01(\r\x12\x14\n\x0c\x63\x61pabilities\x18\x04 \x03(\x0c\x12\x12\n\nexport_ids\x18\x05 \x03(\x04\"Q\n\x0cHeartbeatAck\x12\"\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x13.kvsidecar.v1.Error\x12\x1d\n\x15lease_expires_unix_ms\x18\x02 \x03(\x03\"\xe4\x02\n\x0bPeerRequest\x12/\n\x0cwire_version\x18\x01 \x01(\x0e\x32\x19.kvsidecar.v1.WireVersion\x12\x33\n\thandshake\x18\x02 \x01(\x0b\x32\x1e.kvsidecar.v1.HandshakeRequestH\x00\x12*\n\x04prep\x18\x03 \x01(\x0b\x32\x1a.kvsidecar.v1.PrepDescListH\x00\x12)\n\x04xfer\x18\x04 \x01(\x0b\x32\x19.kvsidecar.v1.XferRequestH\x00\x12\x32\n\x0cnotification\x18\x05 \x01(\x0b\x32\x1a.kvsidecar.v1.NotificationH\x00\x12,\n\theartbeat\x18\x06 \x01(\x0b\x32\x17.kvsidecar.v1.HeartbeatH\x00\x12.\n\x06unprep\x18\x07 \x01(\x0b\x32\x1c.kvsidecar.v1.UnprepDescListH\x00\x42\x06\n\x04\x62ody\"\xaa\x02\n\x0cPeerResponse\x12\x34\n\thandshake\x18\x01 \x01(\x0b\x32\x1f.kvsidecar.v1.HandshakeResponseH\x00\x12#\n\x04prep\x18\x02 \x01(\x0b\x32\x13.kvsidecar.v1.ErrorH\x00\x12(\n\x04xfer\x18\x03 \x01(\x0b\x32\x18.kvsidecar.v1.XferStatusH\x00\x12\x35\n\x0cnotification\x18\x04 \x01(\x0b\x32\x1d.kvsidecar.v1.NotificationAckH\x00\x12/\n\theartbeat\x18\x05 \x01(\x0b\x32\x1a.kvsidecar.v1.HeartbeatAckH\x00\x12%\n\x06unprep\x18\x06 \x01(\x0b\x32\x13.kvsidecar.v1.ErrorH\x00\x42\x06\n\x04\x62ody*F\n\x06XferOp\x12\x17\n\x13XFER_OP_UNSPECIFIED\x10\x00\x12\x10\n\x0cXFER_OP_READ\x10\x01\x12\x11\n\rXFER_OP_WRITE\x10\x02\x42?Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvsidecar/v1/xfer.proto\x12\x0ckvsidecar.v1\x1a\x18kvsidecar/v1/agent.proto\x1a\x19kvsidecar/v1/common.proto\"7\n\nDescriptor\x12\x0c\n\x04\x61\x64\x64r\x18\x01 \x01(\x04\x12\x0b\n\x03len\x18\x02 \x01(\x04\x12\x0e\n\x06\x64\x65v_id\x18\x03 \x01(\r\"9\n\x0e\x44\x65scriptorList\x12\'\n\x05\x64\x65scs\x18\x01 \x03(\x0b\x32\x18.kvsidecar.v1.Descriptor\"M\n\x0cPrepDescList\x12\x10\n\x08\x64list_id\x18\x01 \x01(\x04\x12+\n\x05\x64\x65scs\x18\x02 \x01(\x0b\x32\x1c.kvsidecar.v1.DescriptorList\"\"\n\x0eUnprepDescList\x12\x10\n\x08\x64list_id\x18\x01 \x01(\x04\"1\n\x0cIndexedDescs\x12\x10\n\x08\x64list_id\x18\x01 \x01(\x04\x12\x0f\n\x07indices\x18\x02 \x03(\r\"g\n\nBlockDescs\x12\x14\n\x0c\x66irst_region\x18\x01 \x01(\r\x12\x13\n\x0bnum_regions\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0b\n\x03len\x18\x04 \x01(\x04\x12\x11\n\tblock_ids\x18\x05 \x03(\r\"\xdc\x01\n\nPeerExpect\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x12\n\nmodel_hash\x18\x04 \x01(\x0c\x12-\n\x08geometry\x18\x05 \x01(\x0b\x32\x1b.kvsidecar.v1.ModelGeometry\x12\x13\n\x0bnum_regions\x18\x06 \x01(\r\x12\x11\n\tblock_len\x18\x07 \x01(\x04\x12\x13\n\x0bincarnation\x18\x08 \x01(\x04\x12\x19\n\x11\x63\x61pability_key_id\x18\t \x01(\t\"\xdc\x02\n\x0bXferRequest\x12 \n\x02op\x18\x01 \x01(\x0e\x32\x14.kvsidecar.v1.XferOp\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\ncapability\x18\x03 \x01(\x0c\x12-\n\x07indexed\x18\x04 \x01(\x0b\x32\x1a.kvsidecar.v1.IndexedDescsH\x00\x12,\n\x04list\x18\x05 \x01(\x0b\x32\x1c.kvsidecar.v1.DescriptorListH\x00\x12*\n\x06\x62locks\x18\n \x01(\x0b\x32\x18.kvsidecar.v1.BlockDescsH\x00\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x08\x12\x0f\n\x07xfer_id\x18\x07 \x01(\x04\x12\x11\n\ttotal_len\x18\x08 \x01(\x04\x12\x11\n\texport_id\x18\t \x01(\x04\x12(\n\x06\x65xpect\x18\x0b \x01(\x0b\x32\x18.kvsidecar.v1.PeerExpectB\x07\n\x05\x64\x65scs\"R\n\nXferStatus\x12\"\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x13.kvsidecar.v1.Error\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\r\"\xa8\x01\n\x0cNotification\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ncapability\x18\x02 \x01(\x0c\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x1a\n\x12\x63onsumer_engine_id\x18\x04 \x01(\t\x12\x18\n\x10\x63onsumer_tp_rank\x18\x05 \x01(\r\x12\x16\n\x0e\x63onsumer_count\x18\x06 \x01(\r\x12\x11\n\texport_id\x18\x07 \x01(\x04\"5\n\x0fNotificationAck\x12\"\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x13.kvsidecar.v1.Error\"\x80\x01\n\tHeartbeat\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x1a\n\x12\x63onsumer_engine_id\x18\x02 \x01(\t\x12\x18\n\x10\x63onsumer_tp_rank\x18\x03 \x01(\r\x12\x14\n\x0c\x63\x61pabilities\x18\x04 \x03(\x0c\x12\x12\n\nexport_ids\x18\x05 \x03(\x04\"Q\n\x0cHeartbeatAck\x12\"\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x13.kvsidecar.v1.Error\x12\x1d\n\x15lease_expires_unix_ms\x18\x02 \x03(\x03\"\xe4\x02\n\x0bPeerRequest\x12/\n\x0cwire_version\x18\x01 \x01(\x0e\x32\x19.kvsidecar.v1.WireVersion\x12\x33\n\thandshake\x18\x02 \x01(\x0b\x32\x1e.kvsidecar.v1.HandshakeRequestH\x00\x12*\n\x04prep\x18\x03 \x01(\x0b\x32\x1a.kvsidecar.v1.PrepDescListH\x00\x12)\n\x04xfer\x18\x04 \x01(\x0b\x32\x19.kvsidecar.v1.XferRequestH\x00\x12\x32\n\x0cnotification\x18\x05 \x01(\x0b\x32\x1a.kvsidecar.v1.NotificationH\x00\x12,\n\theartbeat\x18\x06 \x01(\x0b\x32\x17.kvsidecar.v1.HeartbeatH\x00\x12.\n\x06unprep\x18\x07 \x01(\x0b\x32\x1c.kvsidecar.v1.UnprepDescListH\x00\x42\x06\n\x04\x62ody\"\xaa\x02\n\x0cPeerResponse\x12\x34\n\thandshake\x18\x01 \x01(\x0b\x32\x1f.kvsidecar.v1.HandshakeResponseH\x00\x12#\n\x04prep\x18\x02 \x01(\x0b\x32\x13.kvsidecar.v1.ErrorH\x00\x12(\n\x04xfer\x18\x03 \x01(\x0b\x32\x18.kvsidecar.v1.XferStatusH\x00\x12\x35\n\x0cnotification\x18\x04 \x01(\x0b\x32\x1d.kvsidecar.v1.NotificationAckH\x00\x12/\n\theartbeat\x18\x05 \x01(\x0b\x32\x1a.kvsidecar.v1.HeartbeatAckH\x00\x12%\n\x06unprep\x18\x06 \x01(\x0b\x32\x13.kvsidecar.v1.ErrorH\x00\x42\x06\n\x04\x62ody*F\n\x06XferOp\x12\x17\n\x13XFER_OP_UNSPECIFIED\x10\x00\x12\x10\n\x0cXFER_OP_READ\x10\x01\x12\x11\n\rXFER_OP_WRITE\x10\x02\x42?Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1b\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvsidecar.v1.xfer_pb2', globals())
@@ -23,8 +23,8 @@ if _descriptor._USE_C_DESCRIPTORS == False:
 
   DESCRIPTOR._options = None
   DESCRIPTOR._serialized_options = b'Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1'
-  _XFEROP._serialized_start=1825
-  _XFEROP._serialized_end=1895
+  _XFEROP._serialized_start=2239
+  _XFEROP._serialized_end=2309
   _DESCRIPTOR._serialized_start=94
   _DESCRIPTOR._serialized_end=149
   _DESCRIPTORLIST._serialized_start=151
@@ -35,20 +35,24 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _UNPREPDESCLIST._serialized_end=323
   _INDEXEDDESCS._serialized_start=325
   _INDEXEDDESCS._serialized_end=374
-  _XFERREQUEST._serialized_start=377
-  _XFERREQUEST._serialized_end=639
-  _XFERSTATUS._serialized_start=641
-  _XFERSTATUS._serialized_end=723
-  _NOTIFICATION._serialized_start=726
-  _NOTIFICATION._serialized_end=894
-  _NOTIFICATIONACK._serialized_start=896
-  _NOTIFICATIONACK._serialized_end=949
-  _HEARTBEAT._serialized_start=952
-  _HEARTBEAT._serialized_end=1080
-  _HEARTBEATACK._serialized_start=1082
-  _HEARTBEATACK._serialized_end=1163
-  _PEERREQUEST._serialized_start=1166
-  _PEERREQUEST._serialized_end=1522
-  _PEERRESPONSE._serialized_start=1525
-  _PEERRESPONSE._serialized_end=1823
+  _BLOCKDESCS._serialized_start=376
+  _BLOCKDESCS._serialized_end=479
+  _PEEREXPECT._serialized_start=482
+  _PEEREXPECT._serialized_end=702
+  _XFERREQUEST._serialized_start=705
+  _XFERREQUEST._serialized_end=1053
+  _XFERSTATUS._serialized_start=1055
+  _XFERSTATUS._serialized_end=1137
+  _NOTIFICATION._serialized_start=1140
+  _NOTIFICATION._serialized_end=1308
+  _NOTIFICATIONACK._serialized_start=1310
+  _NOTIFICATIONACK._serialized_end=1363
+  _HEARTBEAT._serialized_start=1366
+  _HEARTBEAT._serialized_end=1494
+  _HEARTBEATACK._serialized_start=1496
+  _HEARTBEATACK._serialized_end=1577
+  _PEERREQUEST._serialized_start=1580
+  _PEERREQUEST._serialized_end=1936
+  _PEERRESPONSE._serialized_start=1939
+  _PEERRESPONSE._serialized_end=2237
 # @@protoc_insertion_point(module_scope)
