@@ -47,7 +47,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 }
 
 func benchHandshake(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("bench handshake", "Measure handshake latency in piggyback and legacy modes.", stdout)
+	fs := newFlagSet("bench handshake", "Measure handshake latency and the first KV byte in piggyback and legacy modes.", stdout)
 	model := fs.String("model", demo.DefaultModel, "model geometry: "+strings.Join(kvgeom.ModelNames(), ", "))
 	prefillTP := fs.Int("prefill-tp", demo.DefaultPrefillTP, fmt.Sprintf("TP size of the prefill instance, 1..%d", connector.MaxTPSize))
 	decodeTP := fs.Int("decode-tp", demo.DefaultDecodeTP, fmt.Sprintf("TP size of the decode instance, 1..%d; one of the TP sizes must divide the other", connector.MaxTPSize))
@@ -85,6 +85,20 @@ func benchHandshake(ctx context.Context, args []string, stdout, stderr io.Writer
 			fmt.Fprintf(tw, "%s\t%d\t%d\t%.1f\t%.2f\t%.3f\t%.2f\t%.1f\t%.2f\t%d/%d\t\n", name, d, m.TargetRanks[d],
 				m.FirstContactMs[d], m.FirstContactRTT[d], m.CachedMs[d], m.CachedRTT[d],
 				m.Reconnect0RTTMs[d], m.Reconnect0RTTRTT[d], m.ZeroRTTTrials[d], res.Trials)
+		}
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintf(table, "\nfirst KV byte of a one-block load (StartLoad to first byte in decode memory), median of %d trials\n", res.Trials)
+	tw = tabwriter.NewWriter(table, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "mode\tdecode rank\ttarget\tnew peer ms\tRTT\tcached ms\tRTT\treturning (0-RTT) ms\tRTT\t0-RTT trials\t")
+	for _, name := range []string{"piggyback", "legacy"} {
+		m := res.Modes[name]
+		for d := range m.TargetRanks {
+			fmt.Fprintf(tw, "%s\t%d\t%d\t%.1f\t%.2f\t%.1f\t%.2f\t%.1f\t%.2f\t%d/%d\t\n", name, d, m.TargetRanks[d],
+				m.FirstKVByteMs[d], m.FirstKVByteRTT[d], m.FirstKVByteCachedMs[d], m.FirstKVByteCachedRTT[d],
+				m.FirstKVByte0RTTMs[d], m.FirstKVByte0RTTRTT[d], m.FirstKVByte0RTTTrials[d], res.Trials)
 		}
 	}
 	if err := tw.Flush(); err != nil {

@@ -8,6 +8,8 @@ import (
 	"slices"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/handshake"
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
@@ -62,7 +64,24 @@ type HandshakeModeResult struct {
 	Reconnect0RTTRTT []float64 `json:"reconnect_0rtt_rtt"`
 	// ZeroRTTTrials: trials whose reconnect the server accepted in 0-RTT,
 	// as the dialer's connection state reports it.
-	ZeroRTTTrials  []int `json:"zero_rtt_trials"`
+	ZeroRTTTrials []int `json:"zero_rtt_trials"`
+	// First KV byte of a one-block load, from StartLoad until its first
+	// byte is in the decode rank's memory
+	// (kvsidecar_connector_load_first_byte_seconds), on fresh instances:
+	// from a prefill rank never contacted (new peer: QUIC and TLS, then
+	// the READ), again on the warm connection with the metadata cached,
+	// and after the connections were closed and the cache dropped, with
+	// the session tickets kept (returning peer: the READ in 0-RTT).
+	FirstKVByteMs        []float64 `json:"first_kv_byte_ms"`
+	FirstKVByteRTT       []float64 `json:"first_kv_byte_rtt"`
+	FirstKVByteCachedMs  []float64 `json:"first_kv_byte_cached_ms"`
+	FirstKVByteCachedRTT []float64 `json:"first_kv_byte_cached_rtt"`
+	FirstKVByte0RTTMs    []float64 `json:"first_kv_byte_0rtt_ms"`
+	FirstKVByte0RTTRTT   []float64 `json:"first_kv_byte_0rtt_rtt"`
+	// FirstKVByte0RTTTrials: trials whose returning-peer load the server
+	// accepted in 0-RTT.
+	FirstKVByte0RTTTrials []int `json:"first_kv_byte_0rtt_trials"`
+	fbFirst, fbCached, fbAgain [][]time.Duration
 	trialFirst     [][]time.Duration
 	trialCached    [][]time.Duration
 	trialReconnect [][]time.Duration
@@ -166,6 +185,9 @@ func RunHandshakeBench(ctx context.Context, cfg *HandshakeConfig) (*HandshakeRes
 			if err := hsTrial(ctx, base, mode, c, geom, plans, mr); err != nil {
 				return nil, fmt.Errorf("demo: handshake bench, %s mode: %w", mode, err)
 			}
+			if err := fbTrial(ctx, base, mode, c, mr); err != nil {
+				return nil, fmt.Errorf("demo: handshake bench, %s mode, first KV byte: %w", mode, err)
+			}
 		}
 		mr.summarize(res.RTTMs)
 		res.Modes[mode.String()] = mr
@@ -236,6 +258,122 @@ func hsTrial(ctx context.Context, base instanceOpts, mode handshake.Mode, c Hand
 	return nil
 }
 
+// fbTrial starts a prefill and a decode instance and measures, for every
+// decode rank in turn, the first KV byte of a one-block load from a new
+// peer, from the same peer again (cached), and after a reconnect in 0-RTT.
+func fbTrial(ctx context.Context, base instanceOpts, mode handshake.Mode, c HandshakeConfig, mr *HandshakeModeResult) (err error) {
+	po := base
+	po.engine, po.side, po.tp, po.numBlocks = "bench-prefill", "prefill", c.PrefillTP, 4*c.DecodeTP
+	pre, err := newInstance(ctx, po)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, pre.close()) }()
+	reg := prometheus.NewRegistry()
+	do := base
+	do.engine, do.side, do.tp, do.mode, do.numBlocks, do.reg = "bench-decode", "decode", c.DecodeTP, mode, 4*c.DecodeTP, reg
+	dec, err := newInstance(ctx, do)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, dec.close()) }()
+	first, cached, again := make([]time.Duration, c.DecodeTP), make([]time.Duration, c.DecodeTP), make([]time.Duration, c.DecodeTP)
+	if len(mr.FirstKVByte0RTTTrials) < c.DecodeTP {
+		mr.FirstKVByte0RTTTrials = make([]int, c.DecodeTP)
+	}
+	for d, rk := range dec.ranks {
+		load := func(id string) (time.Duration, error) {
+			return firstByteLoad(ctx, pre, dec, d, reg, id)
+		}
+		if first[d], err = load(fmt.Sprintf("new-%d", d)); err != nil {
+			return err
+		}
+		if cached[d], err = load(fmt.Sprintf("cached-%d", d)); err != nil {
+			return err
+		}
+		for _, a := range pre.addrs {
+			rk.Agent().Disconnect(a)
+			rk.Handshakes().Forget(a)
+		}
+		if again[d], err = load(fmt.Sprintf("again-%d", d)); err != nil {
+			return err
+		}
+		for _, a := range pre.addrs {
+			if info, err := rk.Agent().PeerInfo(ctx, a); err == nil && info.Used0RTT {
+				mr.FirstKVByte0RTTTrials[d]++
+				break
+			}
+		}
+	}
+	mr.fbFirst = append(mr.fbFirst, first)
+	mr.fbCached = append(mr.fbCached, cached)
+	mr.fbAgain = append(mr.fbAgain, again)
+	return nil
+}
+
+// firstByteLoad exports one block under request id from every prefill rank,
+// loads it on decode rank d alone and returns its time to first KV byte:
+// what the load added to kvsidecar_connector_load_first_byte_seconds in
+// reg (only one load runs at a time).
+func firstByteLoad(ctx context.Context, pre, dec *instance, d int, reg *prometheus.Registry, id string) (time.Duration, error) {
+	pids, err := pre.alloc(ctx, 1)
+	if err != nil {
+		return 0, err
+	}
+	var parts []*v1.KVTransferParams
+	for r, rk := range pre.ranks {
+		p, err := rk.RequestFinished(ctx, id, pids, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
+		if err != nil {
+			return 0, fmt.Errorf("prefill rank %d RequestFinished: %w", r, err)
+		}
+		parts = append(parts, p)
+	}
+	params, err := connector.MergeExports(parts...)
+	if err != nil {
+		return 0, err
+	}
+	dids, err := dec.alloc(ctx, 1)
+	if err != nil {
+		return 0, err
+	}
+	before, err := firstByteSum(reg)
+	if err != nil {
+		return 0, err
+	}
+	rk := dec.ranks[d]
+	if err := rk.StartLoad(ctx, &v1.ReqMeta{RequestId: id, LocalBlockIds: dids, Params: params, RemoteHitBlocks: new(uint32(0))}); err != nil {
+		return 0, fmt.Errorf("decode rank %d StartLoad: %w", d, err)
+	}
+	for done := false; !done; {
+		f, err := rk.WaitFinished(ctx)
+		if err != nil {
+			return 0, err
+		}
+		done = slices.Contains(f.DoneRecving, id)
+		for _, fl := range f.Failed {
+			if fl.RequestID == id {
+				return 0, fmt.Errorf("decode rank %d load %q: %w", d, id, fl.Err)
+			}
+		}
+	}
+	after, err := firstByteSum(reg)
+	return time.Duration((after - before) * float64(time.Second)), err
+}
+
+// firstByteSum is the sample sum of kvsidecar_connector_load_first_byte_seconds in reg.
+func firstByteSum(reg *prometheus.Registry) (float64, error) {
+	mfs, err := reg.Gather()
+	if err != nil {
+		return 0, err
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "kvsidecar_connector_load_first_byte_seconds" {
+			return mf.GetMetric()[0].GetHistogram().GetSampleSum(), nil
+		}
+	}
+	return 0, errors.New("demo: kvsidecar_connector_load_first_byte_seconds is not registered")
+}
+
 // summarize fills the per-rank medians from the trials.
 func (mr *HandshakeModeResult) summarize(rttMs float64) {
 	med := func(trials [][]time.Duration) (ms, rtt []float64) {
@@ -253,6 +391,9 @@ func (mr *HandshakeModeResult) summarize(rttMs float64) {
 	mr.FirstContactMs, mr.FirstContactRTT = med(mr.trialFirst)
 	mr.CachedMs, mr.CachedRTT = med(mr.trialCached)
 	mr.Reconnect0RTTMs, mr.Reconnect0RTTRTT = med(mr.trialReconnect)
+	mr.FirstKVByteMs, mr.FirstKVByteRTT = med(mr.fbFirst)
+	mr.FirstKVByteCachedMs, mr.FirstKVByteCachedRTT = med(mr.fbCached)
+	mr.FirstKVByte0RTTMs, mr.FirstKVByte0RTTRTT = med(mr.fbAgain)
 }
 
 func round(x float64, digits int) float64 {

@@ -33,6 +33,10 @@ func handshakeBenchShape(t *testing.T) {
 			CachedRTT        []float64 `json:"cached_rtt"`
 			Reconnect0RTTRTT []float64 `json:"reconnect_0rtt_rtt"`
 			ZeroRTTTrials    []int     `json:"zero_rtt_trials"`
+			FirstKVByteRTT   []float64 `json:"first_kv_byte_rtt"`
+			FirstCachedRTT   []float64 `json:"first_kv_byte_cached_rtt"`
+			First0RTTRTT     []float64 `json:"first_kv_byte_0rtt_rtt"`
+			First0RTTTrials  []int     `json:"first_kv_byte_0rtt_trials"`
 		} `json:"modes"`
 	}
 	require.NoError(t, json.Unmarshal(b, &got))
@@ -59,6 +63,34 @@ func handshakeBenchShape(t *testing.T) {
 			// and the race detector is off (transfer's noEarlyStreams);
 			// else it waits for the handshake, as a first contact does.
 			require.Contains(t, []float64{peers, 2 * peers}, m.Reconnect0RTTRTT[d], "%s rank %d: 0-RTT in %d trial(s)", name, d, m.ZeroRTTTrials[d])
+
+			// First KV byte. Piggyback: the READ goes with the dialer's
+			// TLS Finished (new peer: 2 RTT) or in 0-RTT (returning peer:
+			// 1 RTT; race builds open no stream before the handshake
+			// completes, quic-go#4303: 2 RTT), pipelined with the
+			// metadata exchange. Legacy: the READ waits for the
+			// handshakes, rank 0's first.
+			newRTT, zeroRTT := 2.0, 1.0
+			if raceEnabled {
+				zeroRTT = 2
+			}
+			if name == "legacy" {
+				newRTT, zeroRTT = 2*peers+1, peers+1
+				if raceEnabled {
+					zeroRTT = 2*peers + 1
+				}
+			}
+			require.Equal(t, newRTT, m.FirstKVByteRTT[d], "%s rank %d: first KV byte from a new peer", name, d)
+			require.Equal(t, 1.0, m.FirstCachedRTT[d], "%s rank %d: first KV byte on a warm connection", name, d)
+			require.Equal(t, 1, m.First0RTTTrials[d], "%s rank %d: the returning load resumed its session", name, d)
+			require.Equal(t, zeroRTT, m.First0RTTRTT[d], "%s rank %d: first KV byte from a returning peer", name, d)
+		}
+		if name == "legacy" {
+			for d := range 4 {
+				if m.TargetRanks[d] != 0 {
+					require.GreaterOrEqual(t, m.FirstKVByteRTT[d]-got.Modes["piggyback"].FirstKVByteRTT[d], 1.0, "rank %d: legacy pays the rank-0 query", d)
+				}
+			}
 		}
 	}
 }
