@@ -80,11 +80,11 @@ type HandshakeModeResult struct {
 	FirstKVByte0RTTRTT   []float64 `json:"first_kv_byte_0rtt_rtt"`
 	// FirstKVByte0RTTTrials: trials whose returning-peer load the server
 	// accepted in 0-RTT.
-	FirstKVByte0RTTTrials []int `json:"first_kv_byte_0rtt_trials"`
+	FirstKVByte0RTTTrials      []int `json:"first_kv_byte_0rtt_trials"`
 	fbFirst, fbCached, fbAgain [][]time.Duration
-	trialFirst     [][]time.Duration
-	trialCached    [][]time.Duration
-	trialReconnect [][]time.Duration
+	trialFirst                 [][]time.Duration
+	trialCached                [][]time.Duration
+	trialReconnect             [][]time.Duration
 }
 
 // HandshakeResult is the outcome of RunHandshakeBench; JSON names are
