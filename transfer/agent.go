@@ -85,11 +85,11 @@ type Agent struct {
 }
 
 // meter returns the counter of payload bytes of transfers of op in role
-// ("client": dialed, "server": served), counted as they move rather than
+// (roleClient: dialed, roleServer: served), counted as they move rather than
 // when a transfer ends, so kvsidecar_transfer_bytes_total and BytesMoved
 // advance during a long transfer.
-func (a *Agent) meter(op Op, role string) func(int) {
-	c := a.m.bytes.WithLabelValues(op.label(), role)
+func (a *Agent) meter(op Op, role int) func(int) {
+	c := a.m.op(op).bytes[role]
 	return func(n int) {
 		c.Add(float64(n))
 		a.moved.Add(uint64(n))

@@ -361,7 +361,7 @@ func (a *Agent) Transfer(ctx context.Context, x *Xfer) (Result, error) {
 	fail := func(err error) (Result, error) {
 		xe.Err = err
 		a.m.failures.WithLabelValues(codes.Of(err).String()).Inc()
-		a.m.xfers.WithLabelValues(x.Op.label(), "client", "error").Inc()
+		a.m.xferDone(x.Op, roleClient, false)
 		return res, xe
 	}
 	local, remote, total, err := a.checkXfer(x)
@@ -405,8 +405,8 @@ func (a *Agent) Transfer(ctx context.Context, x *Xfer) (Result, error) {
 		return fail(err)
 	}
 	res.Bytes, res.Duration = total, time.Since(start)
-	a.m.xferSecs.WithLabelValues(x.Op.label()).Observe(res.Duration.Seconds())
-	a.m.xfers.WithLabelValues(x.Op.label(), "client", "ok").Inc()
+	a.m.op(x.Op).xferSecs.Observe(res.Duration.Seconds())
+	a.m.xferDone(x.Op, roleClient, true)
 	return res, nil
 }
 
@@ -453,7 +453,7 @@ func (a *Agent) transferOn(ctx context.Context, p *peer, x *Xfer, req *v1.XferRe
 	wd := startWatchdog(a.cfg.ProgressTimeout, func() {
 		abort(v1.Code_CODE_TIMEOUT, errorf(v1.Code_CODE_TIMEOUT, "no progress from %s for %v", x.Peer, a.cfg.ProgressTimeout))
 	})
-	wd.count = a.meter(x.Op, "client")
+	wd.count = a.meter(x.Op, roleClient)
 	if first := x.OnFirstByte; first != nil && x.Op == OpRead {
 		count, called := wd.count, false
 		wd.count = func(n int) {
@@ -474,10 +474,11 @@ func (a *Agent) transferOn(ctx context.Context, p *peer, x *Xfer, req *v1.XferRe
 	})
 
 	var ioErr error
+	posted := func() { a.m.op(x.Op).postSecs.Observe(time.Since(start).Seconds()) }
 	if x.Op == OpRead {
-		ioErr = a.runRead(str, req, local, x.Checksum, wd, xe, func() { a.m.postSecs.WithLabelValues("read").Observe(time.Since(start).Seconds()) })
+		ioErr = a.runRead(str, req, local, x.Checksum, wd, xe, posted)
 	} else {
-		ioErr = a.runWrite(str, req, local, x.Checksum, wd, xe, func() { a.m.postSecs.WithLabelValues("write").Observe(time.Since(start).Seconds()) })
+		ioErr = a.runWrite(str, req, local, x.Checksum, wd, xe, posted)
 	}
 	wd.stop()
 	stopCtx()
@@ -592,7 +593,8 @@ func (a *Agent) runRead(str *quic.Stream, req *v1.XferRequest, local []span, che
 	}
 	_ = str.Close()
 	posted()
-	r := wire.NewReader(str, 0)
+	r := getReader(str)
+	defer putReader(r)
 	var hdr v1.PeerResponse
 	if err := r.ReadMsg(&hdr); err != nil {
 		return err
@@ -646,7 +648,8 @@ func (a *Agent) runRead(str *quic.Stream, req *v1.XferRequest, local []span, che
 // runWrite sends the request and the bytes straight from local memory, then
 // waits for the receiver's ack.
 func (a *Agent) runWrite(str *quic.Stream, req *v1.XferRequest, local []span, checksum bool, wd *watchdog, xe *XferError, posted func()) error {
-	r := wire.NewReader(str, 0)
+	r := getReader(str)
+	defer putReader(r)
 	// A refusal arrives as a reset of our send side (seen by a Write, or by
 	// the Close that follows a Write that got through first); the reply
 	// says why. Reading it is bounded by the watchdog and the connection.

@@ -23,6 +23,44 @@ type metrics struct {
 	zeroRTT    prometheus.Counter
 	notifs     *prometheus.CounterVec
 	tlsRefused *prometheus.CounterVec
+
+	// byOp holds the children of the per-transfer series, looked up once
+	// (WithLabelValues hashes its labels and takes a lock on every call):
+	// [opIndex] then [role] then [result].
+	byOp [2]opMetrics
+}
+
+// Indexes of opMetrics' arrays.
+const (
+	roleClient = 0 // a transfer this agent dialed
+	roleServer = 1 // a transfer this agent served
+)
+
+// opMetrics are one op's children of the per-transfer series.
+type opMetrics struct {
+	bytes    [2]prometheus.Counter    // by role
+	xfers    [2][2]prometheus.Counter // by role, then ok (0) / error (1)
+	xferSecs prometheus.Observer
+	postSecs prometheus.Observer
+}
+
+// op returns op's children; an op that is neither READ nor WRITE counts as
+// READ, as its label does.
+func (m *metrics) op(op Op) *opMetrics {
+	if op == OpWrite {
+		return &m.byOp[1]
+	}
+	return &m.byOp[0]
+}
+
+// xferDone counts a finished transfer of op in role (roleClient,
+// roleServer), ok or not.
+func (m *metrics) xferDone(op Op, role int, ok bool) {
+	res := 1
+	if ok {
+		res = 0
+	}
+	m.op(op).xfers[role][res].Inc()
 }
 
 // RegisterMetrics registers the package's metric families on reg, every
@@ -86,16 +124,6 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	for _, r := range tlsRefusalReasons {
 		m.tlsRefused.WithLabelValues(r)
 	}
-	for _, op := range []Op{OpRead, OpWrite} {
-		m.xferSecs.WithLabelValues(op.label())
-		m.postSecs.WithLabelValues(op.label())
-		for _, role := range []string{"client", "server"} {
-			m.bytes.WithLabelValues(op.label(), role)
-			for _, result := range []string{"ok", "error"} {
-				m.xfers.WithLabelValues(op.label(), role, result)
-			}
-		}
-	}
 	for c := range v1.Code_name {
 		if code := v1.Code(c); code != v1.Code_CODE_OK {
 			m.failures.WithLabelValues(code.String())
@@ -111,6 +139,19 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	} {
 		if err != nil {
 			return nil, fmt.Errorf("transfer: Config.Registerer: %w", err)
+		}
+	}
+	// After registering: the children belong to the collectors the
+	// registry holds, which may be another agent's.
+	for i, op := range []Op{OpRead, OpWrite} {
+		om := &m.byOp[i]
+		om.xferSecs = m.xferSecs.WithLabelValues(op.label())
+		om.postSecs = m.postSecs.WithLabelValues(op.label())
+		for r, role := range []string{"client", "server"} {
+			om.bytes[r] = m.bytes.WithLabelValues(op.label(), role)
+			for k, result := range []string{"ok", "error"} {
+				om.xfers[r][k] = m.xfers.WithLabelValues(op.label(), role, result)
+			}
 		}
 	}
 	return m, nil

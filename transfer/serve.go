@@ -7,6 +7,7 @@ import (
 	"hash/crc32"
 	"io"
 	"sync"
+	"sync/atomic"
 
 	"github.com/quic-go/quic-go"
 
@@ -26,6 +27,10 @@ type servedConn struct {
 	peer    string
 	budget  *budget
 	notifMu sync.Mutex
+	// turn passes the accepting of streams to an idle goroutine
+	// (acceptStreams); idle counts those waiting for it.
+	turn chan struct{}
+	idle atomic.Int32
 
 	mu       sync.Mutex
 	dlists   map[uint64][]span
@@ -49,7 +54,7 @@ func (a *Agent) acceptLoop() {
 		a.wg.Add(1)
 		a.mu.Unlock()
 		sc := &servedConn{conn: conn, peer: conn.RemoteAddr().String(),
-			budget: newBudget(a.cfg.MaxInflightPerPeer), dlists: make(map[uint64][]span)}
+			budget: newBudget(a.cfg.MaxInflightPerPeer), dlists: make(map[uint64][]span), turn: make(chan struct{})}
 		go a.serveConn(sc)
 	}
 }
@@ -71,16 +76,44 @@ func (a *Agent) serveConn(sc *servedConn) {
 			}
 		}
 	})
+	a.acceptStreams(sc, &wg)
+}
+
+// idleServers bounds the goroutines a connection keeps waiting to accept
+// its next stream after serving one.
+const idleServers = 4
+
+// acceptStreams serves sc's streams; one goroutine at a time accepts. The
+// goroutine that accepted a stream passes the accepting on (to an idle
+// goroutine of sc, else a new one, in wg) and serves its stream itself: a
+// request is served by the goroutine that received it, without a hand-off
+// on its path, streams are served concurrently, and a goroutine that has
+// served one (its stack grown to what serving takes) serves the next rather
+// than a fresh one. It returns when the connection ends.
+func (a *Agent) acceptStreams(sc *servedConn, wg *sync.WaitGroup) {
+	ctx := sc.conn.Context()
 	for {
-		str, err := sc.conn.AcceptStream(sc.conn.Context())
+		str, err := sc.conn.AcceptStream(ctx)
 		if err != nil {
 			return
 		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			a.serveStream(sc, str)
-		}()
+		select {
+		case sc.turn <- struct{}{}:
+		default:
+			wg.Go(func() { a.acceptStreams(sc, wg) })
+		}
+		a.serveStream(sc, str)
+		if sc.idle.Add(1) > idleServers {
+			sc.idle.Add(-1)
+			return
+		}
+		select {
+		case <-sc.turn:
+			sc.idle.Add(-1)
+		case <-ctx.Done():
+			sc.idle.Add(-1)
+			return
+		}
 	}
 }
 
@@ -106,7 +139,8 @@ func waitHandshake(sc *servedConn) error {
 
 func (a *Agent) serveStream(sc *servedConn, str *quic.Stream) {
 	ctx := sc.conn.Context()
-	r := wire.NewReader(str, 0)
+	r := getReader(str)
+	defer putReader(r)
 	var req v1.PeerRequest
 	if err := r.ReadMsg(&req); err != nil {
 		str.CancelRead(quic.StreamErrorCode(v1.Code_CODE_INVALID_ARGUMENT))
@@ -304,7 +338,7 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 	op := Op(x.GetOp())
 	refuse := func(err error) {
 		a.m.failures.WithLabelValues(codes.Of(err).String()).Inc()
-		a.m.xfers.WithLabelValues(op.label(), "server", "error").Inc()
+		a.m.xferDone(op, roleServer, false)
 		a.logRefusal(sc.peer, "transfer: refused a "+op.String(), err, "request_id", x.GetRequestId(), "xfer", x.GetXferId())
 		str.CancelRead(quic.StreamErrorCode(codes.Of(err)))
 		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{Error: codes.ToProto(err)}}})
@@ -375,7 +409,7 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 
 	wd := startWatchdog(a.cfg.ProgressTimeout, func() { reset(v1.Code_CODE_TIMEOUT) })
 	defer wd.stop()
-	wd.count = a.meter(op, "server")
+	wd.count = a.meter(op, roleServer)
 	var n uint64
 	if op == OpRead {
 		n, err = a.serveRead(str, spans, x.GetChecksum(), wd)
@@ -383,17 +417,18 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 		n, err = a.serveWrite(str, r, spans, x.GetChecksum(), wd, x.GetXferId())
 	}
 	acc.Err = err
-	result := "ok"
 	if err != nil {
-		result = "error"
 		a.m.failures.WithLabelValues(codes.Of(err).String()).Inc()
 		a.log.Debug("transfer: served transfer failed", "peer", sc.peer, "xfer", x.GetXferId(), "op", op, "bytes", n, "err", err)
 	}
-	a.m.xfers.WithLabelValues(op.label(), "server", result).Inc()
+	a.m.xferDone(op, roleServer, err == nil)
 }
 
 // serveRead streams the spans' bytes straight from memory, then the status.
 func (a *Agent) serveRead(str *quic.Stream, spans []span, checksum bool, wd *watchdog) (uint64, error) {
+	if total := spansLen(spans); total <= smallRead {
+		return a.serveSmallRead(str, spans, total, checksum, wd)
+	}
 	if err := wire.WriteMsg(str, &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{}}}, 0); err != nil {
 		return 0, err
 	}
@@ -426,6 +461,56 @@ func (a *Agent) serveRead(str *quic.Stream, spans []span, checksum bool, wd *wat
 		return sent, err
 	}
 	return sent, str.Close()
+}
+
+// serveSmallRead is serveRead in one write: the status header, a copy of
+// the spans' bytes (total, at most smallRead) and the final status.
+func (a *Agent) serveSmallRead(str *quic.Stream, spans []span, total uint64, checksum bool, wd *watchdog) (uint64, error) {
+	bp := smallBufs.Get().(*[]byte)
+	defer smallBufs.Put(bp)
+	b, err := wire.AppendFrame((*bp)[:0], &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{}}}, 0)
+	if err != nil {
+		return 0, err
+	}
+	var sums []uint32
+	var staging []byte
+	for _, s := range spans {
+		var crc uint32
+		err := a.eachChunk(s, &staging, false, func(p []byte) error {
+			if checksum {
+				crc = crc32.Update(crc, castagnoli, p)
+			}
+			b = append(b, p...)
+			return nil
+		})
+		if err != nil {
+			str.CancelWrite(quic.StreamErrorCode(codes.Of(err)))
+			return 0, err
+		}
+		if checksum {
+			sums = append(sums, crc)
+		}
+	}
+	b, err = wire.AppendFrame(b, &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{Bytes: total, Checksums: sums}}}, 0)
+	*bp = b[:0]
+	if err != nil {
+		str.CancelWrite(quic.StreamErrorCode(codes.Of(err)))
+		return 0, err
+	}
+	if _, err := str.Write(b); err != nil {
+		return 0, err
+	}
+	wd.progress(int(total))
+	return total, str.Close()
+}
+
+// spansLen is the spans' total length in bytes.
+func spansLen(spans []span) uint64 {
+	var n uint64
+	for _, s := range spans {
+		n += s.n
+	}
+	return n
 }
 
 // serveWrite reads the bytes straight into memory and acks what landed.

@@ -73,20 +73,33 @@ func TestTransferByteExact(t *testing.T) {
 		op       Op
 		indexed  bool
 		checksum bool
+		sizes    []uint64 // instead of layout(n)
+		staged   bool     // the serving memory cannot be mapped (CopyOut)
 	}{
-		{"read 1", 1, OpRead, false, false},
-		{"write 1", 1, OpWrite, false, true},
-		{"read 16 indexed", 16, OpRead, true, true},
-		{"write 16", 16, OpWrite, false, false},
-		{"read 4096", 4096, OpRead, false, true},
-		{"write 4096 indexed", 4096, OpWrite, true, false},
+		{"read 1", 1, OpRead, false, false, nil, false},
+		{"write 1", 1, OpWrite, false, true, nil, false},
+		{"read 16 indexed", 16, OpRead, true, true, nil, false},
+		{"write 16", 16, OpWrite, false, false, nil, false},
+		{"read 4096", 4096, OpRead, false, true, nil, false},
+		{"write 4096 indexed", 4096, OpWrite, true, false, nil, false},
+		// READs of at most smallRead bytes leave the server in one write.
+		{"read small", 0, OpRead, false, true, []uint64{4 << 10, 100, 12 << 10}, false},
+		{"read small indexed staged", 0, OpRead, true, true, []uint64{1, 4 << 10, 7}, true},
+		{"read smallRead", 0, OpRead, false, true, []uint64{smallRead - 4096, 4096}, false},
+		{"read smallRead+1 staged", 0, OpRead, false, true, []uint64{smallRead, 1}, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			sizes := layout(tt.n)
+			sizes := tt.sizes
+			if sizes == nil {
+				sizes = layout(tt.n)
+			}
 			total := sum(sizes)
 			srvMem, cliMem := mmapRegion(t, int(total)), mmapRegion(t, int(total))
 			srvReg, cliReg := SliceRegion(srvMem, 0, 0), SliceRegion(cliMem, 0, 0)
+			if tt.staged {
+				srvReg.Mem = unmappedMemory{srvMem}
+			}
 			fill(srvMem, 1)
 			fill(cliMem, 2)
 			srv := startAgent(t, Config{Regions: []Region{srvReg}, Authorize: allowAll})
@@ -302,17 +315,21 @@ func TestKillServerMidRead(t *testing.T) {
 	})
 }
 
+// unmappedMemory is host memory that cannot be mapped, so the agent
+// stages copies.
+type unmappedMemory struct{ SliceMemory }
+
+func (unmappedMemory) HostBytes(off, n uint64) ([]byte, error) {
+	return nil, errors.New("device memory")
+}
+
 // stallMemory is host memory that cannot be mapped, so the agent stages
 // copies; CopyOut blocks after the first chunk until unblock is closed.
 type stallMemory struct {
-	SliceMemory
+	unmappedMemory
 	calls   atomic.Int32
 	started chan struct{}
 	unblock chan struct{}
-}
-
-func (m *stallMemory) HostBytes(off, n uint64) ([]byte, error) {
-	return nil, errors.New("device memory")
 }
 
 func (m *stallMemory) CopyOut(off uint64, dst []byte) error {
@@ -326,7 +343,7 @@ func (m *stallMemory) CopyOut(off uint64, dst []byte) error {
 func TestAbortReleasesAfterReset(t *testing.T) {
 	const size = 8 << 20
 	srvMem, cliMem := mmapRegion(t, size), mmapRegion(t, size)
-	sm := &stallMemory{SliceMemory: srvMem, started: make(chan struct{}), unblock: make(chan struct{})}
+	sm := &stallMemory{unmappedMemory: unmappedMemory{srvMem}, started: make(chan struct{}), unblock: make(chan struct{})}
 	srvReg := SliceRegion(srvMem, 0, 0)
 	srvReg.Mem = sm
 	cliReg := SliceRegion(cliMem, 0, 0)

@@ -8,16 +8,19 @@ import (
 
 // watchdog enforces a progress deadline: when interval passes with no call
 // to progress, it calls onStall once, at most interval after the last
-// progress (or the start). It owns one goroutine; stop ends it and waits.
-// Timing uses only the time package, so tests run it in a testing/synctest
-// bubble.
+// progress (or the start). It runs on a timer, not a goroutine of its own,
+// so a small transfer pays no goroutine start or switch for it; stop ends
+// it and waits for an onStall in progress. Timing uses only the time
+// package, so tests run it in a testing/synctest bubble.
 type watchdog struct {
 	interval time.Duration
 	start    time.Time
 	last     atomic.Int64 // ns since start of the last progress
-	stopc    chan struct{}
-	done     chan struct{}
-	once     sync.Once
+	onStall  func()
+	t        *time.Timer
+
+	mu      sync.Mutex // held by a firing timer and by stop
+	stopped bool
 	// count, when set before the transfer starts, receives the payload
 	// bytes progress reports (Agent.meter).
 	count func(n int)
@@ -25,30 +28,28 @@ type watchdog struct {
 
 // startWatchdog starts a watchdog; interval <= 0 disables it (stop still works).
 func startWatchdog(interval time.Duration, onStall func()) *watchdog {
-	w := &watchdog{interval: interval, start: time.Now(), stopc: make(chan struct{}), done: make(chan struct{})}
-	if interval <= 0 {
-		close(w.done)
-		return w
+	w := &watchdog{interval: interval, start: time.Now(), onStall: onStall}
+	if interval > 0 {
+		w.t = time.AfterFunc(interval, w.fire)
 	}
-	go func() {
-		defer close(w.done)
-		t := time.NewTimer(interval)
-		defer t.Stop()
-		for {
-			select {
-			case <-w.stopc:
-				return
-			case <-t.C:
-				idle := time.Since(w.start) - time.Duration(w.last.Load())
-				if idle >= interval {
-					onStall()
-					return
-				}
-				t.Reset(interval - idle)
-			}
-		}
-	}()
 	return w
+}
+
+// fire runs when the timer expires: a stall when no progress came for an
+// interval, else the timer is set for an interval after the last progress.
+func (w *watchdog) fire() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.stopped {
+		return
+	}
+	idle := time.Since(w.start) - time.Duration(w.last.Load())
+	if idle >= w.interval {
+		w.stopped = true
+		w.onStall()
+		return
+	}
+	w.t.Reset(w.interval - idle)
 }
 
 // progress records that n bytes (n may be 0: a frame, not payload) moved
@@ -60,10 +61,16 @@ func (w *watchdog) progress(n int) {
 	}
 }
 
-// stop ends the watchdog and waits for its goroutine; safe to call twice.
+// stop ends the watchdog; once it returns, onStall is not running and will
+// not run. Safe to call twice.
 func (w *watchdog) stop() {
-	w.once.Do(func() { close(w.stopc) })
-	<-w.done
+	if w.t == nil {
+		return
+	}
+	w.t.Stop()
+	w.mu.Lock()
+	w.stopped = true
+	w.mu.Unlock()
 }
 
 // budget is a counting semaphore of bytes with FIFO-free waiting: acquire

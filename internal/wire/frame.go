@@ -56,6 +56,13 @@ func NewReader(r io.Reader, maxFrame int) *Reader {
 	return &Reader{br: bufio.NewReaderSize(r, 64<<10), max: maxFrame}
 }
 
+// Reset makes r read from src, dropping whatever it buffered, so a Reader
+// (and its 64 KiB buffer) can serve one stream after another.
+func (r *Reader) Reset(src io.Reader) {
+	r.br.Reset(src)
+	r.buf.Reset()
+}
+
 // ReadMsg reads one frame into m, in protodelim's format. It returns io.EOF when the stream ends
 // cleanly before a frame, ErrTruncated when it ends inside one, and a
 // *SizeError when the declared size exceeds the limit. Memory grows with the

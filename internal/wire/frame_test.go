@@ -246,3 +246,26 @@ func TestHugePrefixDoesNotAllocate(t *testing.T) {
 	require.ErrorIs(t, r.ReadMsg(&v1.PeerRequest{}), wire.ErrFrameTooLarge)
 	require.Less(t, ms.heap()-before, uint64(1<<20), "heap grew by the declared size")
 }
+
+// TestReaderReset: a Reader moved to another stream forgets what it had
+// buffered from the first, frame and raw bytes alike.
+func TestReaderReset(t *testing.T) {
+	frame := func(id uint64, tail string) *bytes.Reader {
+		b, err := wire.AppendFrame(nil, &v1.XferStatus{Bytes: id}, 0)
+		require.NoError(t, err)
+		return bytes.NewReader(append(b, tail...))
+	}
+	r := wire.NewReader(frame(1, "left over"), 0)
+	var st v1.XferStatus
+	require.NoError(t, r.ReadMsg(&st))
+	require.Equal(t, uint64(1), st.GetBytes())
+	require.Equal(t, len("left over"), r.Buffered())
+
+	r.Reset(frame(2, "xy"))
+	require.Zero(t, r.Buffered())
+	require.NoError(t, r.ReadMsg(&st))
+	require.Equal(t, uint64(2), st.GetBytes())
+	rest, err := io.ReadAll(r)
+	require.NoError(t, err)
+	require.Equal(t, "xy", string(rest))
+}

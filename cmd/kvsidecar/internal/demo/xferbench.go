@@ -464,8 +464,14 @@ func postHist(g prometheus.Gatherer, op string) (hist, error) {
 }
 
 // latencyBatch is how many samples of one kind run back to back before the
-// next kind's turn, so machine noise spreads over all kinds alike.
-const latencyBatch = 50
+// next kind's turn, so machine noise spreads over all kinds alike; each
+// batch starts with latencyWarm untimed runs, so no kind pays for the
+// switch from another (a 64 KiB READ leaves the connection's pacer and
+// acknowledgements in another state than a 4 KiB one).
+const (
+	latencyBatch = 50
+	latencyWarm  = 5
+)
 
 // latency times warm READs of one 4 KiB and one 64 KiB descriptor against
 // raw quic-go 4 KiB round trips on a new stream of a warm connection,
@@ -478,35 +484,36 @@ func (b *xferBench) latency(ctx context.Context, res *TransferResult, st, ct *tl
 	defer rt.Close()
 	n := b.c.LatencySamples
 	x4, x64 := b.readOne(4<<10), b.readOne(64<<10)
-	r4, r64, raw := make([]time.Duration, 0, n), make([]time.Duration, 0, n), make([]time.Duration, 0, n)
-	for len(raw) < n {
-		k := min(latencyBatch, n-len(raw))
-		for range k {
-			d, err := b.timedRead(ctx, x4)
-			if err != nil {
-				return err
-			}
-			r4 = append(r4, d)
-		}
-		for range k {
+	kinds := []func() (time.Duration, error){
+		func() (time.Duration, error) { return b.timedRead(ctx, x4) },
+		func() (time.Duration, error) {
 			d, err := rt.RoundTrip(ctx, 4<<10)
 			if err != nil {
-				return fmt.Errorf("demo: raw quic-go round trip: %w", err)
+				return 0, fmt.Errorf("demo: raw quic-go round trip: %w", err)
 			}
-			raw = append(raw, d)
-		}
-		for range k {
-			d, err := b.timedRead(ctx, x64)
-			if err != nil {
-				return err
+			return d, nil
+		},
+		func() (time.Duration, error) { return b.timedRead(ctx, x64) },
+	}
+	samples := make([][]time.Duration, len(kinds))
+	for done := 0; done < n; done += latencyBatch {
+		for i, run := range kinds {
+			for j := range latencyWarm + min(latencyBatch, n-done) {
+				d, err := run()
+				if err != nil {
+					return err
+				}
+				if j >= latencyWarm {
+					samples[i] = append(samples[i], d)
+				}
 			}
-			r64 = append(r64, d)
 		}
 	}
-	us := func(s []time.Duration, q float64) float64 { return round(float64(nearestRank(s, q))/1e3, 1) }
-	for _, s := range [][]time.Duration{r4, r64, raw} {
+	for _, s := range samples {
 		slices.Sort(s)
 	}
+	r4, raw, r64 := samples[0], samples[1], samples[2]
+	us := func(s []time.Duration, q float64) float64 { return round(float64(nearestRank(s, q))/1e3, 1) }
 	res.LatencySamples = n
 	res.Read4KP50Us, res.Read4KP99Us = us(r4, 0.5), us(r4, 0.99)
 	res.Read64KP50Us, res.Read64KP99Us = us(r64, 0.5), us(r64, 0.99)
