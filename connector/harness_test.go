@@ -59,6 +59,9 @@ type instOpts struct {
 	resetKey  *quic.StatelessResetKey // the agents' stateless-reset key (a restart keeps it)
 	sim       *testutil.SimNet        // listen on this in-memory network instead of UDP (see simOpts)
 	ca        *devtls.CA              // the TLS CA; default testCA
+	// tap, when set, wraps rank r's socket before its agent gets it (to
+	// watch or capture datagrams).
+	tap func(r int, pc net.PacketConn) net.PacketConn
 }
 
 // simOpts returns options for instances on one in-memory network with the
@@ -115,11 +118,15 @@ func newInstance(t testing.TB, o instOpts) *instance {
 		in.addrs = append(in.addrs, pc.LocalAddr().String())
 	}
 	for r := range o.tp {
+		var pc net.PacketConn = in.pcs[r]
+		if o.tap != nil {
+			pc = o.tap(r, pc)
+		}
 		b, err := connector.BuildRank(t.Context(), &connector.BuildConfig{NumBlocks: o.numBlocks, PreallocPages: o.prealloc,
 			Rank: connector.Config{
 				EngineID: o.engine, TPRank: r, TPSize: o.tp, Geometry: o.geom,
 				// wallclock: without o.sim the instances run on real UDP, where the progress timer is the wall clock's; 5 s scaled is far above a loaded machine's stalls.
-				Transfer: &transfer.Config{PacketConn: in.pcs[r], ServerTLS: srv, ClientTLS: cli, ProgressTimeout: testutil.Scaled(5 * time.Second),
+				Transfer: &transfer.Config{PacketConn: pc, ServerTLS: srv, ClientTLS: cli, ProgressTimeout: testutil.Scaled(5 * time.Second),
 					StatelessResetKey: o.resetKey},
 				RankAddrs: in.addrs, CapabilitySecret: o.secret, LeaseTTL: o.leaseTTL, HandshakeMode: o.mode, Registerer: o.reg,
 			}})

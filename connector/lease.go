@@ -393,13 +393,13 @@ func (t *leaseTable) resetStats() {
 }
 
 // held returns the number of leases and blocks held.
-func (t *leaseTable) held() (leases, blocks int) {
+func (t *leaseTable) held() (leases, blocks, pins int) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for _, l := range t.byExport {
 		blocks += len(l.blocks)
 	}
-	return len(t.byExport), blocks
+	return len(t.byExport), blocks, t.pins
 }
 
 // reap frees expired leases in deadline order.

@@ -86,7 +86,8 @@ func TestLeasesExpireInDeadlineOrder(t *testing.T) {
 		require.Equal(t, "C", got[1].id)
 		require.Equal(t, 11*time.Second, got[0].at, "freed exactly at its deadline")
 		require.True(t, got[0].expired)
-		leases, blocks := lt.held()
+		leases, blocks, pins := lt.held()
+		require.Zero(t, pins)
 		require.Equal(t, 1, leases)
 		require.Equal(t, 2, blocks)
 
@@ -254,5 +255,40 @@ func TestDrainWaitsForReadLeases(t *testing.T) {
 		require.ErrorContains(t, err, `request "read" export 0000000000000001 on rank 0: released: its 1 consumer(s) notified`)
 		st := lt.close()
 		require.Equal(t, drainStats{readsServed: 1, notified: 1, dropped: []string{"unread"}}, st)
+	})
+}
+
+// TestEarlyReadMarksNothing: a READ served from 0-RTT data before its
+// handshake completed may be a replay. Its pin holds the blocks while it
+// runs, but if the handshake never completed it neither marks the lease as
+// read (a drain does not wait for it) nor counts as served; once the
+// handshake completed it counts like any READ.
+//
+// fault-matrix: replayed-0rtt-read
+func TestEarlyReadMarksNothing(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		lt, _ := newTestTable(t, time.Minute)
+		require.NoError(t, lt.addExport("replayed", 1, 1))
+		l, err := lt.pin(exportRef{"replayed", 1}, false, func(*lease) error { return nil })
+		require.NoError(t, err)
+		waited := make(chan error, 1)
+		go func() { waited <- lt.waitDrained(t.Context()) }()
+		synctest.Wait()
+		require.Empty(t, waited, "a drain waits for the READ being served")
+		lt.unpin(l, true, false) // its handshake never completed
+		require.NoError(t, <-waited, "nobody proved they read the lease: the drain does not wait for a notification")
+
+		require.NoError(t, lt.addExport("confirmed", 2, 2))
+		l, err = lt.pin(exportRef{"confirmed", 2}, false, func(*lease) error { return nil })
+		require.NoError(t, err)
+		lt.unpin(l, true, true) // the handshake completed while it was served
+		go func() { waited <- lt.waitDrained(t.Context()) }()
+		synctest.Wait()
+		require.Empty(t, waited, "a READ whose dialer proved its keys marks the lease as read")
+		_, err = lt.notifyExport("confirmed", 2, consumer{"d", 0}, 1)
+		require.NoError(t, err)
+		require.NoError(t, <-waited)
+		st := lt.close()
+		require.Equal(t, 1, st.readsServed, "only the confirmed READ counts")
 	})
 }

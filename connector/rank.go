@@ -434,14 +434,17 @@ type Stats struct {
 	LeasesHeld    int
 	BlocksHeld    int
 	LoadsInFlight int
+	// ReadsServing: READs this rank is serving from leased blocks now,
+	// each holding its lease's blocks pinned until its stream ends.
+	ReadsServing int
 }
 
 // Stats returns a snapshot.
 func (r *Rank) Stats() Stats {
-	l, b := r.leases.held()
+	l, b, p := r.leases.held()
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return Stats{LeasesHeld: l, BlocksHeld: b, LoadsInFlight: len(r.loads)}
+	return Stats{LeasesHeld: l, BlocksHeld: b, LoadsInFlight: len(r.loads), ReadsServing: p}
 }
 
 // Drain refuses new requests and lets what is in flight finish before the
