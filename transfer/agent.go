@@ -392,7 +392,16 @@ func (a *Agent) dial(p *peer, tr *quic.Transport) {
 	tc := a.clientTLS.Clone()
 	// Session tickets are kept per peer address, not per host name, so
 	// agents sharing an IP do not try each other's tickets.
-	tc.ClientSessionCache = keyedCache{a.sessions, p.addr}
+	key := p.addr
+	if p.lane > 0 {
+		// A READ lane keeps its own ticket: the lanes dial at once, and
+		// one ticket resumed by concurrent dials is written by quic-go
+		// while crypto/tls reads it (quic-go v0.65 crypto_setup.go
+		// QUICResumeSession sets SessionState.EarlyData; the race
+		// detector reports it).
+		key = fmt.Sprintf("%s#lane%d", p.addr, p.lane)
+	}
+	tc.ClientSessionCache = keyedCache{a.sessions, key}
 	if tc.ServerName == "" {
 		// Verify the name dialled: an IP address against the certificate's
 		// IP SANs, a DNS name against its DNS SANs (what serve checks its
@@ -471,9 +480,9 @@ func resolveUDP(ctx context.Context, addr string) (*net.UDPAddr, error) {
 
 // watch follows one dialed connection: it records whether 0-RTT was
 // accepted, re-enables streams after a 0-RTT rejection, dials the READ
-// lanes of a lane-0 connection once its handshake is complete (so they
-// resume its session), probes it while it lasts, and reports the peer gone
-// when lane 0 ends.
+// lanes of a lane-0 connection once its handshake is complete (the peer
+// answered), probes it while it lasts, and reports the peer gone when lane
+// 0 ends.
 func (a *Agent) watch(p *peer) {
 	defer a.wg.Done()
 	conn := p.conn

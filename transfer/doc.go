@@ -114,8 +114,8 @@
 // aligned, a descriptor split where a cut falls inside it), and each run
 // is read on its own lane: lane 0 is the cached connection, lanes 1..K-1
 // are connections to the same peer dialed from K-1 more UDP sockets of this
-// agent once lane 0's handshake completed (resuming its session), kept
-// alive by the same probes and closed with lane 0. Lanes 1..K-1 carry
+// agent once lane 0's handshake completed (each lane resumes its own
+// session ticket), kept alive by the same probes and closed with lane 0. Lanes 1..K-1 carry
 // nothing but READ streams: handshakes, notifications, heartbeats, WRITEs,
 // small READs and READs naming a prepared list (prepared on lane 0 only)
 // stay on lane 0. The serving side sees K ordinary READs, each authorized,

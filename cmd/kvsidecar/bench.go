@@ -197,10 +197,20 @@ func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fmt.Fprintf(table, "\nwarm small reads, loopback, %d samples each (p50 / p99 us):\n", res.LatencySamples)
 	fmt.Fprintf(table, "  sidecar READ 4K   %.1f / %.1f\n  sidecar READ 64K  %.1f / %.1f\n  raw quic-go 4K    %.1f / %.1f  (sidecar/raw quic-go p50 = %.3f)\n",
 		res.Read4KP50Us, res.Read4KP99Us, res.Read64KP50Us, res.Read64KP99Us, res.RawQUIC4KP50Us, res.RawQUIC4KP99Us, res.RatioRead4KOverRawQUIC)
+	printLanes(table, res, *rounds)
 	if *asJSON {
 		return printJSON(stdout, res)
 	}
 	return nil
+}
+
+// printLanes prints the lane rows of a transfer bench.
+func printLanes(w io.Writer, res *demo.TransferResult, rounds int) {
+	fmt.Fprintf(w, "\nbulk READ over K lanes, %s in %s descriptors, loopback, best of %d (GB per CPU-second: both agents, all rounds):\n",
+		sizeString(res.BulkBytes), sizeString(res.BulkBlockSize), rounds)
+	for _, l := range res.Lanes {
+		fmt.Fprintf(w, "  K=%d  %.3f GB/s  %.3f GB per CPU-second\n", l.K, l.GBPerS, l.GBPerCPUSecond)
+	}
 }
 
 // parseSizes parses "4K,64K,1M" (K = KiB, M = MiB, G = GiB).

@@ -130,6 +130,8 @@ type TransferResult struct {
 	RawQUIC4KP50Us         float64 `json:"raw_quic_4k_p50_us"`
 	RawQUIC4KP99Us         float64 `json:"raw_quic_4k_p99_us"`
 	RatioRead4KOverRawQUIC float64 `json:"ratio_read_4k_over_raw_quic"`
+	// Lanes is the bulk READ on 1, 2 and 4 READ lanes (LaneSweep).
+	Lanes []LaneRow `json:"lanes"`
 }
 
 func (c *TransferConfig) withDefaults() (TransferConfig, error) {
@@ -292,6 +294,9 @@ func RunTransferBench(ctx context.Context, cfg *TransferConfig) (_ *TransferResu
 		return nil, err
 	}
 	if err := b.latency(ctx, res, srvTLS, cliTLS); err != nil {
+		return nil, err
+	}
+	if err := b.lanes(ctx, res, cliTLS); err != nil {
 		return nil, err
 	}
 	return res, nil

@@ -48,6 +48,12 @@ func TestTransferBenchShape(t *testing.T) {
 	require.Equal(t, ops[len(ops)-1].String(), res.Rows[len(res.Rows)-1].Op)
 	require.Equal(t, 256<<10, res.BulkBlockSize)
 	require.Equal(t, 512<<10, res.BulkBytes)
+	require.Len(t, res.Lanes, len(LaneSweep))
+	for i, l := range res.Lanes {
+		require.Equal(t, LaneSweep[i], l.K)
+		require.Positive(t, l.GBPerS, "%+v", l)
+		require.Positive(t, l.GBPerCPUSecond, "%+v", l)
+	}
 	b, err := json.Marshal(res)
 	require.NoError(t, err)
 	var got map[string]any
@@ -58,6 +64,9 @@ func TestTransferBenchShape(t *testing.T) {
 		require.True(t, ok, k)
 		require.Positive(t, v, k)
 	}
+	lanes, ok := got["lanes"].([]any)
+	require.True(t, ok, "lanes")
+	require.Equal(t, map[string]any{"k": 2.0, "gb_per_s": res.Lanes[1].GBPerS, "gb_per_cpu_second": res.Lanes[1].GBPerCPUSecond}, lanes[1])
 }
 
 func TestTransferConfigValidation(t *testing.T) {
