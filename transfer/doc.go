@@ -109,17 +109,22 @@
 //
 // quic-go runs one connection's packets on one goroutine per side, so one
 // connection moves a READ at about one core's speed. With Config.ReadLanes
-// K > 1 a READ of at least Config.ReadLaneMinBytes (1 MiB) with explicit
-// descriptors is cut into K contiguous runs of its bytes (cuts 64 KiB
-// aligned, a descriptor split where a cut falls inside it), and each run
-// is read on its own lane: lane 0 is the cached connection, lanes 1..K-1
+// K > 1 a READ of at least Config.ReadLaneMinBytes (1 MiB) is cut into K
+// parts, each read on its own lane: with explicit descriptors, K
+// contiguous runs of its bytes (cuts 64 KiB aligned, a descriptor split
+// where a cut falls inside it); by region and block, K contiguous chunks of
+// its block ids, each read in every region, landing where those bytes land
+// in the whole READ. Lane 0 is the cached connection, lanes 1..K-1
 // are connections to the same peer dialed from K-1 more UDP sockets of this
 // agent once lane 0's handshake completed (each lane resumes its own
 // session ticket), kept alive by the same probes and closed with lane 0. Lanes 1..K-1 carry
 // nothing but READ streams: handshakes, notifications, heartbeats, WRITEs,
 // small READs and READs naming a prepared list (prepared on lane 0 only)
-// stay on lane 0. The serving side sees K ordinary READs, each authorized,
-// bounds-checked and released (Config.Release) on its own.
+// stay on lane 0. A READ runs on the lanes up when it starts and never
+// waits for one, so the first READ of a new connection (perhaps in 0-RTT)
+// runs on lane 0 alone and keeps its latency. The serving side sees K
+// ordinary READs, each checked (expectation included), authorized and
+// released (Config.Release) on its own.
 //
 // A laned READ succeeds only when every lane landed all its bytes. When one
 // lane fails, the others are aborted, and Transfer returns that lane's

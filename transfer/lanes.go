@@ -45,6 +45,54 @@ type laneShare struct {
 	total  uint64
 }
 
+// stripeBlocks cuts a READ of b (region-major: every block of BlockIDs in
+// each region, Len bytes each) landing in local into at most k shares:
+// share j reads a contiguous chunk of BlockIDs, as equal in count as can
+// be, in every region, and lands in the pieces of local that those bytes
+// have in the whole READ. Empty shares are left out.
+func stripeBlocks(local []span, b *v1.BlockDescs, k int) []blockShare {
+	nb := uint64(len(b.GetBlockIds()))
+	shares := make([]blockShare, 0, k)
+	for j := range uint64(k) {
+		from, to := nb*j/uint64(k), nb*(j+1)/uint64(k)
+		if from == to {
+			continue
+		}
+		sh := blockShare{blocks: &v1.BlockDescs{FirstRegion: b.GetFirstRegion(), NumRegions: b.GetNumRegions(),
+			Offset: b.GetOffset(), Len: b.GetLen(), BlockIds: b.GetBlockIds()[from:to]}}
+		for r := range uint64(b.GetNumRegions()) {
+			sh.local = appendSpans(sh.local, local, (r*nb+from)*b.GetLen(), (r*nb+to)*b.GetLen())
+		}
+		sh.total = uint64(b.GetNumRegions()) * (to - from) * b.GetLen()
+		shares = append(shares, sh)
+	}
+	return shares
+}
+
+// blockShare is one lane's part of a READ by region and block.
+type blockShare struct {
+	blocks *v1.BlockDescs
+	local  []span
+	total  uint64
+}
+
+// appendSpans appends to out the pieces of local that hold bytes
+// [from, to) of the byte stream local describes, in order.
+func appendSpans(out, local []span, from, to uint64) []span {
+	var at uint64 // stream offset of local[i]
+	for _, s := range local {
+		lo, hi := max(from, at), min(to, at+s.n)
+		if lo < hi {
+			out = append(out, span{reg: s.reg, off: s.off + lo - at, n: hi - lo})
+		}
+		at += s.n
+		if at >= to {
+			break
+		}
+	}
+	return out
+}
+
 // stripe cuts a READ of local spans and the matching remote descriptors
 // into at most k shares of contiguous bytes, as equal as laneAlign allows:
 // share j holds bytes [cut j, cut j+1) of the transfer, splitting a
@@ -86,22 +134,51 @@ func stripe(local []span, remote []*v1.Descriptor, k int) []laneShare {
 }
 
 // transferLanes runs one attempt of x: a READ of at least
-// Config.ReadLaneMinBytes with explicit remote descriptors is striped over
-// p's READ lanes, anything else runs on p's connection alone
-// (transferOn). READs naming a prepared list stay on lane 0, where the
-// list is prepared. A laned READ succeeds only when every lane landed its
-// bytes; when one lane fails the others are aborted, and transferLanes
-// returns that lane's error only after every lane stopped touching local
-// memory. A lane whose connection died takes lane 0 down with it, so the
-// redial rule (withConn) sends the whole READ again on new connections.
+// Config.ReadLaneMinBytes with explicit remote descriptors or by region and
+// block is striped over p's READ lanes that are up, anything else runs on
+// p's connection alone (transferOn). READs naming a prepared list stay on
+// lane 0, where the list is prepared. A laned READ succeeds only when
+// every lane landed its bytes; when one lane fails the others are aborted,
+// and transferLanes returns that lane's error only after every lane
+// stopped touching local memory. A lane whose connection died takes lane 0
+// down with it, so the redial rule (withConn) sends the whole READ again
+// on new connections.
 func (a *Agent) transferLanes(ctx context.Context, p *peer, x *Xfer, req *v1.XferRequest, local []span, xe *XferError, start time.Time) error {
-	if x.Op != OpRead || a.cfg.ReadLanes < 2 || req.GetTotalLen() < a.cfg.ReadLaneMinBytes || req.GetList() == nil {
+	if x.Op != OpRead || a.cfg.ReadLanes < 2 || req.GetTotalLen() < a.cfg.ReadLaneMinBytes || (req.GetList() == nil && req.GetBlocks() == nil) {
 		return a.transferOn(ctx, p, x, req, local, xe, start)
 	}
-	conns := append([]*peer{p}, a.lanesFor(ctx, p)...)
-	shares := stripe(local, req.GetList().GetDescs(), len(conns))
+	conns := append([]*peer{p}, a.lanesUp(p)...)
+	type share struct {
+		local []span
+		req   *v1.XferRequest // the lane's request: req with the lane's descriptors
+	}
+	var shares []share
+	laneReq := func(total uint64, set func(*v1.XferRequest)) *v1.XferRequest {
+		r := proto.CloneOf(req)
+		r.TotalLen = total
+		set(r)
+		return r
+	}
+	if bl := req.GetBlocks(); bl != nil {
+		for _, sh := range stripeBlocks(local, bl, len(conns)) {
+			shares = append(shares, share{sh.local, laneReq(sh.total, func(r *v1.XferRequest) {
+				r.Descs = &v1.XferRequest_Blocks{Blocks: sh.blocks}
+			})})
+		}
+	} else {
+		for _, sh := range stripe(local, req.GetList().GetDescs(), len(conns)) {
+			shares = append(shares, share{sh.local, laneReq(sh.total, func(r *v1.XferRequest) {
+				r.Descs = &v1.XferRequest_List{List: &v1.DescriptorList{Descs: sh.remote}}
+			})})
+		}
+	}
 	if len(shares) < 2 {
 		return a.transferOn(ctx, p, x, req, local, xe, start)
+	}
+	lx := *x // the lanes' Xfer: OnFirstByte called once, by the first lane with a byte
+	if first := x.OnFirstByte; first != nil {
+		var once sync.Once
+		lx.OnFirstByte = func() { once.Do(first) }
 	}
 	lctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -113,12 +190,9 @@ func (a *Agent) transferLanes(ctx context.Context, p *peer, x *Xfer, req *v1.Xfe
 		subs   = make([]XferError, len(shares))
 	)
 	for i, sh := range shares {
-		subs[i] = XferError{Op: x.Op, Peer: x.Peer, XferID: xe.XferID, Total: sh.total}
-		lreq := proto.CloneOf(req)
-		lreq.Descs = &v1.XferRequest_List{List: &v1.DescriptorList{Descs: sh.remote}}
-		lreq.TotalLen = sh.total
+		subs[i] = XferError{Op: x.Op, Peer: x.Peer, XferID: xe.XferID, Total: sh.req.GetTotalLen()}
 		wg.Go(func() {
-			err := a.transferOn(lctx, conns[i], x, lreq, sh.local, &subs[i], start)
+			err := a.transferOn(lctx, conns[i], &lx, sh.req, sh.local, &subs[i], start)
 			if err == nil {
 				return
 			}
@@ -226,28 +300,19 @@ func (a *Agent) startLanes(p *peer) []*peer {
 	return append([]*peer(nil), g.lanes...)
 }
 
-// lanesFor returns p's READ lanes 1..K-1 whose handshake is complete,
-// dialing the missing ones and waiting for handshakes in progress (bounded
-// by Config.HandshakeTimeout and ctx). A lane that cannot be had is left
-// out.
-func (a *Agent) lanesFor(ctx context.Context, p *peer) []*peer {
+// lanesUp returns p's READ lanes 1..K-1 whose handshake is complete, and
+// dials the missing ones in the background. It never waits: a READ on a
+// new connection (perhaps in 0-RTT) keeps its latency and runs on the
+// lanes up when it starts; lanes still dialing join the next one.
+func (a *Agent) lanesUp(p *peer) []*peer {
 	var up []*peer
 	for _, l := range a.startLanes(p) {
 		select {
 		case <-l.ready:
-		case <-ctx.Done():
-			return up
-		}
-		if l.err != nil {
+		default:
 			continue
 		}
-		select {
-		case <-l.conn.HandshakeComplete():
-		case <-l.conn.Context().Done():
-		case <-ctx.Done():
-			return up
-		}
-		if l.conn.Context().Err() == nil {
+		if l.err == nil && handshakeDone(l.conn) && l.conn.Context().Err() == nil {
 			up = append(up, l)
 		}
 	}

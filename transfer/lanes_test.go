@@ -97,7 +97,8 @@ func TestStripe(t *testing.T) {
 type laneRig struct {
 	srv, cli   *Agent
 	srvMem     []byte
-	srvReg     Region
+	srvReg     Region    // the first half of srvMem
+	srvRegs    [2]Region // its two halves
 	cliMem     []byte
 	cliReg     Region
 	lanePCs    map[int]*netem.PacketConn // the dialer's lane sockets by lane
@@ -114,9 +115,9 @@ const (
 	laneBlockLen = 64 << 10
 )
 
-// startLaneRig starts a server serving laneMemBytes in blocks of
-// laneBlockLen and a dialer with k READ lanes, on a SimNet with 1 ms one
-// way. It must run in a synctest bubble.
+// startLaneRig starts a server serving laneMemBytes as two regions in
+// blocks of laneBlockLen and a dialer with k READ lanes, on a SimNet with
+// 1 ms one way. It must run in a synctest bubble.
 func startLaneRig(t *testing.T, k int) *laneRig {
 	t.Helper()
 	n := testutil.NewSimNet(time.Millisecond)
@@ -124,9 +125,11 @@ func startLaneRig(t *testing.T, k int) *laneRig {
 	r := &laneRig{srvMem: make([]byte, laneMemBytes), cliMem: make([]byte, laneMemBytes),
 		lanePCs: map[int]*netem.PacketConn{}, cliEvents: map[uint64]int{}, denyBlocks: map[uint32]bool{}}
 	fill(r.srvMem, 5)
-	r.srvReg, r.cliReg = SliceRegion(r.srvMem, laneBlockLen, 0), SliceRegion(r.cliMem, 0, 0)
+	half := laneMemBytes / 2
+	r.srvRegs = [2]Region{SliceRegion(r.srvMem[:half:half], laneBlockLen, 0), SliceRegion(r.srvMem[half:], laneBlockLen, 0)}
+	r.srvReg, r.cliReg = r.srvRegs[0], SliceRegion(r.cliMem, 0, 0)
 	var err error
-	r.srv, err = New(&Config{PacketConn: n.Listen(t, simServer), ServerTLS: srvTLS, Regions: []Region{r.srvReg},
+	r.srv, err = New(&Config{PacketConn: n.Listen(t, simServer), ServerTLS: srvTLS, Regions: r.srvRegs[:],
 		ProgressTimeout: time.Second,
 		Authorize: func(_ context.Context, acc *Access) error {
 			r.mu.Lock()
@@ -202,10 +205,21 @@ func peers(accs []Access) []string {
 	return slices.Compact(out)
 }
 
+// lanesUp waits, in virtual time, until the dialer's K lanes to the server
+// are up, and returns PeerInfo.ReadLanes.
+func (r *laneRig) lanesUp(t *testing.T) int {
+	t.Helper()
+	time.Sleep(10 * time.Millisecond) // a handshake takes 2 ms
+	info, err := r.cli.PeerInfo(t.Context(), simServer)
+	require.NoError(t, err)
+	return info.ReadLanes
+}
+
 // TestReadLanes: with K lanes, a large READ lands byte-exact and is served
 // on K connections, each a contiguous share of the descriptors, while a
 // small READ stays on lane 0; a refusal of one lane's share fails the READ
-// with the server's class and message and closes no lane.
+// with the server's class and message and closes no lane. A READ by region
+// and block is striped by block ids, in every region.
 func TestReadLanes(t *testing.T) {
 	for _, k := range []int{2, 4} {
 		t.Run(fmt.Sprintf("K=%d", k), func(t *testing.T) {
@@ -218,18 +232,14 @@ func TestReadLanes(t *testing.T) {
 				small := r.takeAccesses()
 				require.Len(t, small, 1)
 				lane0 := small[0].Peer
-				synctest.Wait() // the lanes' handshakes
-				info, err := r.cli.PeerInfo(ctx, simServer)
-				require.NoError(t, err)
-				require.Equal(t, k, info.ReadLanes)
+				require.Equal(t, k, r.lanesUp(t))
 
-				const off, n = 1 << 20, 4 << 20
+				const off, n = 0, 4 << 20
 				res, err := r.read(ctx, off, n, 256<<10)
 				require.NoError(t, err)
 				require.Equal(t, uint64(n), res.Bytes)
 				require.Equal(t, r.srvMem[off:off+n], r.cliMem[off:off+n], "READ bytes")
-				require.Zero(t, r.cliMem[off-1], "no byte before the READ's range")
-				require.Zero(t, r.cliMem[off+n], "no byte after it")
+				require.Zero(t, r.cliMem[off+n], "no byte after the READ's range")
 				accs := r.takeAccesses()
 				require.Len(t, accs, k, "one served access per lane")
 				require.Len(t, peers(accs), k, "K distinct connections")
@@ -263,10 +273,52 @@ func TestReadLanes(t *testing.T) {
 				require.ErrorAs(t, err, &xe)
 				require.Less(t, xe.Bytes, xe.Total)
 				require.Len(t, peers(r.takeAccesses()), k)
-				synctest.Wait()
-				info, err = r.cli.PeerInfo(ctx, simServer)
-				require.NoError(t, err)
-				require.Equal(t, k, info.ReadLanes, "a refusal closes no lane")
+				require.Equal(t, k, r.lanesUp(t), "a refusal closes no lane")
+				r.mu.Lock()
+				clear(r.denyBlocks)
+				r.mu.Unlock()
+
+				// By region and block: 48 blocks in a scattered order, 16 KiB
+				// at 4 KiB into each, in both regions: 1.5 MiB.
+				var ids []uint32
+				for i := range uint32(48) {
+					ids = append(ids, (i*37)%64)
+				}
+				bd := &BlockDescs{FirstRegion: 0, NumRegions: 2, Offset: 4096, Len: 16 << 10, BlockIDs: ids}
+				var wantBytes []byte
+				for _, reg := range r.srvRegs {
+					for _, b := range ids {
+						o := int(b)*laneBlockLen + 4096
+						wantBytes = append(wantBytes, reg.Mem.(SliceMemory)[o:o+16<<10]...)
+					}
+				}
+				for _, checksum := range []bool{false, true} {
+					clear(r.cliMem)
+					x := &Xfer{Op: OpRead, Peer: simServer, RequestID: "req", RemoteBlocks: bd, Checksum: checksum,
+						Local: []Desc{{Addr: r.cliReg.Base, Len: uint64(len(wantBytes))}}}
+					if checksum { // one local descriptor per entry
+						x.Local = nil
+						for i := range 2 * len(ids) {
+							x.Local = append(x.Local, Desc{Addr: r.cliReg.Base + uint64(i)*16<<10, Len: 16 << 10})
+						}
+					}
+					res, err := r.cli.Transfer(ctx, x)
+					require.NoError(t, err, "checksum %v", checksum)
+					require.Equal(t, uint64(len(wantBytes)), res.Bytes)
+					require.Equal(t, wantBytes, r.cliMem[:len(wantBytes)], "checksum %v", checksum)
+					accs := r.takeAccesses()
+					require.Len(t, peers(accs), k, "checksum %v", checksum)
+					// Each lane read a contiguous chunk of the ids.
+					var got []uint32
+					for i, a := range accs {
+						require.NotEmpty(t, a.BlockIDs, "lane %d", i)
+						got = append(got, a.BlockIDs...)
+					}
+					slices.Sort(got)
+					sorted := slices.Clone(ids)
+					slices.Sort(sorted)
+					require.Equal(t, sorted, got, "every block read once, checksum %v", checksum)
+				}
 			})
 		})
 	}
@@ -286,10 +338,7 @@ func TestReadLaneFails(t *testing.T) {
 		ctx := t.Context()
 		_, err := r.read(ctx, 0, 64<<10, 64<<10)
 		require.NoError(t, err)
-		synctest.Wait()
-		info, err := r.cli.PeerInfo(ctx, simServer)
-		require.NoError(t, err)
-		require.Equal(t, k, info.ReadLanes)
+		require.Equal(t, k, r.lanesUp(t))
 		r.takeAccesses()
 
 		// Lane 1 goes dark after its request and a few ACKs: the server
@@ -331,10 +380,10 @@ func TestReadLaneFails(t *testing.T) {
 		require.Equal(t, r.srvMem[:n], r.cliMem[:n])
 		accs := r.takeAccesses()
 		require.Len(t, accs, 1)
-		info, err = r.cli.PeerInfo(ctx, simServer)
+		require.Equal(t, 1, r.lanesUp(t), "lane 1 cannot be dialed on its dark socket")
+		info, err := r.cli.PeerInfo(ctx, simServer)
 		require.NoError(t, err)
-		require.Equal(t, 1, info.ReadLanes)
-		require.Equal(t, info.LocalAddr.String(), "127.0.0.2:1")
+		require.Equal(t, "127.0.0.2:1", info.LocalAddr.String(), "lane 0 is the same connection")
 	})
 }
 

@@ -29,7 +29,7 @@ type LaneRow struct {
 
 // lanes measures the lane rows: per lane count a fresh dialing agent with
 // that many READ lanes (striping any READ: ReadLaneMinBytes 1), warmed by
-// one bulk READ after which all its lanes must be up, then
+// one bulk READ and, once all its lanes are up, another, then
 // BulkRounds bulk READs, the lane counts interleaved round by round so
 // that a change of machine load hits each of them alike.
 func (b *xferBench) lanes(ctx context.Context, res *TransferResult, ct *tls.Config) (err error) {
@@ -73,12 +73,11 @@ func (b *xferBench) lanes(ctx context.Context, res *TransferResult, ct *tls.Conf
 		if err := read(i); err != nil {
 			return err
 		}
-		info, err := a.PeerInfo(ctx, b.peer)
-		if err != nil {
+		if err := lanesUp(ctx, a, b.peer, k); err != nil {
 			return err
 		}
-		if info.ReadLanes != k {
-			return fmt.Errorf("demo: transfer bench: %d of %d READ lanes up after a READ", info.ReadLanes, k)
+		if err := read(i); err != nil { // on all K lanes
+			return err
 		}
 	}
 	best := make([]time.Duration, len(LaneSweep))
@@ -110,6 +109,29 @@ func (b *xferBench) lanes(ctx context.Context, res *TransferResult, ct *tls.Conf
 			GBPerCPUSecond: round(float64(total*b.c.BulkRounds)/cpu[i].Seconds()/1e9, 4)})
 	}
 	return nil
+}
+
+// lanesUp waits until a has k READ lanes up to peer: they are dialed in
+// the background once the first READ's connection is up.
+func lanesUp(ctx context.Context, a *transfer.Agent, peer string, k int) error {
+	deadline := time.Now().Add(transfer.DefaultHandshakeTimeout)
+	for {
+		info, err := a.PeerInfo(ctx, peer)
+		if err != nil {
+			return err
+		}
+		if info.ReadLanes == k {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("demo: transfer bench: %d of %d READ lanes up after %v", info.ReadLanes, k, transfer.DefaultHandshakeTimeout)
+		}
+		select {
+		case <-time.After(time.Millisecond):
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		}
+	}
 }
 
 // cpuTime is the user plus system CPU time this process used so far.
