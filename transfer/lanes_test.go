@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"net"
 	"slices"
@@ -10,6 +11,7 @@ import (
 	"testing/synctest"
 	"time"
 
+	"github.com/quic-go/quic-go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvsidecar/kvsidecar/internal/codes"
@@ -95,6 +97,9 @@ func TestStripe(t *testing.T) {
 
 // laneRig is a serving agent and a dialer with READ lanes on a SimNet.
 type laneRig struct {
+	n          *testutil.SimNet
+	srvTLS     *tls.Config
+	srvPC      *netem.PacketConn
 	srv, cli   *Agent
 	srvMem     []byte
 	srvReg     Region    // the first half of srvMem
@@ -122,14 +127,51 @@ func startLaneRig(t *testing.T, k int) *laneRig {
 	t.Helper()
 	n := testutil.NewSimNet(time.Millisecond)
 	srvTLS, cliTLS := simTLS(t)
-	r := &laneRig{srvMem: make([]byte, laneMemBytes), cliMem: make([]byte, laneMemBytes),
+	r := &laneRig{n: n, srvTLS: srvTLS, srvMem: make([]byte, laneMemBytes), cliMem: make([]byte, laneMemBytes),
 		lanePCs: map[int]*netem.PacketConn{}, cliEvents: map[uint64]int{}, denyBlocks: map[uint32]bool{}}
-	fill(r.srvMem, 5)
 	half := laneMemBytes / 2
 	r.srvRegs = [2]Region{SliceRegion(r.srvMem[:half:half], laneBlockLen, 0), SliceRegion(r.srvMem[half:], laneBlockLen, 0)}
 	r.srvReg, r.cliReg = r.srvRegs[0], SliceRegion(r.cliMem, 0, 0)
+	r.startServer(t, 5)
+	cfg := &Config{PacketConn: n.Listen(t, "127.0.0.2:1"), ClientTLS: cliTLS, Regions: []Region{r.cliReg},
+		ReadLanes: k, ProgressTimeout: time.Second, HandshakeTimeout: 2 * time.Second,
+		LanePacketConn: func(lane int) (net.PacketConn, error) {
+			pc, err := n.ListenPacket("127.0.0.2:0")
+			if err == nil {
+				r.mu.Lock()
+				r.lanePCs[lane] = pc
+				r.mu.Unlock()
+			}
+			return pc, err
+		}}
+	cfg.testHook = func(event string, id uint64) {
+		if event == "released" {
+			r.mu.Lock()
+			r.cliEvents[id]++
+			r.mu.Unlock()
+		}
+	}
 	var err error
-	r.srv, err = New(&Config{PacketConn: n.Listen(t, simServer), ServerTLS: srvTLS, Regions: r.srvRegs[:],
+	r.cli, err = New(cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.cli.Close() })
+	return r
+}
+
+// laneResetKey is the servers' stateless-reset key: a server restarted
+// on simServer resets the connections of its predecessor.
+var laneResetKey = &quic.StatelessResetKey{9}
+
+// startServer starts a server process on simServer serving srvMem filled
+// from seed, with ticket keys of its own.
+func (r *laneRig) startServer(t *testing.T, seed byte) {
+	t.Helper()
+	fill(r.srvMem, seed)
+	srvTLS := r.srvTLS.Clone()
+	srvTLS.SetSessionTicketKeys([][32]byte{{seed}})
+	r.srvPC = r.n.Listen(t, simServer)
+	var err error
+	r.srv, err = New(&Config{PacketConn: r.srvPC, ServerTLS: srvTLS, Regions: r.srvRegs[:], StatelessResetKey: laneResetKey,
 		ProgressTimeout: time.Second,
 		Authorize: func(_ context.Context, acc *Access) error {
 			r.mu.Lock()
@@ -149,29 +191,8 @@ func startLaneRig(t *testing.T, k int) *laneRig {
 			r.released = append(r.released, acc)
 		}})
 	require.NoError(t, err)
-	t.Cleanup(func() { _ = r.srv.Close() })
-	cfg := &Config{PacketConn: n.Listen(t, "127.0.0.2:1"), ClientTLS: cliTLS, Regions: []Region{r.cliReg},
-		ReadLanes: k, ProgressTimeout: time.Second, HandshakeTimeout: 2 * time.Second,
-		LanePacketConn: func(lane int) (net.PacketConn, error) {
-			pc, err := n.ListenPacket("127.0.0.2:0")
-			if err == nil {
-				r.mu.Lock()
-				r.lanePCs[lane] = pc
-				r.mu.Unlock()
-			}
-			return pc, err
-		}}
-	cfg.testHook = func(event string, id uint64) {
-		if event == "released" {
-			r.mu.Lock()
-			r.cliEvents[id]++
-			r.mu.Unlock()
-		}
-	}
-	r.cli, err = New(cfg)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = r.cli.Close() })
-	return r
+	srv := r.srv
+	t.Cleanup(func() { _ = srv.Close() })
 }
 
 // read READs n bytes at off of the server's memory into the same place of
@@ -203,6 +224,15 @@ func peers(accs []Access) []string {
 	}
 	slices.Sort(out)
 	return slices.Compact(out)
+}
+
+// warm connects the dialer with a small READ and waits until its k lanes
+// are up.
+func (r *laneRig) warm(t *testing.T, k int) {
+	t.Helper()
+	_, err := r.read(t.Context(), 0, 64<<10, 64<<10)
+	require.NoError(t, err)
+	require.Equal(t, k, r.lanesUp(t))
 }
 
 // lanesUp waits, in virtual time, until the dialer's K lanes to the server
@@ -336,9 +366,7 @@ func TestReadLaneFails(t *testing.T) {
 		const k = 2
 		r := startLaneRig(t, k)
 		ctx := t.Context()
-		_, err := r.read(ctx, 0, 64<<10, 64<<10)
-		require.NoError(t, err)
-		require.Equal(t, k, r.lanesUp(t))
+		r.warm(t, k)
 		r.takeAccesses()
 
 		// Lane 1 goes dark after its request and a few ACKs: the server
@@ -348,7 +376,7 @@ func TestReadLaneFails(t *testing.T) {
 		r.mu.Unlock()
 		const n = 8 << 20
 		start := time.Now()
-		_, err = r.read(ctx, 0, n, 512<<10)
+		_, err := r.read(ctx, 0, n, 512<<10)
 		require.ErrorIs(t, err, ErrTimeout)
 		var xe *XferError
 		require.ErrorAs(t, err, &xe)
@@ -395,4 +423,37 @@ func firstDiff(a, b []byte) int {
 		}
 	}
 	return len(a)
+}
+
+// TestReadLanesRedial: the server restarts on its address (same
+// stateless-reset key) while the dialer holds lane 0 and a READ lane to
+// the old process. The next READ meets the resets on its lanes; whichever
+// lane learns first, the READ is sent again as a whole, once, on a new
+// connection, after Xfer.OnRedial, and lands the new process's bytes.
+//
+// fault-matrix: dead-connection-redialed
+func TestReadLanesRedial(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const k = 2
+		r := startLaneRig(t, k)
+		ctx := t.Context()
+		r.warm(t, k)
+
+		r.srvPC.Kill()
+		require.NoError(t, r.srv.Close())
+		r.startServer(t, 6)
+
+		const n = 4 << 20
+		clear(r.cliMem[:n])
+		x := &Xfer{Op: OpRead, Peer: simServer, RequestID: "req",
+			Local: []Desc{{Addr: r.cliReg.Base, Len: n}}, Remote: []Desc{{Addr: r.srvReg.Base, Len: n}}}
+		redials := 0
+		x.OnRedial = func(context.Context) error { redials++; return nil }
+		res, err := r.cli.Transfer(ctx, x)
+		require.NoError(t, err)
+		require.Equal(t, uint64(n), res.Bytes)
+		require.Equal(t, 1, redials)
+		require.Equal(t, 2, r.cli.DialCount(simServer))
+		require.Equal(t, r.srvMem[:n], r.cliMem[:n], "the new process's bytes")
+	})
 }
