@@ -11,6 +11,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/quic-go/quic-go"
+	"github.com/quic-go/quic-go/qlogwriter"
 
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
@@ -179,10 +180,18 @@ type Config struct {
 	// host-addressable. Default 1 MiB.
 	StagingBytes int
 	// MaxStreamWindow and MaxConnWindow are quic-go's receive windows in
-	// bytes. Defaults DefaultMaxStreamWindow (32 MiB), DefaultMaxConnWindow
-	// (96 MiB).
+	// bytes: how far a READ's sender may run ahead of the reader, so a
+	// path's bandwidth-delay product (bytes per second × RTT) above them
+	// caps a READ at window/RTT. A connection starts with min(max, 8 MiB)
+	// per stream and min(max, 16 MiB) in all, which quic-go grows towards
+	// the maximum as the reader keeps up. Defaults DefaultMaxStreamWindow
+	// (32 MiB), DefaultMaxConnWindow (96 MiB).
 	MaxStreamWindow uint64
 	MaxConnWindow   uint64
+	// QUICTracer, when set, is quic-go's tracer of every connection the
+	// agent dials or accepts (quic.Config.Tracer): qlog events such as
+	// packets declared lost. Default nil: none.
+	QUICTracer func(ctx context.Context, isClient bool, connID quic.ConnectionID) qlogwriter.Trace
 	// KeepAlivePeriod is the QUIC keep-alive period; a dialed connection
 	// also sends a probe datagram this often, large enough to draw a
 	// stateless reset, so an idle connection to a peer restarted on its
@@ -317,5 +326,6 @@ func QUICConfig(c *Config) *quic.Config {
 		Allow0RTT:                      true,
 		// Datagrams carry the keep-alive probes (Agent.probe).
 		EnableDatagrams: true,
+		Tracer:          c.QUICTracer,
 	}
 }

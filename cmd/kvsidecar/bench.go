@@ -128,9 +128,15 @@ func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer)
 	rounds := fs.Int("bulk-rounds", demo.DefaultBulkRounds, fmt.Sprintf("rounds of the bulk comparison with the baselines (best kept), 1..%d", maxBulkRounds))
 	samples := fs.Int("latency-samples", demo.DefaultLatencySamples, fmt.Sprintf("timed warm READs of one 4 KiB and one 64 KiB descriptor, and raw quic-go 4 KiB round trips, 1..%d", maxLatencySamples))
 	check := fs.Bool("check", false, "verify every byte of every transfer")
+	rtt := fs.Duration("rtt", 0, fmt.Sprintf("also time a 16 MiB READ through sockets that delay every packet by rtt/2, %v..%v; 0: none", minRTT, maxBenchRTT))
 	asJSON := fs.Bool("json", false, "print the result as one JSON object on the last line of stdout (the table goes to stderr)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
+	}
+	if *rtt != 0 {
+		if err := checkDuration("rtt", *rtt, minRTT, maxBenchRTT); err != nil {
+			return err
+		}
 	}
 	bs, err := parseSizes(*blocks)
 	if err != nil {
@@ -163,7 +169,7 @@ func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer)
 		return err
 	}
 	res, err := demo.RunTransferBench(ctx, &demo.TransferConfig{BlockSizes: bs, BatchSizes: ns, MaxTransferBytes: mb[0],
-		CellTime: *cellTime, BulkRounds: *rounds, LatencySamples: *samples, Check: *check})
+		CellTime: *cellTime, BulkRounds: *rounds, LatencySamples: *samples, RTT: *rtt, Check: *check})
 	if err != nil {
 		return err
 	}
@@ -198,6 +204,11 @@ func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fmt.Fprintf(table, "  sidecar READ 4K   %.1f / %.1f\n  sidecar READ 64K  %.1f / %.1f\n  raw quic-go 4K    %.1f / %.1f  (sidecar/raw quic-go p50 = %.3f)\n",
 		res.Read4KP50Us, res.Read4KP99Us, res.Read64KP50Us, res.Read64KP99Us, res.RawQUIC4KP50Us, res.RawQUIC4KP99Us, res.RatioRead4KOverRawQUIC)
 	printLanes(table, res, *rounds)
+	if res.RTTMs > 0 {
+		fmt.Fprintf(table, "\nREAD of %s at %.1f ms RTT (receive windows %s), packets declared lost %d:\n", sizeString(res.RTTBulkBytes), res.RTTMs,
+			sizeString(int(res.RTTWindowBytes)), res.RTTBulkLostPackets)
+		fmt.Fprintf(table, "  after one 4K READ  %.3f GB/s, %.2f RTT\n  warm, best of %d   %.2f RTT\n", res.RTTBulkGBPerS, res.RTTBulkRTTs, *rounds, res.RTTBulkWarmRTTs)
+	}
 	if *asJSON {
 		return printJSON(stdout, res)
 	}

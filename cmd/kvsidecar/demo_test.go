@@ -62,6 +62,7 @@ func TestDemoBenchFlagErrors(t *testing.T) {
 		{"hs tp sizes", []string{"bench", "handshake", "--prefill-tp", "2", "--decode-tp", "1", "--model", "qwen3-8b", "--decode-tp", "3"}, "--decode-tp 3: model qwen3-8b"},
 		{"hs model", []string{"bench", "handshake", "--model", "nope"}, `--model "nope": unknown`},
 		{"xfer rounds zero", []string{"bench", "transfer", "--bulk-rounds", "0"}, "--bulk-rounds 0: want 1..1000"},
+		{"xfer rtt", []string{"bench", "transfer", "--rtt", "3s"}, "--rtt 3s: want 1ms..2s"},
 		{"xfer latency samples zero", []string{"bench", "transfer", "--latency-samples", "0"}, "--latency-samples 0: want 1..1000000"},
 		{"xfer cell time zero", []string{"bench", "transfer", "--cell-time", "0s"}, "--cell-time 0s: want > 0s and <= 1h0m0s"},
 		{"xfer every block too big", []string{"bench", "transfer", "--max-bytes", "1K"}, "--block-sizes 4K,64K,1M,16M,64M: every size exceeds --max-bytes 1K; want at least one <= 1K"},

@@ -107,15 +107,15 @@ func newInstance(ctx context.Context, o instanceOpts) (in *instance, err error) 
 			in.addrs = append(in.addrs, pc.LocalAddr().String())
 			continue
 		}
-		udp, lerr := net.ListenPacket("udp", "127.0.0.1:0")
+		udp, lerr := net.ListenUDP("udp", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
 		if lerr != nil {
 			return in, fmt.Errorf("demo: %s: listen: %w", o.side, lerr)
 		}
 		var pc net.PacketConn = udp
 		if o.delay > 0 {
-			// The delaying wrapper hides quic-go's batch I/O, so it is used
-			// only where an RTT is injected.
-			pc = netem.New(udp, o.delay)
+			// Delays every datagram in order, keeping quic-go's batch I/O
+			// and GSO.
+			pc = netem.NewUDP(udp, o.delay)
 		}
 		in.pcs = append(in.pcs, pc)
 		in.addrs = append(in.addrs, udp.LocalAddr().String())

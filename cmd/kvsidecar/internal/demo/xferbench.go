@@ -39,6 +39,8 @@ const (
 	// DefaultLatencySamples: warm small READs (and raw quic-go round trips)
 	// timed per size for the latency percentiles.
 	DefaultLatencySamples = 2000
+	// DefaultRTTBulkBytes: the READ at an injected RTT moves 16 MiB.
+	DefaultRTTBulkBytes = 16 << 20
 )
 
 // TransferConfig configures RunTransferBench; the zero value (and nil)
@@ -63,6 +65,14 @@ type TransferConfig struct {
 	// one 64 KiB descriptor, and of raw quic-go 4 KiB round trips, run
 	// interleaved. Default DefaultLatencySamples.
 	LatencySamples int
+	// RTT, when > 0, adds a bulk READ of RTTBulkBytes between a second pair
+	// of agents whose sockets delay every datagram by RTT/2 (in order,
+	// batches kept: internal/netem), with receive windows sized for the
+	// bandwidth-delay product. Default 0: none.
+	RTT time.Duration
+	// RTTBulkBytes is the size of that READ, in 1 MiB descriptors (fewer
+	// when MaxTransferBytes is smaller). Default DefaultRTTBulkBytes.
+	RTTBulkBytes int
 	// Check verifies every byte of every transfer (the destination is
 	// zeroed before each one).
 	Check bool
@@ -132,6 +142,20 @@ type TransferResult struct {
 	RatioRead4KOverRawQUIC float64 `json:"ratio_read_4k_over_raw_quic"`
 	// Lanes is the bulk READ on 1, 2 and 4 READ lanes (LaneSweep).
 	Lanes []LaneRow `json:"lanes"`
+	// The READ at an injected RTT (TransferConfig.RTT > 0; absent, and
+	// no packets lost, otherwise): RTTBulkBytes in 1 MiB descriptors over a connection that
+	// has carried one 4 KiB READ (so its congestion window starts small, as
+	// on a fresh connection), its throughput and duration in RTTs; then the
+	// best of BulkRounds more on the same connection (window grown:
+	// RTTBulkWarmRTTs); the receive window used (RTTWindowBytes); and the
+	// packets quic-go declared lost on both sides over all of them.
+	RTTMs              float64 `json:"rtt_ms,omitempty"`
+	RTTBulkBytes       int     `json:"rtt_bulk_bytes,omitempty"`
+	RTTBulkGBPerS      float64 `json:"rtt_bulk_gb_per_s,omitempty"`
+	RTTBulkRTTs        float64 `json:"rtt_bulk_rtts,omitempty"`
+	RTTBulkWarmRTTs    float64 `json:"rtt_bulk_warm_rtts,omitempty"`
+	RTTWindowBytes     uint64  `json:"rtt_window_bytes,omitempty"`
+	RTTBulkLostPackets int64   `json:"rtt_bulk_lost_packets"`
 }
 
 func (c *TransferConfig) withDefaults() (TransferConfig, error) {
@@ -165,6 +189,9 @@ func (c *TransferConfig) withDefaults() (TransferConfig, error) {
 	if out.LatencySamples == 0 {
 		out.LatencySamples = DefaultLatencySamples
 	}
+	if out.RTTBulkBytes == 0 {
+		out.RTTBulkBytes = DefaultRTTBulkBytes
+	}
 	if out.Logger == nil {
 		out.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -194,6 +221,10 @@ func (c *TransferConfig) withDefaults() (TransferConfig, error) {
 		return bad("BulkRounds", "%d must be at least 1", out.BulkRounds)
 	case out.LatencySamples < 1:
 		return bad("LatencySamples", "%d must be at least 1", out.LatencySamples)
+	case out.RTT < 0:
+		return bad("RTT", "%v must not be negative", out.RTT)
+	case out.RTTBulkBytes < 0:
+		return bad("RTTBulkBytes", "%d must be positive", out.RTTBulkBytes)
 	}
 	return out, nil
 }
@@ -298,6 +329,11 @@ func RunTransferBench(ctx context.Context, cfg *TransferConfig) (_ *TransferResu
 	}
 	if err := b.lanes(ctx, res, cliTLS); err != nil {
 		return nil, err
+	}
+	if c.RTT > 0 {
+		if err := b.rttBulk(ctx, res, srvTLS, cliTLS); err != nil {
+			return nil, err
+		}
 	}
 	return res, nil
 }

@@ -81,6 +81,7 @@ func TestTransferConfigValidation(t *testing.T) {
 		{"batch zero", TransferConfig{BatchSizes: []int{1, 0}}, "TransferConfig.BatchSizes: [1]=0 must be in [1, 65536]"},
 		{"rounds", TransferConfig{BulkRounds: -1}, "TransferConfig.BulkRounds: -1 must be at least 1"},
 		{"latency samples", TransferConfig{LatencySamples: -2}, "TransferConfig.LatencySamples: -2 must be at least 1"},
+		{"rtt", TransferConfig{RTT: -time.Millisecond}, "TransferConfig.RTT: -1ms must not be negative"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -111,4 +112,21 @@ func TestTransferBenchSkipsAndCaps(t *testing.T) {
 	bs, n = c.bulkPlan()
 	require.Equal(t, 4<<10, bs)
 	require.Equal(t, 256, n)
+}
+
+// TestTransferBenchRTT: the READ at an injected RTT goes through sockets
+// that delay every datagram, so it cannot take less than one round trip
+// (its request and its bytes), and it moves the bytes asked for.
+func TestTransferBenchRTT(t *testing.T) {
+	const rtt = 4 * time.Millisecond
+	res, err := RunTransferBench(t.Context(), &TransferConfig{BlockSizes: []int{64 << 10}, BatchSizes: []int{1},
+		Ops: []transfer.Op{transfer.OpRead}, MaxTransferBytes: 3 << 20, CellTime: time.Millisecond, BulkRounds: 1,
+		LatencySamples: 1, RTT: rtt, RTTBulkBytes: 3<<20 - 5})
+	require.NoError(t, err)
+	require.Equal(t, 4.0, res.RTTMs)
+	require.Equal(t, 3<<20-5, res.RTTBulkBytes)
+	require.GreaterOrEqual(t, res.RTTBulkRTTs, 1.0, "faster than the round trip the delay imposes")
+	require.GreaterOrEqual(t, res.RTTBulkWarmRTTs, 1.0)
+	require.InDelta(t, float64(res.RTTBulkBytes)/(res.RTTBulkRTTs*rtt.Seconds())/1e9, res.RTTBulkGBPerS, res.RTTBulkGBPerS*0.02+1e-4)
+	require.GreaterOrEqual(t, res.RTTWindowBytes, uint64(transfer.DefaultMaxStreamWindow))
 }
