@@ -60,9 +60,14 @@ type Xfer struct {
 	// transfer is sent again as it is.
 	OnRedial func(ctx context.Context) error
 	// OnFirstByte, when set on a READ, is called once, on the transfer's
-	// goroutine, as soon as the first payload byte is in local memory (the
-	// time to first KV byte); it must not block. Default nil.
+	// goroutine (for a READ striped over lanes, the goroutine of the lane
+	// that landed it), as soon as the first payload byte is in local memory
+	// (the time to first KV byte); it must not block. Default nil.
 	OnFirstByte func()
+
+	// lane is set by transferLanes on the copy each READ lane runs: the
+	// READ's post time is lane 0's, so lanes 1..K-1 do not observe it.
+	lane int
 }
 
 // BlockDescs names, region-major, bytes [Offset, Offset+Len) of every block
@@ -474,7 +479,11 @@ func (a *Agent) transferOn(ctx context.Context, p *peer, x *Xfer, req *v1.XferRe
 	})
 
 	var ioErr error
-	posted := func() { a.m.op(x.Op).postSecs.Observe(time.Since(start).Seconds()) }
+	posted := func() {
+		if x.lane == 0 {
+			a.m.op(x.Op).postSecs.Observe(time.Since(start).Seconds())
+		}
+	}
 	if x.Op == OpRead {
 		ioErr = a.runRead(str, req, local, x.Checksum, wd, xe, posted)
 	} else {

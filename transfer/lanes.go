@@ -191,6 +191,8 @@ func (a *Agent) transferLanes(ctx context.Context, p *peer, x *Xfer, req *v1.Xfe
 	)
 	for i, sh := range shares {
 		subs[i] = XferError{Op: x.Op, Peer: x.Peer, XferID: xe.XferID, Total: sh.req.GetTotalLen()}
+		lx := lx
+		lx.lane = i
 		wg.Go(func() {
 			err := a.transferOn(lctx, conns[i], &lx, sh.req, sh.local, &subs[i], start)
 			if err == nil {

@@ -11,6 +11,7 @@ import (
 	"testing/synctest"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/quic-go/quic-go"
 	"github.com/stretchr/testify/require"
 
@@ -101,6 +102,7 @@ type laneRig struct {
 	srvTLS     *tls.Config
 	srvPC      *netem.PacketConn
 	srv, cli   *Agent
+	cliMetrics *prometheus.Registry // the dialer's metrics
 	srvMem     []byte
 	srvReg     Region    // the first half of srvMem
 	srvRegs    [2]Region // its two halves
@@ -151,6 +153,8 @@ func startLaneRig(t *testing.T, k int) *laneRig {
 			r.mu.Unlock()
 		}
 	}
+	r.cliMetrics = prometheus.NewRegistry()
+	cfg.Registerer = r.cliMetrics
 	var err error
 	r.cli, err = New(cfg)
 	require.NoError(t, err)
@@ -226,6 +230,27 @@ func peers(accs []Access) []string {
 	return slices.Compact(out)
 }
 
+// posts is the dialer's count of kvsidecar_transfer_post_seconds
+// observations of READs.
+func (r *laneRig) posts(t *testing.T) uint64 {
+	t.Helper()
+	mfs, err := r.cliMetrics.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() != "kvsidecar_transfer_post_seconds" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "op" && l.GetValue() == "read" {
+					return m.GetHistogram().GetSampleCount()
+				}
+			}
+		}
+	}
+	return 0
+}
+
 // warm connects the dialer with a small READ and waits until its k lanes
 // are up.
 func (r *laneRig) warm(t *testing.T, k int) {
@@ -288,6 +313,7 @@ func TestReadLanes(t *testing.T) {
 				}
 				require.Equal(t, want, blocks)
 				require.Equal(t, 1, r.cli.DialCount(simServer), "lanes do not count as redials")
+				require.Equal(t, uint64(2), r.posts(t), "one post time per READ, however many lanes")
 
 				// The last block is refused: only the last lane's share
 				// touches it.
