@@ -80,10 +80,10 @@ type budget struct {
 	mu      sync.Mutex
 	max     uint64
 	used    uint64
-	changed chan struct{} // closed and replaced on every release
+	changed chan struct{} // closed by the next release; nil while nobody waits
 }
 
-func newBudget(max uint64) *budget { return &budget{max: max, changed: make(chan struct{})} }
+func newBudget(max uint64) *budget { return &budget{max: max} }
 
 // acquire takes n bytes or returns context.Cause(ctx) / the done error.
 func (b *budget) acquire(done <-chan struct{}, cause func() error, n uint64) error {
@@ -93,6 +93,9 @@ func (b *budget) acquire(done <-chan struct{}, cause func() error, n uint64) err
 			b.used += n
 			b.mu.Unlock()
 			return nil
+		}
+		if b.changed == nil {
+			b.changed = make(chan struct{})
 		}
 		ch := b.changed
 		b.mu.Unlock()
@@ -108,7 +111,9 @@ func (b *budget) acquire(done <-chan struct{}, cause func() error, n uint64) err
 func (b *budget) release(n uint64) {
 	b.mu.Lock()
 	b.used -= n
-	close(b.changed)
-	b.changed = make(chan struct{})
+	if b.changed != nil {
+		close(b.changed)
+		b.changed = nil
+	}
 	b.mu.Unlock()
 }

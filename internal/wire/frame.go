@@ -85,6 +85,22 @@ func (r *Reader) ReadMsg(m proto.Message) error {
 	case size > uint64(r.max):
 		return &SizeError{Size: size, Max: r.max}
 	}
+	if size <= uint64(r.br.Size()) {
+		// The frame fits the read buffer: decode it in place.
+		b, err := r.br.Peek(int(size))
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				return ErrTruncated
+			}
+			return fmt.Errorf("wire: read frame: %w", err)
+		}
+		err = proto.Unmarshal(b, m) // copies what it keeps
+		_, _ = r.br.Discard(int(size))
+		if err != nil {
+			return fmt.Errorf("wire: bad frame: %w", err)
+		}
+		return nil
+	}
 	r.buf.Reset()
 	if n, err := io.CopyN(&r.buf, r.br, int64(size)); err != nil {
 		if errors.Is(err, io.EOF) && n < int64(size) {

@@ -269,3 +269,32 @@ func TestReaderReset(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "xy", string(rest))
 }
+
+// TestFramesAroundTheBuffer: frames that fit the read buffer are decoded in
+// place, larger ones through a copy; back to back, each ends where the next
+// begins, and a stream that fails inside a body is an I/O error.
+func TestFramesAroundTheBuffer(t *testing.T) {
+	small := &v1.Error{Code: v1.Code_CODE_BUSY, Message: "small"}
+	large := &v1.Error{Code: v1.Code_CODE_INTERNAL, Message: string(bytes.Repeat([]byte("x"), 200<<10))}
+	var in []byte
+	for _, m := range []*v1.Error{small, large, small} {
+		var err error
+		in, err = wire.AppendFrame(in, m, 0)
+		require.NoError(t, err)
+	}
+	r := wire.NewReader(bytes.NewReader(append(in, "tail"...)), 0)
+	for i, want := range []*v1.Error{small, large, small} {
+		var got v1.Error
+		require.NoError(t, r.ReadMsg(&got), "frame %d", i)
+		require.True(t, proto.Equal(want, &got), "frame %d", i)
+	}
+	rest, err := io.ReadAll(r)
+	require.NoError(t, err)
+	require.Equal(t, "tail", string(rest))
+
+	boom := errors.New("stream reset")
+	head := protowire.AppendVarint(nil, 100)
+	err = wire.NewReader(io.MultiReader(bytes.NewReader(append(head, 1, 2)), iotest.ErrReader(boom)), 0).ReadMsg(&v1.Error{})
+	require.ErrorIs(t, err, boom)
+	require.ErrorContains(t, err, "wire: read frame: ")
+}
