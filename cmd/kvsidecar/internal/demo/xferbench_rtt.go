@@ -29,6 +29,7 @@ func (b *xferBench) rttBulk(ctx context.Context, res *TransferResult, st, ct *tl
 	// loopback READ throughput this run measured (at least 1 GB/s).
 	bw := max(res.SidecarReadGBPerS, 1) * 2e9
 	win := min(max(uint64(bw*rtt.Seconds()), transfer.DefaultMaxStreamWindow), 1<<30)
+	win = (win + 1<<20 - 1) &^ (1<<20 - 1) // whole MiB
 	var lost lossCounter
 	agent := func(cfg transfer.Config) (*transfer.Agent, error) {
 		udp, err := net.ListenUDP("udp", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
