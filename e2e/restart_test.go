@@ -13,48 +13,92 @@ import (
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
-// holdProxy relays UDP datagrams between one client and a server address.
-// While holding, the server's datagrams to the client are kept back (and
-// counted) instead of delivered, until Release delivers them in order.
+// holdProxy relays UDP datagrams between clients and a server address,
+// each client through a socket of its own towards the server (as a NAT
+// would), so that a decode's READ lanes, each from its own socket, keep
+// their own paths. While holding, the server's datagrams to the clients
+// are kept back (and counted) instead of delivered, until Release delivers
+// them in order.
 type holdProxy struct {
-	front  net.PacketConn // the address the client dials
-	back   net.PacketConn // the proxy's socket towards the server
+	front  net.PacketConn // the address the clients dial
 	server net.Addr
+	t      testing.TB
 	wg     sync.WaitGroup
 
 	mu      sync.Mutex
-	client  net.Addr
+	closed  bool
+	backs   map[string]net.PacketConn // a client's socket towards the server, by client address
 	holding bool
-	held    [][]byte
+	held    []heldDatagram
 	// minReq, bigSent, answered: see Hold.
 	minReq   int
 	bigSent  bool
 	answered chan struct{}
 }
 
-// startHoldProxy relays between a client and a server on loopback until
+// heldDatagram is a server datagram kept back for a client.
+type heldDatagram struct {
+	b      []byte
+	client net.Addr
+}
+
+// startHoldProxy relays between clients and a server on loopback until
 // the test ends; Server is the address the server must listen on (free
-// when the proxy started; picked after the proxy's own sockets, so it is
-// none of them).
+// when the proxy started; picked after the proxy's own socket, so it is
+// not it).
 func startHoldProxy(t testing.TB) *holdProxy {
 	t.Helper()
 	front, err := net.ListenPacket("udp", "127.0.0.1:0")
 	require.NoError(t, err)
-	back, err := net.ListenPacket("udp", "127.0.0.1:0")
-	require.NoError(t, err)
 	sa, err := net.ResolveUDPAddr("udp", FreeUDPAddrs(t, "127.0.0.1", 1)[0])
 	require.NoError(t, err)
-	p := &holdProxy{front: front, back: back, server: sa}
-	p.wg.Add(2)
+	p := &holdProxy{front: front, server: sa, t: t, backs: map[string]net.PacketConn{}}
+	p.wg.Add(1)
 	go p.relay(front, func(b []byte, from net.Addr) {
+		back := p.backFor(from)
+		if back == nil {
+			return
+		}
 		p.mu.Lock()
-		p.client = from
 		if p.holding && len(b) >= p.minReq {
 			p.bigSent = true
 		}
 		p.mu.Unlock()
 		_, _ = back.WriteTo(b, sa)
 	})
+	t.Cleanup(func() {
+		p.mu.Lock()
+		p.closed = true
+		backs := p.backs
+		p.mu.Unlock()
+		_ = front.Close()
+		for _, b := range backs {
+			_ = b.Close()
+		}
+		p.wg.Wait()
+	})
+	return p
+}
+
+// backFor returns client's socket towards the server, opening it (and its
+// relay back to client) on the client's first datagram; nil once the
+// proxy is closed.
+func (p *holdProxy) backFor(client net.Addr) net.PacketConn {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil
+	}
+	if b := p.backs[client.String()]; b != nil {
+		return b
+	}
+	back, err := net.ListenPacket("udp", "127.0.0.1:0")
+	if err != nil {
+		p.t.Errorf("proxy: socket towards the server for %s: %v", client, err)
+		return nil
+	}
+	p.backs[client.String()] = back
+	p.wg.Add(1)
 	go p.relay(back, func(b []byte, _ net.Addr) {
 		p.mu.Lock()
 		if p.holding {
@@ -62,22 +106,14 @@ func startHoldProxy(t testing.TB) *holdProxy {
 				close(p.answered)
 				p.answered = nil
 			}
-			p.held = append(p.held, b)
+			p.held = append(p.held, heldDatagram{b, client})
 			p.mu.Unlock()
 			return
 		}
-		client := p.client
 		p.mu.Unlock()
-		if client != nil {
-			_, _ = front.WriteTo(b, client)
-		}
+		_, _ = p.front.WriteTo(b, client)
 	})
-	t.Cleanup(func() {
-		_ = front.Close()
-		_ = back.Close()
-		p.wg.Wait()
-	})
-	return p
+	return back
 }
 
 func (p *holdProxy) relay(pc net.PacketConn, deliver func([]byte, net.Addr)) {
@@ -115,8 +151,8 @@ func (p *holdProxy) Hold(minReq int) (answered <-chan struct{}) {
 func (p *holdProxy) Release() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for _, b := range p.held {
-		_, _ = p.front.WriteTo(b, p.client)
+	for _, h := range p.held {
+		_, _ = p.front.WriteTo(h.b, h.client)
 	}
 	n := len(p.held)
 	p.holding, p.held = false, nil

@@ -408,8 +408,15 @@ func (a *Agent) dial(p *peer, tr *quic.Transport) {
 		// own certificate against at start).
 		tc.ServerName, _, _ = net.SplitHostPort(p.addr)
 	}
-	a.m.dials.Inc()
-	conn, err := tr.DialEarly(ctx, udp, tc, a.qconf)
+	var conn *quic.Conn
+	if p.lane == 0 {
+		a.m.dials.Inc()
+		conn, err = tr.DialEarly(ctx, udp, tc, a.qconf)
+	} else {
+		// A READ lane carries nothing before its handshake completes, so
+		// it never sends 0-RTT: no stream of it can meet a rejection.
+		conn, err = tr.Dial(ctx, udp, tc, a.qconf)
+	}
 	if err != nil {
 		if a.isClosed() {
 			err = errClosed()
@@ -479,10 +486,8 @@ func resolveUDP(ctx context.Context, addr string) (*net.UDPAddr, error) {
 }
 
 // watch follows one dialed connection: it records whether 0-RTT was
-// accepted, re-enables streams after a 0-RTT rejection, dials the READ
-// lanes of a lane-0 connection once its handshake is complete (the peer
-// answered), probes it while it lasts, and reports the peer gone when lane
-// 0 ends.
+// accepted, re-enables streams after a 0-RTT rejection, probes it while it
+// lasts, and reports the peer gone when lane 0 ends.
 func (a *Agent) watch(p *peer) {
 	defer a.wg.Done()
 	conn := p.conn
@@ -491,9 +496,6 @@ func (a *Agent) watch(p *peer) {
 		_, _ = conn.NextConnection(conn.Context())
 		if conn.ConnectionState().Used0RTT {
 			a.m.zeroRTT.Inc()
-		}
-		if p.lane == 0 {
-			a.startLanes(p)
 		}
 	case <-conn.Context().Done():
 	}

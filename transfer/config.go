@@ -161,8 +161,8 @@ type Config struct {
 	// ReadLaneMinBytes (Xfer.Remote or Xfer.RemoteBlocks) is striped
 	// over, so that the READ runs on that many cores on each side. Lane 0
 	// is the cached connection, which carries everything else; lanes
-	// 1..ReadLanes-1 are dialed in the background once lane 0's handshake
-	// completes, kept alive like it and closed with it; a READ uses the
+	// 1..ReadLanes-1 are dialed in the background once a READ succeeded
+	// on lane 0, kept alive like it and closed with it; a READ uses the
 	// lanes up when it starts and never waits for one. READs naming a
 	// prepared list (Xfer.RemoteList) stay on lane 0, where the list is
 	// prepared. A lane that cannot be dialed is left out until lane 0 is

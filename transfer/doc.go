@@ -116,8 +116,10 @@
 // its block ids, each read in every region, landing where those bytes land
 // in the whole READ. Lane 0 is the cached connection, lanes 1..K-1
 // are connections to the same peer dialed from K-1 more UDP sockets of this
-// agent once lane 0's handshake completed (each lane resumes its own
-// session ticket), kept alive by the same probes and closed with lane 0. Lanes 1..K-1 carry
+// agent, in parallel and in the background, once a READ succeeded on lane
+// 0 (so a peer that refuses this agent, or one it never READs from, gets
+// none); they never send 0-RTT, each resumes its own session ticket, and
+// they are kept alive by the same probes and closed with lane 0. Lanes 1..K-1 carry
 // nothing but READ streams: handshakes, notifications, heartbeats, WRITEs,
 // small READs and READs naming a prepared list (prepared on lane 0 only)
 // stay on lane 0. A READ runs on the lanes up when it starts and never

@@ -144,10 +144,17 @@ func stripe(local []span, remote []*v1.Descriptor, k int) []laneShare {
 // down with it, so the redial rule (withConn) sends the whole READ again
 // on new connections.
 func (a *Agent) transferLanes(ctx context.Context, p *peer, x *Xfer, req *v1.XferRequest, local []span, xe *XferError, start time.Time) error {
-	if x.Op != OpRead || a.cfg.ReadLanes < 2 || req.GetTotalLen() < a.cfg.ReadLaneMinBytes || (req.GetList() == nil && req.GetBlocks() == nil) {
+	if x.Op != OpRead || a.cfg.ReadLanes < 2 {
 		return a.transferOn(ctx, p, x, req, local, xe, start)
 	}
-	conns := append([]*peer{p}, a.lanesUp(p)...)
+	if req.GetTotalLen() < a.cfg.ReadLaneMinBytes || (req.GetList() == nil && req.GetBlocks() == nil) {
+		err := a.transferOn(ctx, p, x, req, local, xe, start)
+		if err == nil {
+			a.startLanes(p) // the peer serves this agent: its lanes may be dialed
+		}
+		return err
+	}
+	conns := append([]*peer{p}, p.lanes.up()...)
 	type share struct {
 		local []span
 		req   *v1.XferRequest // the lane's request: req with the lane's descriptors
@@ -173,7 +180,11 @@ func (a *Agent) transferLanes(ctx context.Context, p *peer, x *Xfer, req *v1.Xfe
 		}
 	}
 	if len(shares) < 2 {
-		return a.transferOn(ctx, p, x, req, local, xe, start)
+		err := a.transferOn(ctx, p, x, req, local, xe, start)
+		if err == nil {
+			a.startLanes(p)
+		}
+		return err
 	}
 	lx := *x // the lanes' Xfer: OnFirstByte called once, by the first lane with a byte
 	if first := x.OnFirstByte; first != nil {
@@ -213,6 +224,7 @@ func (a *Agent) transferLanes(ctx context.Context, p *peer, x *Xfer, req *v1.Xfe
 		xe.Bytes += subs[i].Bytes
 	}
 	if failed < 0 {
+		a.startLanes(p) // redials a lane that died meanwhile
 		return nil
 	}
 	err := errs[failed]
@@ -246,20 +258,28 @@ type laneGroup struct {
 	closed bool    // lane 0 is gone: dial nothing more, close what finishes
 }
 
+// snapshot returns the group's lanes (nil entries: never dialed).
+func (g *laneGroup) snapshot() []*peer {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return append([]*peer(nil), g.lanes...)
+}
+
 // startLanes dials p's missing READ lanes in the background: every lane
-// never dialed, or whose connection ended after its handshake completed. A
-// lane whose dial or handshake failed is not dialed again for this lane-0
-// connection, so an unreachable lane costs one Config.HandshakeTimeout,
-// not one per READ. It returns the lanes, dials in progress included.
-func (a *Agent) startLanes(p *peer) []*peer {
+// never dialed, or whose connection ended since. It is called after a READ
+// on p succeeded, so a peer that refuses this agent, or that it never
+// READs from, gets no lane. A lane whose dial failed is not dialed again
+// for this lane-0 connection, so an unreachable lane costs one
+// Config.HandshakeTimeout, not one per READ.
+func (a *Agent) startLanes(p *peer) {
 	if a.cfg.ReadLanes < 2 {
-		return nil
+		return
 	}
 	g := &p.lanes
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.closed {
-		return nil
+		return
 	}
 	if g.lanes == nil {
 		g.lanes = make([]*peer, a.cfg.ReadLanes-1)
@@ -268,8 +288,8 @@ func (a *Agent) startLanes(p *peer) []*peer {
 		if l != nil {
 			select {
 			case <-l.ready:
-				if l.err != nil || l.conn.Context().Err() == nil || !handshakeDone(l.conn) {
-					continue // failed to dial or to complete its handshake, or up
+				if l.err != nil || l.conn.Context().Err() == nil {
+					continue // failed to dial, or up
 				}
 			default:
 				continue // dialing
@@ -299,16 +319,18 @@ func (a *Agent) startLanes(p *peer) []*peer {
 			}
 		}()
 	}
-	return append([]*peer(nil), g.lanes...)
 }
 
-// lanesUp returns p's READ lanes 1..K-1 whose handshake is complete, and
-// dials the missing ones in the background. It never waits: a READ on a
-// new connection (perhaps in 0-RTT) keeps its latency and runs on the
-// lanes up when it starts; lanes still dialing join the next one.
-func (a *Agent) lanesUp(p *peer) []*peer {
+// up returns the group's READ lanes that are up. A READ never waits for a
+// lane: one on a new connection (perhaps in 0-RTT) keeps its latency and
+// runs on the lanes up when it starts; lanes still dialing join a later
+// one.
+func (g *laneGroup) up() []*peer {
 	var up []*peer
-	for _, l := range a.startLanes(p) {
+	for _, l := range g.snapshot() {
+		if l == nil {
+			continue
+		}
 		select {
 		case <-l.ready:
 		default:
