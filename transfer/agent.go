@@ -70,14 +70,18 @@ type Agent struct {
 	regMu   sync.RWMutex
 	regions regionSet
 
-	mu        sync.Mutex
-	closed    bool
-	peers     map[string]*peer
-	dials     map[string]int
-	budgets   map[string]*budget
-	servConns map[*quic.Conn]struct{}
-	laneTrs   []*quic.Transport // READ lane i's transport at i-1, opened on first use
+	mu     sync.Mutex
+	closed bool
+	peers  map[string]*peer
+	dials  map[string]int
+	// failedDials[addr] is the last connection to addr that ended refused
+	// or could not be dialed, and the calls it answers (see peerFor).
+	failedDials map[string]failedDial
+	budgets     map[string]*budget
+	servConns   map[*quic.Conn]struct{}
+	laneTrs     []*quic.Transport // READ lane i's transport at i-1, opened on first use
 
+	calls    atomic.Uint64 // numbers the calls into withConn, in start order
 	nextXfer atomic.Uint64
 	nextList atomic.Uint64
 	moved    atomic.Uint64 // payload bytes, counted as they move (meter)
@@ -152,15 +156,16 @@ func New(cfg *Config) (*Agent, error) {
 		pc = udp
 	}
 	a := &Agent{
-		cfg:       c,
-		tr:        &quic.Transport{Conn: pc, StatelessResetKey: c.StatelessResetKey},
-		qconf:     QUICConfig(c),
-		m:         m,
-		log:       c.Logger,
-		peers:     make(map[string]*peer),
-		dials:     make(map[string]int),
-		budgets:   make(map[string]*budget),
-		servConns: make(map[*quic.Conn]struct{}),
+		cfg:         c,
+		tr:          &quic.Transport{Conn: pc, StatelessResetKey: c.StatelessResetKey},
+		qconf:       QUICConfig(c),
+		m:           m,
+		log:         c.Logger,
+		peers:       make(map[string]*peer),
+		dials:       make(map[string]int),
+		failedDials: make(map[string]failedDial),
+		budgets:     make(map[string]*budget),
+		servConns:   make(map[*quic.Conn]struct{}),
 	}
 	a.ctx, a.cancel = context.WithCancelCause(context.Background())
 	if c.QlogDir != "" {
@@ -291,9 +296,30 @@ func errClosed() error {
 	return fmt.Errorf("%w: transfer: agent closed: %w", ErrUnavailable, net.ErrClosed)
 }
 
-// peerFor returns a usable connection to addr, dialing (with 0-RTT when a
-// session ticket is cached) if there is none.
-func (a *Agent) peerFor(ctx context.Context, addr string) (*peer, error) {
+// failedDial records a connection to an address that ended refused (a TLS
+// alert, a close with a code) or was never had (the dial failed): err, the
+// error of the call that met it, answers every call numbered up to call.
+type failedDial struct {
+	call uint64
+	err  error
+}
+
+// noteFailedDial records that the connection to addr ended refused or could
+// not be had, with err: the calls already started (they raced the one that
+// met the refusal, as a connector's metadata exchange and READ to a new
+// peer do) get err instead of dialing again; calls started from now on
+// dial anew, once each.
+func (a *Agent) noteFailedDial(addr string, err error) {
+	a.mu.Lock()
+	a.failedDials[addr] = failedDial{call: a.calls.Load(), err: err}
+	a.mu.Unlock()
+}
+
+// peerFor returns a usable connection to addr for call (its number from
+// Agent.calls), dialing (with 0-RTT when a session ticket is cached) if
+// there is none, unless a connection to addr ended refused or failed to
+// dial after call started: then that error.
+func (a *Agent) peerFor(ctx context.Context, addr string, call uint64) (*peer, error) {
 	if a.clientTLS == nil {
 		return nil, fmt.Errorf("%w: transfer: Config.ClientTLS is nil, this agent cannot dial %s", ErrInvalidArgument, addr)
 	}
@@ -304,6 +330,10 @@ func (a *Agent) peerFor(ctx context.Context, addr string) (*peer, error) {
 			return nil, errClosed()
 		}
 		p := a.peers[addr]
+		if f, ok := a.failedDials[addr]; p == nil && ok && call <= f.call {
+			a.mu.Unlock()
+			return nil, f.err
+		}
 		if p == nil {
 			p = &peer{addr: addr, ready: make(chan struct{})}
 			a.peers[addr] = p
@@ -329,6 +359,7 @@ func (a *Agent) peerFor(ctx context.Context, addr string) (*peer, error) {
 		}
 		if p.err != nil {
 			a.dropPeer(p)
+			a.noteFailedDial(addr, p.err)
 			return nil, p.err
 		}
 		// The connection died and its watcher may not have said so yet:

@@ -15,8 +15,14 @@ import (
 //
 // Every call that uses a cached connection goes through here: Handshake,
 // Heartbeat, Notify, Prepare and Transfer.
+//
+// A refusal that ended the connection, or a dial that failed, answers the
+// calls to addr already started as well: they get its error instead of
+// dialing again (two requests that race to a peer that refuses them cost
+// one refused dial, not two).
 func (a *Agent) withConn(ctx context.Context, addr string, op func(p *peer, redialed bool) error) error {
-	p, err := a.peerFor(ctx, addr)
+	call := a.calls.Add(1)
+	p, err := a.peerFor(ctx, addr, call)
 	if err != nil {
 		return err
 	}
@@ -58,7 +64,7 @@ func (a *Agent) withConn(ctx context.Context, addr string, op func(p *peer, redi
 			}
 			a.peerGone(p)
 			a.log.Info("transfer: connection died under a call; redialing once", "peer", addr, "err", err)
-			np, derr := a.peerFor(ctx, addr)
+			np, derr := a.peerFor(ctx, addr, call)
 			if derr != nil {
 				a.log.Info("transfer: redial failed", "peer", addr, "err", derr)
 				return err
@@ -72,6 +78,7 @@ func (a *Agent) withConn(ctx context.Context, addr string, op func(p *peer, redi
 				// connection, whose context quic-go may not have ended
 				// yet.
 				a.dropPeer(p)
+				a.noteFailedDial(addr, err)
 			}
 			return err
 		}

@@ -282,12 +282,21 @@ func TestRefusalNotRedialed(t *testing.T) {
 				require.NoError(t, err)
 				t.Cleanup(func() { _ = cli.Close() })
 				for call := 1; call <= 2; call++ {
+					// A call that started before the refusal (as a
+					// connector's READ racing its metadata exchange does)
+					// and asks for the connection only after it was
+					// refused and dropped gets the refusal, not a dial.
+					early := cli.calls.Add(1)
 					_, err = cli.Handshake(t.Context(), simServer, &v1.HandshakeRequest{})
 					require.Error(t, err)
 					var te *quic.TransportError
 					require.ErrorAs(t, err, &te, "a TLS alert")
 					require.True(t, te.ErrorCode.IsCryptoError(), "a TLS alert: %v", err)
 					require.Equal(t, call, cli.DialCount(simServer), "dialed once per call")
+					synctest.Wait()
+					_, lateErr := cli.peerFor(t.Context(), simServer, early)
+					require.Equal(t, err.Error(), lateErr.Error(), "the call that raced it meets the same refusal")
+					require.Equal(t, call, cli.DialCount(simServer), "without a dial of its own")
 					// Let the refused connection finish closing: quic-go fails
 					// its streams before it ends it, and a call in between
 					// would meet the same refusal on it without a dial.
