@@ -77,31 +77,40 @@ func benchHandshake(ctx context.Context, args []string, stdout, stderr io.Writer
 	}
 	fmt.Fprintf(table, "handshake latency, %s, prefill TP %d -> decode TP %d, RTT %.1f ms, median of %d trials\n",
 		res.Model, res.PrefillTP, res.DecodeTP, res.RTTMs, res.Trials)
-	tw := tabwriter.NewWriter(table, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "mode\tdecode rank\ttarget\tfirst contact ms\tRTT\tcached ms\tRTT\t0-RTT reconnect ms\tRTT\t0-RTT trials\t")
-	for _, name := range []string{"piggyback", "legacy"} {
-		m := res.Modes[name]
-		for d := range m.TargetRanks {
-			fmt.Fprintf(tw, "%s\t%d\t%d\t%.1f\t%.2f\t%.3f\t%.2f\t%.1f\t%.2f\t%d/%d\t\n", name, d, m.TargetRanks[d],
-				m.FirstContactMs[d], m.FirstContactRTT[d], m.CachedMs[d], m.CachedRTT[d],
-				m.Reconnect0RTTMs[d], m.Reconnect0RTTRTT[d], m.ZeroRTTTrials[d], res.Trials)
+	// Each table: one row per mode and decode rank, three (ms, RTT) pairs
+	// and the trials that resumed in 0-RTT.
+	type cols struct{ ms, rtt [3][]float64 }
+	modeTable := func(header string, pick func(m *demo.HandshakeModeResult) (cols, []int), msFmt [3]string) error {
+		tw := tabwriter.NewWriter(table, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, header)
+		for _, name := range []string{"piggyback", "legacy"} {
+			m := res.Modes[name]
+			c, zero := pick(m)
+			for d := range m.TargetRanks {
+				fmt.Fprintf(tw, "%s\t%d\t%d\t", name, d, m.TargetRanks[d])
+				for i := range 3 {
+					fmt.Fprintf(tw, msFmt[i]+"\t%.2f\t", c.ms[i][d], c.rtt[i][d])
+				}
+				fmt.Fprintf(tw, "%d/%d\t\n", zero[d], res.Trials)
+			}
 		}
+		return tw.Flush()
 	}
-	if err := tw.Flush(); err != nil {
+	err = modeTable("mode\tdecode rank\ttarget\tfirst contact ms\tRTT\tcached ms\tRTT\t0-RTT reconnect ms\tRTT\t0-RTT trials\t",
+		func(m *demo.HandshakeModeResult) (cols, []int) {
+			return cols{[3][]float64{m.FirstContactMs, m.CachedMs, m.Reconnect0RTTMs},
+				[3][]float64{m.FirstContactRTT, m.CachedRTT, m.Reconnect0RTTRTT}}, m.ZeroRTTTrials
+		}, [3]string{"%.1f", "%.3f", "%.1f"})
+	if err != nil {
 		return err
 	}
 	fmt.Fprintf(table, "\nfirst KV byte of a one-block load (StartLoad to first byte in decode memory), median of %d trials\n", res.Trials)
-	tw = tabwriter.NewWriter(table, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "mode\tdecode rank\ttarget\tnew peer ms\tRTT\tcached ms\tRTT\treturning (0-RTT) ms\tRTT\t0-RTT trials\t")
-	for _, name := range []string{"piggyback", "legacy"} {
-		m := res.Modes[name]
-		for d := range m.TargetRanks {
-			fmt.Fprintf(tw, "%s\t%d\t%d\t%.1f\t%.2f\t%.1f\t%.2f\t%.1f\t%.2f\t%d/%d\t\n", name, d, m.TargetRanks[d],
-				m.FirstKVByteMs[d], m.FirstKVByteRTT[d], m.FirstKVByteCachedMs[d], m.FirstKVByteCachedRTT[d],
-				m.FirstKVByte0RTTMs[d], m.FirstKVByte0RTTRTT[d], m.FirstKVByte0RTTTrials[d], res.Trials)
-		}
-	}
-	if err := tw.Flush(); err != nil {
+	err = modeTable("mode\tdecode rank\ttarget\tnew peer ms\tRTT\tcached ms\tRTT\treturning (0-RTT) ms\tRTT\t0-RTT trials\t",
+		func(m *demo.HandshakeModeResult) (cols, []int) {
+			return cols{[3][]float64{m.FirstKVByteMs, m.FirstKVByteCachedMs, m.FirstKVByte0RTTMs},
+				[3][]float64{m.FirstKVByteRTT, m.FirstKVByteCachedRTT, m.FirstKVByte0RTTRTT}}, m.FirstKVByte0RTTTrials
+		}, [3]string{"%.1f", "%.1f", "%.1f"})
+	if err != nil {
 		return err
 	}
 	if *asJSON {
