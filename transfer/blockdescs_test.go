@@ -39,7 +39,7 @@ func TestBlockDescsRead(t *testing.T) {
 		}
 		return nil
 	}})
-	cliMem := mmapRegion(t, 64<<10)
+	cliMem := mmapRegion(t, 128<<10)
 	cliReg := SliceRegion(cliMem, 0, 0)
 	cli := startAgent(t, Config{Regions: []Region{cliReg}})
 	peer := srv.Addr().String()
@@ -76,6 +76,34 @@ func TestBlockDescsRead(t *testing.T) {
 		require.NoError(t, err)
 		for i := range 6 {
 			require.True(t, bytes.Equal(want[i*2048:(i+1)*2048], cliMem[i*4096:i*4096+2048]), "entry %d", i)
+		}
+	})
+
+	t.Run("many slices, gathered into few stream writes", func(t *testing.T) {
+		// 3 regions × 8 blocks × 4 KiB = 96 KiB: above the one-write
+		// small READ, each slice apart from the next in the peer's memory.
+		all := []uint32{7, 0, 1, 2, 3, 4, 5, 6}
+		big := &BlockDescs{NumRegions: 3, Offset: 2048, Len: 4096, BlockIDs: all}
+		var want []byte
+		for r := range 3 {
+			for _, b := range all {
+				off := int(b)*blockLen + 2048
+				want = append(want, srvRegs[r].Mem.(SliceMemory)[off:off+4096]...)
+			}
+		}
+		for _, checksum := range []bool{false, true} {
+			clear(cliMem)
+			var local []Desc
+			for i := range 24 {
+				local = append(local, Desc{Addr: cliReg.Base + uint64(i)*4096, Len: 4096})
+			}
+			if !checksum {
+				local = []Desc{{Addr: cliReg.Base, Len: 24 * 4096}}
+			}
+			_, err := cli.Transfer(t.Context(), &Xfer{Op: OpRead, Peer: peer, RequestID: "all", Capability: key.Issue("all", all...),
+				Local: local, RemoteBlocks: big, Checksum: checksum})
+			require.NoError(t, err)
+			require.True(t, bytes.Equal(want, cliMem[:len(want)]), "checksum %v: bytes differ", checksum)
 		}
 	})
 

@@ -435,14 +435,19 @@ func (a *Agent) serveRead(str *quic.Stream, spans []span, checksum bool, wd *wat
 	var sums []uint32
 	var staging []byte
 	var sent uint64
-	for _, s := range spans {
+	g := newGatherWriter(str, &sent, wd)
+	defer g.release()
+	for i, s := range spans {
 		var crc uint32
 		err := a.eachChunk(s, &staging, false, func(b []byte) error {
 			if checksum {
 				crc = crc32.Update(crc, castagnoli, b)
 			}
-			return writeChunks(str, b, &sent, wd)
+			return g.write(b)
 		})
+		if err == nil && i == len(spans)-1 {
+			err = g.flush()
+		}
 		if err != nil {
 			code := codes.Of(err)
 			var se *quic.StreamError

@@ -61,7 +61,12 @@ func TestMetricsSharedRegistry(t *testing.T) {
 	srvMem, cliMem := make([]byte, n), make([]byte, n)
 	srvReg, cliReg := SliceRegion(srvMem, 0, 0), SliceRegion(cliMem, 0, 0)
 	reg := prometheus.NewRegistry()
-	srv := startAgent(t, Config{Regions: []Region{srvReg}, Authorize: allowAll, Registerer: reg})
+	// The server counts a transfer after its last byte or ack went out,
+	// when the client may have returned already: Release runs after that
+	// count, so the test waits for it before reading the counters.
+	released := make(chan struct{}, 3)
+	srv := startAgent(t, Config{Regions: []Region{srvReg}, Authorize: allowAll, Registerer: reg,
+		Release: func(*Access) { released <- struct{}{} }})
 	cli := startAgent(t, Config{Regions: []Region{cliReg}, Registerer: reg})
 	x := &Xfer{Op: OpRead, Peer: srv.Addr().String(), Local: []Desc{{Addr: cliReg.Base, Len: n}}, Remote: []Desc{{Addr: srvReg.Base, Len: n}}}
 	for range 2 {
@@ -71,6 +76,9 @@ func TestMetricsSharedRegistry(t *testing.T) {
 	x.Op = OpWrite
 	_, err := cli.Transfer(t.Context(), x)
 	require.NoError(t, err)
+	for range 3 {
+		<-released
+	}
 	got := func(vec *prometheus.CounterVec, labels ...string) float64 {
 		return promtest.ToFloat64(vec.WithLabelValues(labels...))
 	}
