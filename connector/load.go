@@ -278,7 +278,11 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 		wg.Go(func() {
 			readErrs[i] = r.readSource(ctx, l, s, l.exports[i], ts[i], remote)
 			if readErrs[i] != nil && codes.Of(readErrs[i]) == v1.Code_CODE_UNAVAILABLE && ctx.Err() == nil {
-				readErrs[i] = fmt.Errorf("prefill rank %d at %s stopped serving the READ (it is shutting down, or gone): %w", s.PrefillRank, ts[i].Addr, readErrs[i])
+				what := "did not serve the READ (it is starting, shutting down, or gone)"
+				if xe, ok := errors.AsType[*transfer.XferError](readErrs[i]); ok && xe.Bytes > 0 {
+					what = "stopped serving the READ (it is shutting down, or gone)"
+				}
+				readErrs[i] = fmt.Errorf("prefill rank %d at %s %s: %w", s.PrefillRank, ts[i].Addr, what, readErrs[i])
 			}
 		})
 	}

@@ -215,7 +215,7 @@ func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer)
 	printLanes(table, res, *rounds)
 	if res.RTTMs > 0 {
 		fmt.Fprintf(table, "\nREAD of %s at %.1f ms RTT (receive windows %s), packets declared lost %d:\n", sizeString(res.RTTBulkBytes), res.RTTMs,
-			sizeString(int(res.RTTWindowBytes)), res.RTTBulkLostPackets)
+			sizeString(int(res.RTTWindowBytes)), *res.RTTBulkLostPackets)
 		fmt.Fprintf(table, "  after one 4K READ  %.3f GB/s, %.2f RTT\n  warm, best of %d   %.2f RTT\n", res.RTTBulkGBPerS, res.RTTBulkRTTs, *rounds, res.RTTBulkWarmRTTs)
 	}
 	if *asJSON {

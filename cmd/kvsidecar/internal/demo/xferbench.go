@@ -148,14 +148,15 @@ type TransferResult struct {
 	// on a fresh connection), its throughput and duration in RTTs; then the
 	// best of BulkRounds more on the same connection (window grown:
 	// RTTBulkWarmRTTs); the receive window used (RTTWindowBytes); and the
-	// packets quic-go declared lost on both sides over all of them.
+	// packets quic-go declared lost on both sides over all of them (nil
+	// without an RTT, so the JSON leaves it out).
 	RTTMs              float64 `json:"rtt_ms,omitempty"`
 	RTTBulkBytes       int     `json:"rtt_bulk_bytes,omitempty"`
 	RTTBulkGBPerS      float64 `json:"rtt_bulk_gb_per_s,omitempty"`
 	RTTBulkRTTs        float64 `json:"rtt_bulk_rtts,omitempty"`
 	RTTBulkWarmRTTs    float64 `json:"rtt_bulk_warm_rtts,omitempty"`
 	RTTWindowBytes     uint64  `json:"rtt_window_bytes,omitempty"`
-	RTTBulkLostPackets int64   `json:"rtt_bulk_lost_packets"`
+	RTTBulkLostPackets *int64  `json:"rtt_bulk_lost_packets,omitempty"`
 }
 
 func (c *TransferConfig) withDefaults() (TransferConfig, error) {

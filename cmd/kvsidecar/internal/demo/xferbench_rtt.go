@@ -88,7 +88,7 @@ func (b *xferBench) rttBulk(ctx context.Context, res *TransferResult, st, ct *tl
 	res.RTTBulkRTTs = round(float64(first)/float64(rtt), 2)
 	res.RTTBulkWarmRTTs = round(float64(best)/float64(rtt), 2)
 	res.RTTWindowBytes = win
-	res.RTTBulkLostPackets = lost.n.Load()
+	res.RTTBulkLostPackets = new(lost.n.Load())
 	return nil
 }
 
