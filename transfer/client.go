@@ -556,8 +556,9 @@ func (a *Agent) checkXfer(x *Xfer) (local []span, remote []Desc, total uint64, e
 	return local, remote, total, nil
 }
 
-// checkBlockXfer validates a READ whose remote side is x.RemoteBlocks and
-// resolves its local descriptors, which must total the blocks' bytes (and
+// checkBlockXfer validates a READ whose remote side is x.RemoteBlocks (its
+// local descriptor count was checked by checkXfer) and resolves its local
+// descriptors, which must total the blocks' bytes (and
 // pair one to one with their entries when x.Checksum is set).
 func (a *Agent) checkBlockXfer(x *Xfer) (local []span, remote []Desc, total uint64, err error) {
 	b := x.RemoteBlocks
@@ -577,10 +578,6 @@ func (a *Agent) checkBlockXfer(x *Xfer) (local []span, remote []Desc, total uint
 	case b.Len > math.MaxUint64/b.Entries():
 		return bad(v1.Code_CODE_OUT_OF_RANGE, "%d entries of %d bytes overflow 64 bits", b.Entries(), b.Len)
 	}
-	n := len(x.Local)
-	if n == 0 || n > a.cfg.MaxDescsPerTransfer {
-		return nil, nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "Xfer.Local has %d descriptors, want 1..%d", n, a.cfg.MaxDescsPerTransfer)
-	}
 	local, total, err = a.regionSet().resolveAll(x.Local)
 	if err != nil {
 		return nil, nil, 0, fmt.Errorf("transfer: Xfer.Local: %w", err)
@@ -589,7 +586,7 @@ func (a *Agent) checkBlockXfer(x *Xfer) (local []span, remote []Desc, total uint
 		return nil, nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "Xfer.Local totals %d bytes, Xfer.RemoteBlocks names %d (%d regions × %d blocks × %d bytes)",
 			total, want, b.NumRegions, len(b.BlockIDs), b.Len)
 	}
-	if x.Checksum && uint64(n) != b.Entries() {
+	if n := len(x.Local); x.Checksum && uint64(n) != b.Entries() {
 		return nil, nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "Xfer.Checksum needs one local descriptor per entry of Xfer.RemoteBlocks: %d for %d", n, b.Entries())
 	}
 	return local, nil, total, nil

@@ -1,8 +1,11 @@
 package transfer
 
 import (
+	"encoding/binary"
 	"io"
 	"sync"
+
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvsidecar/kvsidecar/internal/wire"
 )
@@ -24,24 +27,14 @@ func putReader(r *wire.Reader) {
 	readers.Put(r)
 }
 
-// smallRead is the largest READ the server hands to quic-go in one write:
-// status header, bytes and final status, so they leave in as few packets as
-// the bytes need and the reader wakes once, at the price of one copy of at
-// most this many bytes.
-const smallRead = 64 << 10
-
-// smallBufs keeps the buffers of those writes.
-var smallBufs = sync.Pool{New: func() any {
-	b := make([]byte, 0, smallRead+1024)
-	return &b
-}}
-
-// gatherMax is the most a READ's small slices are gathered into before one
-// stream write. A decode rank that holds some of a block's heads reads one
-// slice of a few KiB per block per region: written one by one, each was a
+// gatherMax is the most a READ's bytes are gathered into before one stream
+// write. A decode rank that holds some of a block's heads reads one slice
+// of a few KiB per block per region: written one by one, each was a
 // quic-go Stream.Write of its own (a lock and a wake-up of the send loop),
-// which capped such loads near 0.17 GB/s where 16 KiB slices reached 0.38.
-// Slices of at least gatherMax go out directly, without a copy.
+// which capped such loads near 0.17 GB/s where 16 KiB slices reached 0.38;
+// and a small READ's status header, bytes and final status leave in one
+// write, so its reader wakes once. Slices of at least gatherMax go out
+// directly, without a copy.
 const gatherMax = 256 << 10
 
 // gatherBufs keeps the gather buffers.
@@ -50,21 +43,24 @@ var gatherBufs = sync.Pool{New: func() any {
 	return &b
 }}
 
-// gatherWriter writes a READ's bytes to its stream, gathering slices
-// smaller than gatherMax into one write; sent and the watchdog count bytes
-// as they reach the stream. flush writes what is gathered; release hands
-// the buffer back.
+// gatherWriter writes a READ's frames and bytes to its stream, gathering
+// frames and slices smaller than gatherMax into one write; sent and the
+// watchdog count payload bytes (not frames) as they reach the stream.
+// flush writes what is gathered; release hands the buffer back.
 type gatherWriter struct {
-	w    io.Writer
-	bp   *[]byte
-	sent *uint64
-	wd   *watchdog
+	w       io.Writer
+	bp      *[]byte
+	payload int // bytes of *bp that are payload
+	sent    *uint64
+	wd      *watchdog
 }
 
 func newGatherWriter(w io.Writer, sent *uint64, wd *watchdog) *gatherWriter {
 	return &gatherWriter{w: w, bp: gatherBufs.Get().(*[]byte), sent: sent, wd: wd}
 }
 
+// write gathers payload p, or writes it straight when it is gatherMax or
+// more.
 func (g *gatherWriter) write(p []byte) error {
 	if len(p) >= gatherMax {
 		if err := g.flush(); err != nil {
@@ -78,15 +74,36 @@ func (g *gatherWriter) write(p []byte) error {
 		}
 	}
 	*g.bp = append(*g.bp, p...)
+	g.payload += len(p)
 	return nil
 }
 
+// frame gathers one protocol frame of m.
+func (g *gatherWriter) frame(m proto.Message) error {
+	if len(*g.bp) > 0 && len(*g.bp)+proto.Size(m)+binary.MaxVarintLen64 > gatherMax {
+		if err := g.flush(); err != nil {
+			return err
+		}
+	}
+	b, err := wire.AppendFrame(*g.bp, m, 0)
+	if err != nil {
+		return err
+	}
+	*g.bp = b
+	return nil
+}
+
+// flush writes what is gathered.
 func (g *gatherWriter) flush() error {
 	if len(*g.bp) == 0 {
 		return nil
 	}
-	err := writeChunks(g.w, *g.bp, g.sent, g.wd)
-	*g.bp = (*g.bp)[:0]
+	_, err := g.w.Write(*g.bp)
+	if err == nil && g.payload > 0 {
+		*g.sent += uint64(g.payload)
+		g.wd.progress(g.payload)
+	}
+	*g.bp, g.payload = (*g.bp)[:0], 0
 	return err
 }
 

@@ -424,20 +424,27 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 	a.m.xferDone(op, roleServer, err == nil)
 }
 
-// serveRead streams the spans' bytes straight from memory, then the status.
+// serveRead streams the spans' bytes from memory, then the status. The
+// status header, slices under gatherMax and the final status are gathered
+// into few stream writes (a READ under gatherMax leaves in one, so its
+// reader wakes once); larger slices go out straight from memory.
 func (a *Agent) serveRead(str *quic.Stream, spans []span, checksum bool, wd *watchdog) (uint64, error) {
-	if total := spansLen(spans); total <= smallRead {
-		return a.serveSmallRead(str, spans, total, checksum, wd)
-	}
-	if err := wire.WriteMsg(str, &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{}}}, 0); err != nil {
-		return 0, err
-	}
-	var sums []uint32
-	var staging []byte
 	var sent uint64
 	g := newGatherWriter(str, &sent, wd)
 	defer g.release()
-	for i, s := range spans {
+	fail := func(err error) (uint64, error) {
+		var se *quic.StreamError
+		if !errors.As(err, &se) {
+			str.CancelWrite(quic.StreamErrorCode(codes.Of(err)))
+		}
+		return sent, err
+	}
+	if err := g.frame(&v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{}}}); err != nil {
+		return fail(err)
+	}
+	var sums []uint32
+	var staging []byte
+	for _, s := range spans {
 		var crc uint32
 		err := a.eachChunk(s, &staging, false, func(b []byte) error {
 			if checksum {
@@ -445,68 +452,22 @@ func (a *Agent) serveRead(str *quic.Stream, spans []span, checksum bool, wd *wat
 			}
 			return g.write(b)
 		})
-		if err == nil && i == len(spans)-1 {
-			err = g.flush()
-		}
 		if err != nil {
-			code := codes.Of(err)
-			var se *quic.StreamError
-			if !errors.As(err, &se) {
-				str.CancelWrite(quic.StreamErrorCode(code))
-			}
-			return sent, err
+			return fail(err)
 		}
 		sums = append(sums, crc)
 	}
 	if !checksum {
 		sums = nil
 	}
-	fin := &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{Bytes: sent, Checksums: sums}}}
-	if err := wire.WriteMsg(str, fin, 0); err != nil {
-		return sent, err
+	fin := &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{Bytes: spansLen(spans), Checksums: sums}}}
+	if err := g.frame(fin); err != nil {
+		return fail(err)
+	}
+	if err := g.flush(); err != nil {
+		return fail(err)
 	}
 	return sent, str.Close()
-}
-
-// serveSmallRead is serveRead in one write: the status header, a copy of
-// the spans' bytes (total, at most smallRead) and the final status.
-func (a *Agent) serveSmallRead(str *quic.Stream, spans []span, total uint64, checksum bool, wd *watchdog) (uint64, error) {
-	bp := smallBufs.Get().(*[]byte)
-	defer smallBufs.Put(bp)
-	b, err := wire.AppendFrame((*bp)[:0], &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{}}}, 0)
-	if err != nil {
-		return 0, err
-	}
-	var sums []uint32
-	var staging []byte
-	for _, s := range spans {
-		var crc uint32
-		err := a.eachChunk(s, &staging, false, func(p []byte) error {
-			if checksum {
-				crc = crc32.Update(crc, castagnoli, p)
-			}
-			b = append(b, p...)
-			return nil
-		})
-		if err != nil {
-			str.CancelWrite(quic.StreamErrorCode(codes.Of(err)))
-			return 0, err
-		}
-		if checksum {
-			sums = append(sums, crc)
-		}
-	}
-	b, err = wire.AppendFrame(b, &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{Bytes: total, Checksums: sums}}}, 0)
-	*bp = b[:0]
-	if err != nil {
-		str.CancelWrite(quic.StreamErrorCode(codes.Of(err)))
-		return 0, err
-	}
-	if _, err := str.Write(b); err != nil {
-		return 0, err
-	}
-	wd.progress(int(total))
-	return total, str.Close()
 }
 
 // spansLen is the spans' total length in bytes.

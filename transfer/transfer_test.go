@@ -82,11 +82,12 @@ func TestTransferByteExact(t *testing.T) {
 		{"write 16", 16, OpWrite, false, false, nil, false},
 		{"read 4096", 4096, OpRead, false, true, nil, false},
 		{"write 4096 indexed", 4096, OpWrite, true, false, nil, false},
-		// READs of at most smallRead bytes leave the server in one write.
+		// READs under gatherMax bytes leave the server in one write; a
+		// slice of gatherMax goes out straight from memory.
 		{"read small", 0, OpRead, false, true, []uint64{4 << 10, 100, 12 << 10}, false},
 		{"read small indexed staged", 0, OpRead, true, true, []uint64{1, 4 << 10, 7}, true},
-		{"read smallRead", 0, OpRead, false, true, []uint64{smallRead - 4096, 4096}, false},
-		{"read smallRead+1 staged", 0, OpRead, false, true, []uint64{smallRead, 1}, true},
+		{"read gatherMax", 0, OpRead, false, true, []uint64{gatherMax - 4096, 4096}, false},
+		{"read gatherMax+1 staged", 0, OpRead, false, true, []uint64{gatherMax, 1}, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
