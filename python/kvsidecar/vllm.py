@@ -53,7 +53,6 @@ its blocks in ``get_block_ids_with_load_errors`` (vLLM recomputes them).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import re
 from collections.abc import Iterable
@@ -69,68 +68,21 @@ from kvsidecar.local import (
     params_to_json,
     req_meta,
 )
+from kvsidecar.staging import LayerLayout, Staging, layer_layout
 from kvsidecar.v1 import common_pb2, local_pb2, params_pb2
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["KVSidecarConnector", "KVSidecarConnectorMetadata", "LoadSpec", "SaveSpec", "HAVE_VLLM"]
+__all__ = ["KVConnectorRole", "KVSidecarConnector", "KVSidecarConnectorMetadata", "LoadSpec", "SaveSpec"]
 
 log = logging.getLogger("kvsidecar.vllm")
 
-try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
-        KVConnectorBase_V1 as _Base,
-    )
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
-        KVConnectorMetadata as _MetadataBase,
-    )
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
-        KVConnectorRole,
-    )
-
-    HAVE_VLLM = True
-except ImportError:
-    HAVE_VLLM = False
-
-    class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
-        """vLLM's KVConnectorRole, for use without vLLM."""
-
-        SCHEDULER = 0
-        WORKER = 1
-
-    class _MetadataBase:  # type: ignore[no-redef]
-        """Stands in for vLLM's KVConnectorMetadata without vLLM."""
-
-    class _Base:  # type: ignore[no-redef]
-        """Without vLLM: what KVConnectorBase_V1 does for its subclasses
-        (keep the config and role, bind and clear the step's metadata)."""
-
-        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-            if getattr(vllm_config, "kv_transfer_config", None) is None:
-                raise ValueError("kv_transfer_config must be set for KVConnectorBase_V1")
-            self._connector_metadata = None
-            self._vllm_config = vllm_config
-            self._kv_transfer_config = vllm_config.kv_transfer_config
-            self._kv_cache_config = kv_cache_config
-            self._role = role
-
-        @property
-        def role(self) -> Any:
-            return self._role
-
-        def bind_connector_metadata(self, connector_metadata: Any) -> None:
-            self._connector_metadata = connector_metadata
-
-        def clear_connector_metadata(self) -> None:
-            self._connector_metadata = None
-
-        def _get_connector_metadata(self) -> Any:
-            assert self._connector_metadata is not None
-            return self._connector_metadata
-
-        def has_connector_metadata(self) -> bool:
-            return self._connector_metadata is not None
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 
 
 # vLLM's RequestStatus (vllm/v1/request.py) by name -> why the sidecar is told
@@ -189,7 +141,7 @@ class SaveSpec:
 
 
 @dataclasses.dataclass
-class KVSidecarConnectorMetadata(_MetadataBase):
+class KVSidecarConnectorMetadata(KVConnectorMetadata):
     """What the scheduler side tells every worker for one step."""
 
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
@@ -204,8 +156,12 @@ def _role_name(role: Any) -> str:
 class _Config:
     """The connector's settings, from vLLM's config objects."""
 
-    def __init__(self, vllm_config: Any) -> None:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any = None) -> None:
         kt = vllm_config.kv_transfer_config
+        # vLLM's blocks per layer tensor (KVCacheConfig.num_blocks; the
+        # scheduler's and the workers' copies agree).
+        self.num_vllm_blocks: int = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+        self.kv_cache_config = kv_cache_config
         extra = dict(getattr(kt, "kv_connector_extra_config", None) or {})
         self.engine_id: str = extra.get("engine_id") or getattr(kt, "engine_id", None) or ""
         if not self.engine_id:
@@ -510,57 +466,22 @@ class _Load:
     aborted: bool = False
 
 
-class _Staging:
-    """Copies between vLLM's per-layer KV tensors and the sidecar's blocks
-    of one rank (see the module doc for both layouts)."""
+def _vllm_layout(cfg: _Config) -> LayerLayout:
+    """The layout of vLLM's KV tensors in this worker: its attention
+    backend (``get_current_attn_backends``, vllm 0.32.0
+    ``vllm/distributed/kv_transfer/kv_connector/utils.py``) and the layout
+    the engine resolved (``CacheConfig.get_resolved_kv_cache_layout``)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import (  # type: ignore[import-not-found]
+        get_current_attn_backends,
+    )
 
-    def __init__(self, client: LocalClient, info: local_pb2.KVCacheInfo, torch_mod: Any) -> None:
-        self.torch = torch_mod
-        self.client = client
-        self.info = info
-        self.per_page = info.page_size // info.block_len
-        self.pages = info.region_len // info.page_size
-        self._regions: dict[int, Any] = {}
-
-    def region(self, r: int) -> Any:
-        """Region r as a uint8 tensor [pages, blocks_per_page, block_len]
-        over this process's mapping (no copy)."""
-        t = self._regions.get(r)
-        if t is None:
-            flat = self.torch.frombuffer(self.client.region(r), dtype=self.torch.uint8)
-            t = flat.as_strided((self.pages, self.per_page, self.info.block_len), (self.info.page_size, self.info.block_len, 1))
-            self._regions[r] = t
-        return t
-
-    def index(self, ids: list[int]) -> tuple[Any, Any]:
-        for b in ids:
-            if not self.client.is_mapped(b):
-                raise errors.InvalidArgument(f"KVSidecarConnector: sidecar block {b} is not mapped here (not allocated)")
-        t = self.torch
-        return (t.tensor([b // self.per_page for b in ids], dtype=t.long),
-                t.tensor([b % self.per_page for b in ids], dtype=t.long))
-
-    def save(self, layer: int, kv: Any, vllm_ids: list[int], staging: list[int]) -> None:
-        """vLLM blocks of one layer -> sidecar blocks (regions 2l, 2l+1)."""
-        t = self.torch
-        pi, si = self.index(staging)
-        vidx = t.tensor(vllm_ids, dtype=t.long, device=kv.device)
-        n = len(vllm_ids)
-        for kvi in (0, 1):
-            src = kv[kvi].index_select(0, vidx)  # [n, block_size, heads, head_size]
-            blob = src.permute(0, 2, 1, 3).contiguous().cpu().view(t.uint8).reshape(n, -1)
-            self.region(2 * layer + kvi)[pi, si] = blob
-
-    def load(self, layer: int, kv: Any, vllm_ids: list[int], staging: list[int]) -> None:
-        """Sidecar blocks (regions 2l, 2l+1) -> vLLM blocks of one layer."""
-        t = self.torch
-        pi, si = self.index(staging)
-        vidx = t.tensor(vllm_ids, dtype=t.long, device=kv.device)
-        n, (_, _, bs, heads, hd) = len(vllm_ids), kv.shape
-        for kvi in (0, 1):
-            blob = self.region(2 * layer + kvi)[pi, si]  # [n, block_len] copy
-            data = blob.view(kv.dtype).reshape(n, heads, bs, hd).permute(0, 2, 1, 3)
-            kv[kvi].index_copy_(0, vidx, data.to(kv.device))
+    vc = cfg.vllm_config
+    names = sorted({b.get_name() for b in get_current_attn_backends(vc)})
+    if len(names) != 1:
+        raise errors.Unsupported(f"KVSidecarConnector: one attention backend per model is staged, vLLM runs {names}")
+    layout = vc.cache_config.get_resolved_kv_cache_layout().name
+    head_size = int(vc.model_config.get_head_size())
+    return layer_layout(names[0], layout, head_size, str(getattr(vc.cache_config, "cache_dtype", "auto")))
 
 
 _LAYER_INDEX = re.compile(r"\d+")
@@ -587,7 +508,11 @@ class _Worker:
 
             self.rank = int(get_tensor_model_parallel_rank())
         self.client: LocalClient | None = None
-        self.staging: _Staging | None = None
+        self.staging: Staging | None = None
+        self.layout: LayerLayout | None = None
+        #: How vLLM's KV tensors are laid out (replaced by tests that run
+        #: the worker without a vLLM model).
+        self.layout_of = _vllm_layout
         self.layers: dict[str, int] = {}
         self.kv: list[Any] = []
         self._loads: dict[str, _Load] = {}
@@ -600,41 +525,38 @@ class _Worker:
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         names = sorted(kv_caches, key=_layer_index)
-        first = kv_caches[names[0]]
-        if first.dim() != 5 or first.shape[0] != 2:
-            raise errors.Unsupported(
-                f"KVSidecarConnector: KV cache of shape {tuple(first.shape)}; the staged layout is "
-                "[2, num_blocks, block_size, num_kv_heads, head_size] (FlashAttention)"
-            )
+        self.layout = self.layout_of(self.cfg)
         self.layers = {n: i for i, n in enumerate(names)}
         self.kv = [kv_caches[n] for n in names]
+        for n in names:
+            # Raises naming the shape when a tensor is not the layout's.
+            self.layout.kv_views(kv_caches[n], self.cfg.num_vllm_blocks)
         self._connect()
 
     def _connect(self) -> LocalClient:
         """Dials and attaches to this rank's sidecar and checks vLLM's KV
         tensors against its cache."""
-        import torch
-
         first = self.kv[0]
         c = LocalClient(self.cfg.socket(self.rank), timeout=self.cfg.timeout)
         try:
             info = _attach(c, self.cfg, self.rank, first.dtype)
-            _, _, bs, heads, hd = first.shape
+            k, _ = self.layout.kv_views(first, self.cfg.num_vllm_blocks)
+            _, ratio, heads, nk, hd = k.shape
             layers = info.num_regions // 2
             elem = first.element_size()
-            if len(self.kv) != layers or bs != info.geometry.block_size or heads != info.heads_per_rank \
-                    or hd != info.geometry.head_dim or bs * heads * hd * elem != info.block_len:
+            if len(self.kv) != layers or ratio * nk != info.geometry.block_size or heads != info.heads_per_rank \
+                    or hd != info.geometry.head_dim or ratio * nk * heads * hd * elem != info.block_len:
                 raise errors.IncompatibleModel(
                     f"KVSidecarConnector: vLLM's KV cache ({len(self.kv)} layers of {tuple(first.shape)}, "
-                    f"{first.dtype}) does not match sidecar rank {self.rank} ({layers} layers, "
-                    f"{info.heads_per_rank} heads of {info.geometry.head_dim}, block_size "
+                    f"{first.dtype}, {self.layout.describe()}) does not match sidecar rank {self.rank} "
+                    f"({layers} layers, {info.heads_per_rank} heads of {info.geometry.head_dim}, block_size "
                     f"{info.geometry.block_size}, block_len {info.block_len} bytes)"
                 )
         except Exception:
             c.close()
             raise
         self.client = c
-        self.staging = _Staging(c, info, torch)
+        self.staging = Staging(c, info, self.layout, self.cfg.num_vllm_blocks)
         return c
 
     def _client(self) -> LocalClient | None:
@@ -829,7 +751,7 @@ class _Worker:
             self.client = None
 
 
-class KVSidecarConnector(_Base):
+class KVSidecarConnector(KVConnectorBase_V1):
     """vLLM v1 KV connector over kvsidecar (see the module doc).
 
     Args:
@@ -841,15 +763,15 @@ class KVSidecarConnector(_Base):
             ``cache_config.block_size`` and ``model_config`` (layers, KV
             heads, head size, dtype).
         role: KVConnectorRole.SCHEDULER or WORKER.
-        kv_cache_config: vLLM's KVCacheConfig (unused).
+        kv_cache_config: vLLM's KVCacheConfig: ``num_blocks`` (blocks per layer tensor).
 
     Raises:
         InvalidArgument: no engine id, an unknown kv_role.
     """
 
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        cfg = _Config(vllm_config)
+        cfg = _Config(vllm_config, kv_cache_config)
         self._scheduler: _Scheduler | None = None
         self._worker: _Worker | None = None
         if _role_name(role) == "SCHEDULER":

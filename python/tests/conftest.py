@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -18,6 +19,28 @@ REPO = os.path.dirname(PYTHON_DIR)
 sys.path.insert(0, PYTHON_DIR)
 
 from kvsidecar import devserve  # noqa: E402
+from kvsidecar.devserve import time_scale  # noqa: E402
+from kvsidecar.local import LocalClient  # noqa: E402
+
+
+def stats(sidecar: devserve.Sidecar) -> dict[str, int]:
+    """A sidecar's blocks_used, leases_held and loads_in_flight (its Stats
+    call, on a connection of its own)."""
+    with LocalClient(sidecar.socket) as c:
+        s = c.stats()
+    return {"blocks_used": s.blocks_used, "leases_held": s.leases_held, "loads_in_flight": s.loads_in_flight}
+
+
+def wait_for(what: str, cond, timeout: float = 30.0) -> None:  # noqa: ANN001
+    """Polls ``cond`` until it holds, failing after ``timeout`` seconds
+    times KVSIDECAR_TIME_SCALE."""
+    # wallclock: real sidecar and engine processes settle on their own time;
+    # the bound scales with KVSIDECAR_TIME_SCALE.
+    deadline = time.monotonic() + timeout * time_scale()
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout}s")
+        time.sleep(0.01)
 
 
 @pytest.fixture(scope="session")
@@ -43,10 +66,7 @@ def cluster(binary: str, request: pytest.FixtureRequest) -> Iterator[devserve.Cl
     """A Cluster whose sidecars are stopped at the end of the test; their
     logs are printed when the test failed."""
     if shutil.which("openssl") is None:
-        msg = "openssl is not installed (apt-get install openssl): it makes the dev TLS certificates"
-        if os.environ.get("KVSIDECAR_REQUIRE_PYTHON") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
+        pytest.fail("openssl is not installed (apt-get install openssl): it makes the dev TLS certificates")
     cl = devserve.Cluster(binary)
     yield cl
     failed = getattr(request.node, "rep_call", None)
@@ -61,12 +81,3 @@ def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201
     outcome = yield
     rep = outcome.get_result()
     setattr(item, "rep_" + rep.when, rep)
-
-
-def require(module: str):
-    """Imports ``module``; when it is missing the test is skipped, or fails
-    under KVSIDECAR_REQUIRE_PYTHON=1 (CI installs every dependency, so a
-    missing one there is a failure, never a skip)."""
-    if os.environ.get("KVSIDECAR_REQUIRE_PYTHON") == "1":
-        return __import__(module)
-    return pytest.importorskip(module, reason=f"{module} is not installed (apt-get install python3-{module})")

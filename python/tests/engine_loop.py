@@ -1,7 +1,11 @@
-"""A vLLM stand-in for the connector tests: config objects, requests, the
-scheduler output and an engine loop that calls KVSidecarConnector in the
-order vLLM's v1 engine does, on torch tensors in vLLM's FlashAttention
-layout ([2, num_blocks, block_size, num_kv_heads, head_size] per layer).
+"""A vLLM stand-in for the connector tests that real vLLM engines cannot
+run on this machine (decode TP 4, kills and restarts of single ranks,
+hundreds of blocks per rank): config objects, requests, the scheduler
+output and an engine loop that calls KVSidecarConnector (the real
+KVConnectorBase_V1 subclass) in the order vLLM's v1 engine does, on torch
+tensors in the per-layer layouts of vLLM 0.32.0's attention backends
+(``[num_blocks, heads, block_size, 2 * head_size]`` logical, see
+kvsidecar.staging).
 
 The call order (vLLM's Scheduler.schedule / update_from_output and the
 model runner's KV connector mixin): scheduler get_num_new_matched_tokens,
@@ -25,6 +29,7 @@ from typing import Any
 import torch
 
 from kvsidecar.devserve import time_scale
+from kvsidecar.staging import LayerLayout, layer_layout
 from kvsidecar.vllm import KVConnectorRole, KVSidecarConnector
 
 # llama-3.2-1b's KV geometry (its config.json): 16 layers, 8 KV heads of 64.
@@ -113,6 +118,12 @@ class ModelConfig:
         return HEAD_DIM
 
 
+#: The resolved KVCacheLayout each backend runs with here: the CPU backend's
+#: only one, FlashAttention's default (LBNHC, tokens outside heads: a
+#: permuted view), FlashInfer's HND.
+LAYOUTS = {"CPU_ATTN": "LBHNC", "FLASH_ATTN": "LBNHC", "FLASHINFER": "LBHNC"}
+
+
 def vllm_config(engine_id: str, kv_role: str, tp_size: int, socket_dir: str, tp_rank: int | None = None) -> Any:
     extra: dict[str, Any] = {"socket_dir": socket_dir}
     if tp_rank is not None:
@@ -140,18 +151,24 @@ class Engine:
     connector per TP rank, each with its own KV tensors, and a block pool."""
 
     def __init__(self, engine_id: str, kv_role: str, tp_size: int, socket_dir: str, num_blocks: int,
-                 physical: str = "NHD") -> None:
+                 backend: str = "CPU_ATTN", kernel_ratio: int = 1) -> None:
         self.engine_id, self.tp_size, self.num_blocks = engine_id, tp_size, num_blocks
+        # vLLM splits each block into kernel_ratio kernel blocks when the
+        # backend's kernels take smaller blocks (dim 0 then counts those).
+        self.kernel_ratio = kernel_ratio
         self.heads = KV_HEADS // tp_size
-        self.sched = KVSidecarConnector(vllm_config(engine_id, kv_role, tp_size, socket_dir), KVConnectorRole.SCHEDULER)
+        self.layout: LayerLayout = layer_layout(backend, LAYOUTS[backend], HEAD_DIM)
+        kcc = SimpleNamespace(num_blocks=num_blocks)
+        self.sched = KVSidecarConnector(vllm_config(engine_id, kv_role, tp_size, socket_dir), KVConnectorRole.SCHEDULER,
+                                        kcc)
         self.workers = []
         self.kv: list[dict[str, torch.Tensor]] = []
         for r in range(tp_size):
-            w = KVSidecarConnector(vllm_config(engine_id, kv_role, tp_size, socket_dir, tp_rank=r), KVConnectorRole.WORKER)
-            # vLLM's logical shape is always [2, num_blocks, block_size, heads,
-            # head_size]; with VLLM_KV_CACHE_LAYOUT=HND the memory holds
-            # [2, num_blocks, heads, block_size, head_size] (a permuted view).
-            caches = {f"model.layers.{i}.self_attn.attn": self._kv_tensor(num_blocks, physical) for i in range(LAYERS)}
+            w = KVSidecarConnector(vllm_config(engine_id, kv_role, tp_size, socket_dir, tp_rank=r),
+                                   KVConnectorRole.WORKER, kcc)
+            # No vLLM model runs here to name its attention backend.
+            w._worker.layout_of = lambda cfg: self.layout
+            caches = {f"model.layers.{i}.self_attn.attn": self._kv_tensor(num_blocks) for i in range(LAYERS)}
             w.register_kv_caches(caches)
             self.workers.append(w)
             self.kv.append(caches)
@@ -159,11 +176,33 @@ class Engine:
         self.finished_req_ids: set[str] = set()
         self._reported: dict[tuple[str, str], set[int]] = {}
 
-    def _kv_tensor(self, num_blocks: int, physical: str) -> torch.Tensor:
-        if physical == "HND":
-            t = torch.zeros(2, num_blocks, self.heads, BLOCK_SIZE, HEAD_DIM, dtype=torch.bfloat16)
-            return t.permute(0, 1, 3, 2, 4)
-        return torch.zeros(2, num_blocks, BLOCK_SIZE, self.heads, HEAD_DIM, dtype=torch.bfloat16)
+    def _kv_tensor(self, num_blocks: int) -> torch.Tensor:
+        """One layer's tensor, logical [kernel blocks, heads, kernel block
+        size, 2 * head_dim], in the memory order of the backend's layout."""
+        nb, bs = num_blocks * self.kernel_ratio, BLOCK_SIZE // self.kernel_ratio
+        if self.layout.layout == "LBNHC":
+            t = torch.zeros(nb, bs, self.heads, 2 * HEAD_DIM, dtype=torch.bfloat16)
+            return t.permute(0, 2, 1, 3)
+        return torch.zeros(nb, self.heads, bs, 2 * HEAD_DIM, dtype=torch.bfloat16)
+
+    def kvs(self, rank: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer of ``rank``, each [blocks, kernel_ratio,
+        heads, kernel block size, head_dim] over the layer's tensor (the
+        backend's split)."""
+        return self.layout.kv_views(self.kv[rank][name], self.num_blocks)
+
+    def tokens(self, rank: int, name: str, kvi: int, blocks: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """K (kvi 0) or V of ``positions`` of a request in ``blocks``:
+        [positions, heads, head_dim]; a view, so assigning writes."""
+        nk = BLOCK_SIZE // self.kernel_ratio
+        b = torch.tensor([blocks[q // BLOCK_SIZE] for q in positions.tolist()])
+        t = positions % BLOCK_SIZE
+        return self.kvs(rank, name)[kvi][b, t // nk, :, t % nk]
+
+    def blocks_hnd(self, rank: int, name: str, kvi: int, blocks: list[int]) -> torch.Tensor:
+        """K or V of ``blocks`` as [blocks, heads, block_size, head_dim] (a copy)."""
+        v = self.kvs(rank, name)[kvi][blocks]
+        return v.permute(0, 2, 1, 3, 4).reshape(len(blocks), self.heads, BLOCK_SIZE, HEAD_DIM)
 
     def alloc(self, n: int) -> list[int]:
         assert len(self.free_blocks) >= n, "vLLM block pool exhausted"
@@ -188,7 +227,7 @@ class Engine:
             for i, (name, kv) in enumerate(self.kv[r].items()):
                 w.wait_for_layer_load(name)
                 for blocks, start, n, seed in (compute or {}).values():
-                    self.write(r, i, kv, blocks, start, n, seed)
+                    self.write(r, i, name, blocks, start, n, seed)
                 w.save_kv_layer(name, kv, None)
             w.wait_for_save()
             sending, recving = w.get_finished(so.finished_req_ids)
@@ -211,15 +250,16 @@ class Engine:
         self.sched.update_connector_output(out)
         return out
 
-    def write(self, rank: int, layer: int, kv: torch.Tensor, blocks: list[int], start: int, n: int, seed: int) -> None:
+    def write(self, rank: int, layer: int, name: str, blocks: list[int], start: int, n: int, seed: int) -> None:
         """The forward pass writing positions [start, start+n) of a request
         whose KV lives in ``blocks`` (vLLM's slot mapping)."""
         pos = torch.arange(start, start + n)
         heads = torch.arange(rank * self.heads, (rank + 1) * self.heads)
-        slots_b = torch.tensor([blocks[p // BLOCK_SIZE] for p in range(start, start + n)])
-        slots_o = pos % BLOCK_SIZE
-        for kvi in (0, 1):
-            kv[kvi][slots_b, slots_o] = pattern(seed, layer, kvi, pos, heads)
+        nk = BLOCK_SIZE // self.kernel_ratio
+        b = torch.tensor([blocks[q // BLOCK_SIZE] for q in pos.tolist()])
+        t = pos % BLOCK_SIZE
+        for kvi, view in enumerate(self.kvs(rank, name)):
+            view[b, t // nk, :, t % nk] = pattern(seed, layer, kvi, pos, heads)
 
     # -- the two roles ---------------------------------------------------------
 

@@ -4,17 +4,12 @@ serve` processes: prefill TP 2 -> decode TP 4 of llama-3.2-1b's geometry."""
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
+import torch
 
-from conftest import require
-
-torch = require("torch")
-
-from engine_loop import BLOCK_SIZE, LAYERS, Engine, RequestStatus, pattern  # noqa: E402
-from kvsidecar.devserve import time_scale  # noqa: E402
-from kvsidecar.local import LocalClient  # noqa: E402
+from conftest import stats, wait_for
+from engine_loop import BLOCK_SIZE, LAYERS, Engine, RequestStatus, pattern
 
 MODEL = ["--model", "llama-3.2-1b"]
 REGIONS = 2 * LAYERS
@@ -22,20 +17,6 @@ REGIONS = 2 * LAYERS
 
 def start(cluster, engine: str, tp: int, role: str, num_blocks: int, *extra: str):
     return cluster.start_group(engine, tp_size=tp, role=role, args=[*MODEL, "--num-blocks", str(num_blocks), *extra])
-
-
-def stats(sidecar) -> dict[str, int]:
-    with LocalClient(sidecar.socket) as c:
-        s = c.stats()
-    return {"blocks_used": s.blocks_used, "leases_held": s.leases_held, "loads_in_flight": s.loads_in_flight}
-
-
-def wait_for(what: str, cond, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout * time_scale()
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} within {timeout}s")
-        time.sleep(0.01)
 
 
 def check_decode(dec: Engine, pre: Engine, rid_seed: int, dec_blocks: list[int], pre_blocks: list[int],
@@ -49,16 +30,16 @@ def check_decode(dec: Engine, pre: Engine, rid_seed: int, dec_blocks: list[int],
     for r in range(dec.tp_size):
         p, off = divmod(r * hd, pre.heads)
         heads = torch.arange(r * hd, (r + 1) * hd)
-        for i, (name, dkv) in enumerate(dec.kv[r].items()):
-            pkv = pre.kv[p][name]
-            got = dkv[:, dec_blocks[first_block:]]
-            want = pkv[:, pre_blocks[first_block:], :, off:off + hd]
-            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"rank {r} layer {i}: bytes differ"
+        for i, name in enumerate(dec.kv[r]):
             for kvi in (0, 1):
-                tok = dkv[kvi][torch.tensor([dec_blocks[q // BLOCK_SIZE] for q in pos.tolist()]), pos % BLOCK_SIZE]
+                got = dec.blocks_hnd(r, name, kvi, dec_blocks[first_block:])
+                want = pre.blocks_hnd(p, name, kvi, pre_blocks[first_block:])[:, off:off + hd]
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+                    f"rank {r} layer {i} kv {kvi}: bytes differ"
+                tok = dec.tokens(r, name, kvi, dec_blocks, pos)
                 assert torch.equal(tok.view(torch.int16), pattern(rid_seed, i, kvi, pos, heads).view(torch.int16)), \
                     f"rank {r} layer {i} kv {kvi}: a prompt token's KV is wrong"
-            checked += got.numel() * got.element_size()
+                checked += got.numel() * got.element_size()
     return checked
 
 
@@ -115,16 +96,23 @@ def test_prefill_tp2_to_decode_tp4_every_byte(p2d4):
         wait_for(f"{s.name} freed its exports", lambda s=s: stats(s) == {"blocks_used": 0, "leases_held": 0, "loads_in_flight": 0})
 
 
-def test_hnd_physical_layout(cluster):
-    # vLLM with VLLM_KV_CACHE_LAYOUT=HND keeps the logical shape over memory
-    # ordered [2, blocks, heads, block_size, head_size]: the copies follow
-    # the strides, so the bytes arrive the same.
+@pytest.mark.parametrize("pre_backend, pre_ratio, dec_backend", [
+    ("FLASH_ATTN", 1, "CPU_ATTN"), ("CPU_ATTN", 1, "FLASHINFER"), ("FLASHINFER", 1, "FLASH_ATTN"),
+    ("FLASH_ATTN", 2, "CPU_ATTN"),
+])
+def test_every_layout(cluster, pre_backend, pre_ratio, dec_backend):
+    # The sidecar's regions are the interchange: a prefill on one backend's
+    # layout and a decode on another's move the same K and V (FlashAttention
+    # runs LBNHC here, a permuted view: the copies follow the strides; with
+    # pre_ratio 2 the prefill's blocks are split in two kernel blocks).
     start(cluster, "prefill-a", 2, "prefill", 512)
     start(cluster, "decode-a", 4, "decode", 512)
-    pre = Engine("prefill-a", "kv_producer", 2, cluster.socket_dir, num_blocks=64, physical="HND")
-    dec = Engine("decode-a", "kv_consumer", 4, cluster.socket_dir, num_blocks=64, physical="HND")
+    pre = Engine("prefill-a", "kv_producer", 2, cluster.socket_dir, num_blocks=64, backend=pre_backend,
+                 kernel_ratio=pre_ratio)
+    dec = Engine("decode-a", "kv_consumer", 4, cluster.socket_dir, num_blocks=64, backend=dec_backend)
     try:
-        assert not next(iter(dec.kv[0].values())).is_contiguous()
+        layouts = {pre.layout.describe(), dec.layout.describe()}
+        assert len(layouts) == 2, layouts
         params, pblocks = pre.prefill("r-hnd", 100, 51)
         _, dblocks = dec.start_decode("r-hnd", 100, params)
         assert dec.run_until({"r-hnd"}) == ({"r-hnd"}, set())
@@ -143,14 +131,14 @@ def test_partial_prefix_hit_reads_only_the_tail(p2d4):
     hit_blocks = dec.alloc(hit)
     for r in range(dec.tp_size):
         for kv in dec.kv[r].values():
-            kv[:, hit_blocks] = torch.full((1,), 7, dtype=torch.int16).view(torch.bfloat16)
+            kv[hit_blocks] = torch.full((1,), 7, dtype=torch.int16).view(torch.bfloat16)
     _, dblocks = dec.start_decode("r-hit", n, params, hit_blocks=hit_blocks)
     got, invalid = dec.run_until({"r-hit"})
     assert got == {"r-hit"} and invalid == set()
     check_decode(dec, pre, seed, dblocks, pblocks, n, first_block=hit)
     for r in range(dec.tp_size):
         for kv in dec.kv[r].values():
-            assert bool((kv[:, hit_blocks].view(torch.int16) == 7).all()), "a prefix-hit block was overwritten"
+            assert bool((kv[hit_blocks].view(torch.int16) == 7).all()), "a prefix-hit block was overwritten"
     # Each decode rank read 6 blocks of its 2 heads in 32 regions, no more.
     per_rank = (10 - hit) * REGIONS * BLOCK_SIZE * 2 * 64 * 2
     for s in dec_sc:

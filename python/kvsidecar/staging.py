@@ -1,0 +1,204 @@
+"""Staging copies between an engine's KV tensors and a sidecar's blocks.
+
+The only module of the package that imports torch (lazily, on first use).
+
+The sidecar holds a rank's KV as regions of blocks: for GQA/MHA region ``2l``
+holds K and region ``2l + 1`` holds V of layer ``l``, and one block of one
+region is ``[heads_per_rank, block_size, head_size]`` elements (HND),
+``block_len`` bytes (docs/engine-integration.md section 4). vLLM keeps one
+tensor per layer whose layout its attention backend fixes; a
+:class:`LayerLayout` names how K and V sit in it, and :class:`Staging`
+copies blocks both ways through that layout, on the tensor's device.
+
+Layouts, as vLLM 0.32.0 (upstream tag v0.32.0) reads them. Every per-layer
+tensor is the logical ``[B, H, N, C]`` view of vLLM's allocation
+(``vllm/v1/kv_cache_interface.py``, ``create_kv_cache_views``: B blocks, H
+KV heads of this rank, N tokens per kernel block, C = 2 * head_size
+elements), with the physical stride order of the resolved
+``KVCacheLayout``:
+
+- ``CPU_ATTN`` (``vllm/v1/attention/backends/cpu_attn.py``): the backend
+  supports only ``LBHNC`` and reinterprets each ``(block, head)`` run of
+  ``N * C`` elements as ``[2N, head_size]``: rows ``[0, N)`` are K, rows
+  ``[N, 2N)`` are V (``kv_cache.view(B, H, 2N, -1).chunk(2, dim=2)``).
+- ``FLASH_ATTN`` and ``FLASHINFER`` (``flash_attn.py``, ``flashinfer.py``):
+  K is ``C[:head_size]`` and V is ``C[head_size:]`` of every token, in any
+  of the layouts those backends accept (torch indexing follows the strides).
+  FlashInfer's NVFP4 cache packs K and V as head groups instead: refused.
+
+When vLLM splits a block into kernel blocks (``kernel_block_size`` smaller
+than ``block_size``), dim 0 holds ``B * ratio`` kernel blocks
+(``group_kernel_blocks``); a sidecar block then holds the ratio kernel blocks
+of one vLLM block in token order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvsidecar import errors
+from kvsidecar.v1 import local_pb2
+
+__all__ = ["KNOWN_LAYOUTS", "LayerLayout", "Staging", "layer_layout"]
+
+#: Attention backends (vLLM's ``AttentionBackend.get_name()``) whose KV
+#: tensors the staging copies understand, with how K and V are split.
+KNOWN_LAYOUTS = {
+    "CPU_ATTN": "tokens",
+    "FLASH_ATTN": "content",
+    "FLASHINFER": "content",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLayout:
+    """How one vLLM per-layer KV tensor holds K and V.
+
+    Attributes:
+        backend: vLLM's attention backend name (``CPU_ATTN``, ...).
+        layout: vLLM's resolved ``KVCacheLayout`` name (``LBHNC``, ...), for
+            messages.
+        split: ``"tokens"`` (K rows then V rows of each block and head, the
+            CPU backend) or ``"content"`` (K then V inside each token's
+            content, the GPU backends).
+        head_size: elements of one head of K (and of V).
+    """
+
+    backend: str
+    layout: str
+    split: str
+    head_size: int
+
+    def describe(self) -> str:
+        return f"{self.backend} ({self.layout})"
+
+    def kv_views(self, kv: Any, num_blocks: int) -> tuple[Any, Any]:
+        """K and V of one layer's tensor ``kv`` (``[B * ratio, H, N, 2 *
+        head_size]``), each a view ``[num_blocks, ratio, H, N, head_size]``
+        over the same memory.
+
+        Raises:
+            IncompatibleModel: a tensor of another shape than this layout's.
+        """
+        if kv.dim() != 4 or kv.shape[-1] != 2 * self.head_size or kv.shape[0] % num_blocks:
+            raise errors.IncompatibleModel(
+                f"KVSidecarConnector: a {self.describe()} KV tensor of shape {tuple(kv.shape)} is not "
+                f"[num_blocks * ratio, heads, tokens, 2 * head_size] with num_blocks {num_blocks} and "
+                f"head_size {self.head_size}"
+            )
+        if self.split == "tokens":
+            b, h, n, _ = kv.shape
+            try:
+                rows = kv.view(b, h, 2 * n, self.head_size)
+            except RuntimeError as e:
+                raise errors.IncompatibleModel(
+                    f"KVSidecarConnector: a {self.describe()} KV tensor with strides {kv.stride()} cannot be "
+                    f"read as [blocks, heads, 2 * tokens, head_size] as the CPU backend does: {e}"
+                ) from e
+            k, v = rows[:, :, :n], rows[:, :, n:]
+        else:
+            k, v = kv[..., : self.head_size], kv[..., self.head_size :]
+        return k.unflatten(0, (num_blocks, -1)), v.unflatten(0, (num_blocks, -1))
+
+
+def layer_layout(backend: str, layout: str, head_size: int, kv_cache_dtype: str = "auto") -> LayerLayout:
+    """The :class:`LayerLayout` of vLLM attention backend ``backend`` with
+    the resolved ``layout`` (a ``KVCacheLayout`` name).
+
+    Raises:
+        Unsupported: a backend (or a FlashInfer NVFP4 cache, or a CPU cache
+            in a layout other than LBHNC) the copies do not know; the message
+            names what it got and the backends it knows.
+    """
+    split = KNOWN_LAYOUTS.get(backend)
+    known = ", ".join(f"{b} ({'LBHNC' if s == 'tokens' else 'any layout'})" for b, s in KNOWN_LAYOUTS.items())
+    if split is None or (split == "tokens" and layout != "LBHNC") or "nvfp4" in kv_cache_dtype:
+        raise errors.Unsupported(
+            f"KVSidecarConnector: vLLM's KV cache is {backend} with layout {layout} and cache dtype "
+            f"{kv_cache_dtype}; the staging copies know {known}, without NVFP4"
+        )
+    return LayerLayout(backend=backend, layout=layout, split=split, head_size=head_size)
+
+
+class Staging:
+    """Copies blocks of one rank between vLLM's per-layer KV tensors and
+    the sidecar's regions, mapped in this process by ``client``
+    (:class:`kvsidecar.local.LocalClient`; host memory).
+
+    Args:
+        client: the rank's attached local client.
+        info: its ``KVCacheInfo``.
+        layout: how vLLM's tensors hold K and V.
+        num_blocks: vLLM's blocks per layer tensor (``KVCacheConfig.num_blocks``).
+    """
+
+    def __init__(self, client: Any, info: local_pb2.KVCacheInfo, layout: LayerLayout, num_blocks: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.client = client
+        self.info = info
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.per_page = info.page_size // info.block_len
+        self.pages = info.region_len // info.page_size
+        self._regions: dict[int, Any] = {}
+        #: Bytes copied each way since start (prefill: vLLM -> sidecar;
+        #: decode: sidecar -> vLLM).
+        self.copied_bytes = 0
+
+    def region(self, r: int) -> Any:
+        """Region r as a uint8 tensor [pages, blocks_per_page, block_len]
+        over this process's mapping (no copy)."""
+        t = self._regions.get(r)
+        if t is None:
+            flat = self.torch.frombuffer(self.client.region(r), dtype=self.torch.uint8)
+            t = flat.as_strided((self.pages, self.per_page, self.info.block_len),
+                                (self.info.page_size, self.info.block_len, 1))
+            self._regions[r] = t
+        return t
+
+    def _index(self, ids: list[int]) -> tuple[Any, Any]:
+        for b in ids:
+            if not self.client.is_mapped(b):
+                raise errors.InvalidArgument(f"KVSidecarConnector: sidecar block {b} is not mapped here (not allocated)")
+        t = self.torch
+        return (t.tensor([b // self.per_page for b in ids], dtype=t.long),
+                t.tensor([b % self.per_page for b in ids], dtype=t.long))
+
+    def save(self, layer: int, kv: Any, vllm_ids: list[int], sidecar_ids: list[int]) -> None:
+        """vLLM blocks ``vllm_ids`` of one layer -> sidecar blocks
+        ``sidecar_ids`` (regions 2l and 2l+1), HND."""
+        t = self.torch
+        pi, si = self._index(sidecar_ids)
+        vidx = t.tensor(vllm_ids, dtype=t.long, device=kv.device)
+        n = len(vllm_ids)
+        for kvi, view in enumerate(self.layout.kv_views(kv, self.num_blocks)):
+            src = view.index_select(0, vidx)  # [n, ratio, H, Nk, D]
+            blob = src.permute(0, 2, 1, 3, 4).contiguous().cpu().view(t.uint8).reshape(n, -1)
+            self._check_len(blob)
+            self.region(2 * layer + kvi)[pi, si] = blob
+            self.copied_bytes += blob.numel()
+
+    def load(self, layer: int, kv: Any, vllm_ids: list[int], sidecar_ids: list[int]) -> None:
+        """Sidecar blocks ``sidecar_ids`` (regions 2l and 2l+1) -> vLLM
+        blocks ``vllm_ids`` of one layer."""
+        t = self.torch
+        pi, si = self._index(sidecar_ids)
+        vidx = t.tensor(vllm_ids, dtype=t.long, device=kv.device)
+        n = len(vllm_ids)
+        for kvi, view in enumerate(self.layout.kv_views(kv, self.num_blocks)):
+            _, ratio, h, nk, d = view.shape
+            blob = self.region(2 * layer + kvi)[pi, si]  # [n, block_len], a copy
+            self._check_len(blob)
+            data = blob.view(kv.dtype).reshape(n, h, ratio, nk, d).permute(0, 2, 1, 3, 4)
+            view.index_copy_(0, vidx, data.to(kv.device))
+            self.copied_bytes += blob.numel()
+
+    def _check_len(self, blob: Any) -> None:
+        if blob.shape[-1] != self.info.block_len:
+            raise errors.IncompatibleModel(
+                f"KVSidecarConnector: one block of one layer's K is {blob.shape[-1]} bytes in vLLM's "
+                f"{self.layout.describe()} cache, the sidecar's block_len is {self.info.block_len} bytes"
+            )

@@ -1,0 +1,73 @@
+"""kvsidecar.staging's layouts: which vLLM KV tensors the copies take, how
+they split K and V, and what they refuse (the copies themselves run through
+real sidecars in test_vllm_connector.py and test_vllm_engines.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvsidecar import errors
+from kvsidecar.staging import KNOWN_LAYOUTS, layer_layout
+from kvsidecar.vllm import KVConnectorRole, KVSidecarConnector
+
+
+@pytest.mark.parametrize("backend, layout, dtype, why", [
+    ("TRITON_ATTN", "LBNHC", "auto", "TRITON_ATTN with layout LBNHC"),
+    ("CPU_ATTN", "LBNHC", "auto", "CPU_ATTN with layout LBNHC"),
+    ("FLASHINFER", "LBHNC", "nvfp4", "cache dtype nvfp4"),
+])
+def test_unknown_layouts_are_refused_naming_both(backend, layout, dtype, why):
+    with pytest.raises(errors.Unsupported) as e:
+        layer_layout(backend, layout, 64, dtype)
+    msg = e.value.message
+    assert why in msg
+    assert "CPU_ATTN (LBHNC), FLASH_ATTN (any layout), FLASHINFER (any layout)" in msg
+    assert set(KNOWN_LAYOUTS) == {"CPU_ATTN", "FLASH_ATTN", "FLASHINFER"}
+
+
+def test_cpu_backend_keeps_k_rows_before_v_rows():
+    # vLLM 0.32.0's CPU backend reads each (block, head) run of N tokens x
+    # 2D elements as 2N rows of D: K rows first.
+    nb, h, n, d = 3, 2, 32, 4
+    kv = torch.arange(nb * h * n * 2 * d, dtype=torch.float32).reshape(nb, h, n, 2 * d)
+    k, v = layer_layout("CPU_ATTN", "LBHNC", d).kv_views(kv, nb)
+    assert k.shape == v.shape == (nb, 1, h, n, d)
+    run = kv[1, 1].reshape(2 * n, d)
+    assert torch.equal(k[1, 0, 1], run[:n]) and torch.equal(v[1, 0, 1], run[n:])
+    # The GPU backends split the same memory inside each token instead.
+    k, v = layer_layout("FLASH_ATTN", "LBHNC", d).kv_views(kv, nb)
+    assert torch.equal(k[1, 0, 1], kv[1, 1, :, :d]) and torch.equal(v[1, 0, 1], kv[1, 1, :, d:])
+    k[2, 0, 0, 5] = -1
+    assert kv[2, 0, 5, 0] == -1, "a view, not a copy"
+
+
+def test_kernel_blocks_group_under_their_block():
+    # 2 vLLM blocks of 64 tokens, held as 4 kernel blocks of 32.
+    kv = torch.zeros(4, 2, 32, 8)
+    k, _ = layer_layout("FLASH_ATTN", "LBNHC", 4).kv_views(kv, 2)
+    assert k.shape == (2, 2, 2, 32, 4)
+    k[1, 1, 0, 3] = 7
+    assert kv[3, 0, 3, 0] == 7
+
+
+@pytest.mark.parametrize("shape, num_blocks", [((2, 10, 32, 2, 64), 10), ((10, 2, 32, 64), 10), ((9, 2, 32, 128), 2)])
+def test_a_tensor_of_another_shape_is_refused(shape, num_blocks):
+    with pytest.raises(errors.IncompatibleModel, match=r"of shape \(.*\) is not \[num_blocks \* ratio"):
+        layer_layout("FLASH_ATTN", "LBHNC", 64).kv_views(torch.zeros(shape), num_blocks)
+
+
+def test_register_kv_caches_refuses_an_old_layout():
+    # vLLM before the [L, B, H, N, C] layouts gave FlashAttention tensors of
+    # [2, num_blocks, block_size, heads, head_size]: refused before any
+    # sidecar is dialled.
+    cfg = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(engine_id="e", kv_role="kv_both",
+                                           kv_connector_extra_config={"socket_dir": "/nowhere", "tp_rank": 0}),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1), cache_config=SimpleNamespace(block_size=32))
+    w = KVSidecarConnector(cfg, KVConnectorRole.WORKER, SimpleNamespace(num_blocks=10))
+    w._worker.layout_of = lambda c: layer_layout("FLASH_ATTN", "LBNHC", 64)
+    with pytest.raises(errors.IncompatibleModel, match=r"FLASH_ATTN \(LBNHC\) KV tensor of shape \(2, 10, 32, 2, 64\)"):
+        w.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(2, 10, 32, 2, 64)})
