@@ -76,7 +76,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["KVConnectorRole", "KVSidecarConnector", "KVSidecarConnectorMetadata", "LoadSpec", "SaveSpec"]
 
-log = logging.getLogger("kvsidecar.vllm")
+# A child of vLLM's "vllm" logger, so vLLM's handler, format and
+# VLLM_LOGGING_LEVEL apply to the connector's lines too.
+log = logging.getLogger("vllm.kvsidecar")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
@@ -520,8 +522,11 @@ class _Worker:
         self._recving: set[str] = set()
         self._sending: set[str] = set()
         self._invalid: set[int] = set()
-        self._saves: list[SaveSpec] = []
+        # Layers of this step's saves copied so far (by save_kv_layer).
         self._saved: set[int] = set()
+        #: Layer copies made by save_kv_layer and by wait_for_save (the
+        #: layers whose save_kv_layer vLLM did not call).
+        self.layer_saves = {"save_kv_layer": 0, "wait_for_save": 0}
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         names = sorted(kv_caches, key=_layer_index)
@@ -599,8 +604,6 @@ class _Worker:
             self._abort(rid)
         for spec in meta.loads:
             self._start(spec)
-        self._saves = list(meta.saves)
-        self._saved = set()
 
     def _start(self, spec: LoadSpec) -> None:
         c = self._client()
@@ -704,29 +707,36 @@ class _Worker:
 
     # -- prefill -------------------------------------------------------------
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any) -> None:
-        if not self._saves:
-            return
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, meta: KVSidecarConnectorMetadata) -> None:
+        """Copies one layer of the step's saves, after vLLM's forward wrote
+        it (vLLM 0.32.0 calls it on the way out of each attention layer,
+        ``maybe_transfer_kv_layer``; the step's start_load_kv may come after
+        the forward, so the saves are read from the bound metadata)."""
         layer = self.layers.get(layer_name)
-        if layer is None:
+        if not meta.saves or layer is None or layer in self._saved:
             return
         if not self._saved:
             self._sync()  # the scheduler allocated the staging blocks
-        for sv in self._saves:
+        for sv in meta.saves:
             self.staging.save(layer, kv_layer, sv.block_ids, sv.staging[self.rank])
         self._saved.add(layer)
+        self.layer_saves["save_kv_layer"] += 1
 
-    def wait_for_save(self) -> None:
-        if not self._saves:
-            return
-        if not self._saved:
-            self._sync()
-        for layer, kv in enumerate(self.kv):
-            if layer in self._saved:
-                continue
-            for sv in self._saves:
-                self.staging.save(layer, kv, sv.block_ids, sv.staging[self.rank])
-        self._saves, self._saved = [], set()
+    def wait_for_save(self, meta: KVSidecarConnectorMetadata) -> None:
+        """Copies the layers of the step's saves that save_kv_layer did not."""
+        try:
+            if not meta.saves:
+                return
+            if not self._saved:
+                self._sync()
+            for layer, kv in enumerate(self.kv):
+                if layer in self._saved:
+                    continue
+                for sv in meta.saves:
+                    self.staging.save(layer, kv, sv.block_ids, sv.staging[self.rank])
+                self.layer_saves["wait_for_save"] += 1
+        finally:
+            self._saved = set()
 
     def _sync(self) -> None:
         """Maps the step's staging blocks here. A connection lost since the
@@ -746,6 +756,8 @@ class _Worker:
             c.sync()
 
     def shutdown(self) -> None:
+        copied = self.staging.copied_bytes if self.staging is not None else 0
+        log.info("rank %d: shutting down; staged %d bytes, layer copies %s", self.rank, copied, self.layer_saves)
         if self.client is not None:
             self.client.close()
             self.client = None
@@ -839,13 +851,13 @@ class KVSidecarConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Copies this layer's KV of the step's exports into the sidecar."""
         assert self._worker is not None
-        self._worker.save_kv_layer(layer_name, kv_layer)
+        self._worker.save_kv_layer(layer_name, kv_layer, self._get_connector_metadata())
 
     def wait_for_save(self) -> None:
         """Copies the layers save_kv_layer did not see; returns when every
         export of the step is in the sidecar's blocks."""
         assert self._worker is not None
-        self._worker.wait_for_save()
+        self._worker.wait_for_save(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Polls the sidecar: loads that finished are copied into vLLM's

@@ -10,8 +10,8 @@ kvsidecar.staging).
 The call order (vLLM's Scheduler.schedule / update_from_output and the
 model runner's KV connector mixin): scheduler get_num_new_matched_tokens,
 update_state_after_alloc, build_connector_meta; each worker
-bind_connector_metadata, start_load_kv, per layer wait_for_layer_load and
-save_kv_layer, wait_for_save, get_finished, get_block_ids_with_load_errors,
+bind_connector_metadata, per layer wait_for_layer_load and save_kv_layer,
+start_load_kv, wait_for_save, get_finished, get_block_ids_with_load_errors,
 clear_connector_metadata; scheduler request_finished for requests that
 stopped, then update_connector_output with the workers' output aggregated
 (a request is finished when every worker reported it; invalid blocks are
@@ -222,13 +222,17 @@ class Engine:
         meta = self.sched.build_connector_meta(so)
         outs = []
         for r, w in enumerate(self.workers):
+            # vLLM 0.32.0's KVConnectorModelRunnerMixin with asynchronous
+            # loads: bind, the forward pass (each attention layer between
+            # wait_for_layer_load and save_kv_layer), then start_load_kv and
+            # wait_for_save.
             w.bind_connector_metadata(meta)
-            w.start_load_kv(SimpleNamespace(no_compile_layers={}))
             for i, (name, kv) in enumerate(self.kv[r].items()):
                 w.wait_for_layer_load(name)
                 for blocks, start, n, seed in (compute or {}).values():
                     self.write(r, i, name, blocks, start, n, seed)
                 w.save_kv_layer(name, kv, None)
+            w.start_load_kv(SimpleNamespace(no_compile_layers={}))
             w.wait_for_save()
             sending, recving = w.get_finished(so.finished_req_ids)
             invalid = w.get_block_ids_with_load_errors()
