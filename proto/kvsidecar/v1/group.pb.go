@@ -82,6 +82,11 @@ const (
 	PageOp_KIND_UNSPECIFIED PageOp_Kind = 0
 	PageOp_KIND_MAP         PageOp_Kind = 1
 	PageOp_KIND_UNMAP       PageOp_Kind = 2
+	// Rank 0 frees blocks: the member stops every use of them (ends the
+	// exports holding them, waits for the transfers that read or write
+	// them, aborting those still running at its deadline) and answers once
+	// none is left; rank 0 frees them only then.
+	PageOp_KIND_FREE PageOp_Kind = 3
 )
 
 // Enum value maps for PageOp_Kind.
@@ -90,11 +95,13 @@ var (
 		0: "KIND_UNSPECIFIED",
 		1: "KIND_MAP",
 		2: "KIND_UNMAP",
+		3: "KIND_FREE",
 	}
 	PageOp_Kind_value = map[string]int32{
 		"KIND_UNSPECIFIED": 0,
 		"KIND_MAP":         1,
 		"KIND_UNMAP":       2,
+		"KIND_FREE":        3,
 	}
 )
 
@@ -125,12 +132,15 @@ func (PageOp_Kind) EnumDescriptor() ([]byte, []int) {
 	return file_kvsidecar_v1_group_proto_rawDescGZIP(), []int{0, 0}
 }
 
-// PageOp asks a group member to map or unmap pages.
+// PageOp asks a group member to map or unmap pages, or tells it that rank
+// 0 is about to free blocks.
 type PageOp struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Kind  PageOp_Kind            `protobuf:"varint,1,opt,name=kind,proto3,enum=kvsidecar.v1.PageOp_Kind" json:"kind,omitempty"`
-	// Page indices within every region of the member's pool.
-	Pages         []uint32 `protobuf:"varint,2,rep,packed,name=pages,proto3" json:"pages,omitempty"`
+	// Page indices within every region of the member's pool (MAP, UNMAP).
+	Pages []uint32 `protobuf:"varint,2,rep,packed,name=pages,proto3" json:"pages,omitempty"`
+	// Block ids (FREE).
+	Blocks        []uint32 `protobuf:"varint,3,rep,packed,name=blocks,proto3" json:"blocks,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -175,6 +185,13 @@ func (x *PageOp) GetKind() PageOp_Kind {
 func (x *PageOp) GetPages() []uint32 {
 	if x != nil {
 		return x.Pages
+	}
+	return nil
+}
+
+func (x *PageOp) GetBlocks() []uint32 {
+	if x != nil {
+		return x.Blocks
 	}
 	return nil
 }
@@ -371,15 +388,17 @@ var File_kvsidecar_v1_group_proto protoreflect.FileDescriptor
 
 const file_kvsidecar_v1_group_proto_rawDesc = "" +
 	"\n" +
-	"\x18kvsidecar/v1/group.proto\x12\fkvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\"\x89\x01\n" +
+	"\x18kvsidecar/v1/group.proto\x12\fkvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\"\xb0\x01\n" +
 	"\x06PageOp\x12-\n" +
 	"\x04kind\x18\x01 \x01(\x0e2\x19.kvsidecar.v1.PageOp.KindR\x04kind\x12\x14\n" +
-	"\x05pages\x18\x02 \x03(\rR\x05pages\":\n" +
+	"\x05pages\x18\x02 \x03(\rR\x05pages\x12\x16\n" +
+	"\x06blocks\x18\x03 \x03(\rR\x06blocks\"I\n" +
 	"\x04Kind\x12\x14\n" +
 	"\x10KIND_UNSPECIFIED\x10\x00\x12\f\n" +
 	"\bKIND_MAP\x10\x01\x12\x0e\n" +
 	"\n" +
-	"KIND_UNMAP\x10\x02\"\x87\x02\n" +
+	"KIND_UNMAP\x10\x02\x12\r\n" +
+	"\tKIND_FREE\x10\x03\"\x87\x02\n" +
 	"\fGroupRequest\x12<\n" +
 	"\fwire_version\x18\x01 \x01(\x0e2\x19.kvsidecar.v1.WireVersionR\vwireVersion\x12\x1b\n" +
 	"\tengine_id\x18\x02 \x01(\tR\bengineId\x12\x17\n" +

@@ -66,7 +66,12 @@ type KVTransferParams struct {
 	// Tokens per block of the prefill engine that issued the params; 0 when
 	// not known (params made elsewhere). A decode whose block_size differs
 	// refuses the load naming both before the block ids are mapped.
-	BlockSize     uint32 `protobuf:"varint,15,opt,name=block_size,json=blockSize,proto3" json:"block_size,omitempty"`
+	BlockSize uint32 `protobuf:"varint,15,opt,name=block_size,json=blockSize,proto3" json:"block_size,omitempty"`
+	// On the request to prefill (do_remote_decode): record end-to-end
+	// checksums of the KV (RankExport.block_checksums) when it finishes; when
+	// absent the prefill sidecar's --checksums decides. Not read on decode:
+	// a decode verifies every export that carries checksums.
+	Checksums     *bool `protobuf:"varint,16,opt,name=checksums,proto3,oneof" json:"checksums,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -206,6 +211,13 @@ func (x *KVTransferParams) GetBlockSize() uint32 {
 	return 0
 }
 
+func (x *KVTransferParams) GetChecksums() bool {
+	if x != nil && x.Checksums != nil {
+		return *x.Checksums
+	}
+	return false
+}
+
 // RankExport names one export: the blocks one prefill rank holds for one
 // request under one lease. READs, notifications and heartbeats name it by
 // export_id; the serving rank checks every block against that lease.
@@ -227,8 +239,20 @@ type RankExport struct {
 	// announces another key id at the handshake refuses the load before any
 	// READ, naming both.
 	CapabilityKeyId string `protobuf:"bytes,5,opt,name=capability_key_id,json=capabilityKeyId,proto3" json:"capability_key_id,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// End-to-end checksums of the export, recorded by the exporting rank
+	// from its memory when the request finished: for each of the rank's
+	// blocks in token order, for each of its checksum_heads KV heads in
+	// order, a CRC-32C (Castagnoli) over that head's bytes of the block in
+	// every region, regions in (layer, K before V) order; little-endian,
+	// 4 × blocks × checksum_heads bytes. A decode rank checks the heads it
+	// read once they landed and reports a block whose bytes differ as a
+	// load error. Empty: no checksums.
+	BlockChecksums []byte `protobuf:"bytes,6,opt,name=block_checksums,json=blockChecksums,proto3" json:"block_checksums,omitempty"`
+	// KV heads per block that block_checksums covers (the rank's heads; 1
+	// for MLA). 0 when block_checksums is empty.
+	ChecksumHeads uint32 `protobuf:"varint,7,opt,name=checksum_heads,json=checksumHeads,proto3" json:"checksum_heads,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RankExport) Reset() {
@@ -294,6 +318,20 @@ func (x *RankExport) GetCapabilityKeyId() string {
 		return x.CapabilityKeyId
 	}
 	return ""
+}
+
+func (x *RankExport) GetBlockChecksums() []byte {
+	if x != nil {
+		return x.BlockChecksums
+	}
+	return nil
+}
+
+func (x *RankExport) GetChecksumHeads() uint32 {
+	if x != nil {
+		return x.ChecksumHeads
+	}
+	return 0
 }
 
 // ReqMeta is what the decode worker passes to StartLoad on each rank.
@@ -387,7 +425,7 @@ var File_kvsidecar_v1_params_proto protoreflect.FileDescriptor
 
 const file_kvsidecar_v1_params_proto_rawDesc = "" +
 	"\n" +
-	"\x19kvsidecar/v1/params.proto\x12\fkvsidecar.v1\"\x8d\x05\n" +
+	"\x19kvsidecar/v1/params.proto\x12\fkvsidecar.v1\"\xbe\x05\n" +
 	"\x10KVTransferParams\x12*\n" +
 	"\x11do_remote_prefill\x18\x01 \x01(\bR\x0fdoRemotePrefill\x12(\n" +
 	"\x10do_remote_decode\x18\x02 \x01(\bR\x0edoRemoteDecode\x12(\n" +
@@ -409,9 +447,12 @@ const file_kvsidecar_v1_params_proto_rawDesc = "" +
 	"\x12expected_consumers\x18\r \x01(\rR\x11expectedConsumers\x12;\n" +
 	"\frank_exports\x18\x0e \x03(\v2\x18.kvsidecar.v1.RankExportR\vrankExports\x12\x1d\n" +
 	"\n" +
-	"block_size\x18\x0f \x01(\rR\tblockSizeB\n" +
+	"block_size\x18\x0f \x01(\rR\tblockSize\x12!\n" +
+	"\tchecksums\x18\x10 \x01(\bH\x01R\tchecksums\x88\x01\x01B\n" +
 	"\n" +
-	"\b_tp_size\"\xab\x01\n" +
+	"\b_tp_sizeB\f\n" +
+	"\n" +
+	"_checksums\"\xfb\x01\n" +
 	"\n" +
 	"RankExport\x12\x17\n" +
 	"\atp_rank\x18\x01 \x01(\rR\x06tpRank\x12\x1b\n" +
@@ -420,7 +461,9 @@ const file_kvsidecar_v1_params_proto_rawDesc = "" +
 	"\n" +
 	"capability\x18\x04 \x01(\fR\n" +
 	"capability\x12*\n" +
-	"\x11capability_key_id\x18\x05 \x01(\tR\x0fcapabilityKeyId\"\x81\x02\n" +
+	"\x11capability_key_id\x18\x05 \x01(\tR\x0fcapabilityKeyId\x12'\n" +
+	"\x0fblock_checksums\x18\x06 \x01(\fR\x0eblockChecksums\x12%\n" +
+	"\x0echecksum_heads\x18\a \x01(\rR\rchecksumHeads\"\x81\x02\n" +
 	"\aReqMeta\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12&\n" +

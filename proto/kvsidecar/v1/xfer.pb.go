@@ -433,13 +433,77 @@ func (x *BlockDescs) GetBlockIds() []uint32 {
 	return nil
 }
 
+// RegionShape is what a reader expects of one served region: which
+// tensor of which layer it holds and the bytes of one of its blocks.
+type RegionShape struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Layer uint32                 `protobuf:"varint,1,opt,name=layer,proto3" json:"layer,omitempty"`
+	Kind  RegionKind             `protobuf:"varint,2,opt,name=kind,proto3,enum=kvsidecar.v1.RegionKind" json:"kind,omitempty"`
+	// Bytes of one block of the region on the served rank; 0 = not checked.
+	BlockLen      uint64 `protobuf:"varint,3,opt,name=block_len,json=blockLen,proto3" json:"block_len,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RegionShape) Reset() {
+	*x = RegionShape{}
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RegionShape) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RegionShape) ProtoMessage() {}
+
+func (x *RegionShape) ProtoReflect() protoreflect.Message {
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RegionShape.ProtoReflect.Descriptor instead.
+func (*RegionShape) Descriptor() ([]byte, []int) {
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *RegionShape) GetLayer() uint32 {
+	if x != nil {
+		return x.Layer
+	}
+	return 0
+}
+
+func (x *RegionShape) GetKind() RegionKind {
+	if x != nil {
+		return x.Kind
+	}
+	return RegionKind_REGION_KIND_UNSPECIFIED
+}
+
+func (x *RegionShape) GetBlockLen() uint64 {
+	if x != nil {
+		return x.BlockLen
+	}
+	return 0
+}
+
 // PeerExpect carries what a dialer expects of the served rank (the facts a
 // handshake would check) on a request that did not wait for one. The served
 // side checks every set field against its own metadata before it serves a
 // byte and refuses a mismatch with the handshake's classes:
 // CODE_NOT_FOUND (engine_id, tp_rank, incarnation), CODE_TP_MISMATCH
-// (tp_size), CODE_INCOMPATIBLE_MODEL (model_hash, num_regions, block_len),
-// CODE_CAPABILITY_DENIED (capability_key_id). Zero fields are not checked.
+// (tp_size), CODE_INCOMPATIBLE_MODEL (model_hash, num_regions, block_len,
+// layout), CODE_CAPABILITY_DENIED (capability_key_id). Zero fields are not
+// checked.
 type PeerExpect struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// remote_engine_id of kv_transfer_params.
@@ -459,13 +523,22 @@ type PeerExpect struct {
 	Incarnation uint64 `protobuf:"varint,8,opt,name=incarnation,proto3" json:"incarnation,omitempty"`
 	// RankExport.capability_key_id: the key the export was signed with.
 	CapabilityKeyId string `protobuf:"bytes,9,opt,name=capability_key_id,json=capabilityKeyId,proto3" json:"capability_key_id,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The regions the dialer names, in its order (layout[i] is the region
+	// its BlockDescs call i). The served rank must hold the same set of
+	// (layer, kind) regions, in any order, each with the block_len given:
+	// it then resolves region i of the request to its own region of
+	// layout[i]'s layer and kind, so a peer that registered its regions in
+	// another order is read correctly; a set that differs is refused before
+	// any byte (CODE_INCOMPATIBLE_MODEL, naming both layouts). Empty: the
+	// request's region indices are the served rank's own.
+	Layout        []*RegionShape `protobuf:"bytes,10,rep,name=layout,proto3" json:"layout,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *PeerExpect) Reset() {
 	*x = PeerExpect{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[6]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -477,7 +550,7 @@ func (x *PeerExpect) String() string {
 func (*PeerExpect) ProtoMessage() {}
 
 func (x *PeerExpect) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[6]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -490,7 +563,7 @@ func (x *PeerExpect) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PeerExpect.ProtoReflect.Descriptor instead.
 func (*PeerExpect) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{6}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *PeerExpect) GetEngineId() string {
@@ -556,6 +629,13 @@ func (x *PeerExpect) GetCapabilityKeyId() string {
 	return ""
 }
 
+func (x *PeerExpect) GetLayout() []*RegionShape {
+	if x != nil {
+		return x.Layout
+	}
+	return nil
+}
+
 // XferRequest starts one READ or WRITE.
 type XferRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -583,14 +663,19 @@ type XferRequest struct {
 	ExportId uint64 `protobuf:"varint,9,opt,name=export_id,json=exportId,proto3" json:"export_id,omitempty"`
 	// When set, the served side checks it before anything else (READ with
 	// block descriptors: the dialer skipped the handshake).
-	Expect        *PeerExpect `protobuf:"bytes,11,opt,name=expect,proto3" json:"expect,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Expect *PeerExpect `protobuf:"bytes,11,opt,name=expect,proto3" json:"expect,omitempty"`
+	// Engine id and rank of the consumer this READ is for (a decode rank),
+	// the identity its Notification will carry: a draining prefill waits
+	// only for the notifications of consumers that read. Empty: unknown.
+	ConsumerEngineId string `protobuf:"bytes,12,opt,name=consumer_engine_id,json=consumerEngineId,proto3" json:"consumer_engine_id,omitempty"`
+	ConsumerTpRank   uint32 `protobuf:"varint,13,opt,name=consumer_tp_rank,json=consumerTpRank,proto3" json:"consumer_tp_rank,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *XferRequest) Reset() {
 	*x = XferRequest{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[7]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -602,7 +687,7 @@ func (x *XferRequest) String() string {
 func (*XferRequest) ProtoMessage() {}
 
 func (x *XferRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[7]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -615,7 +700,7 @@ func (x *XferRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use XferRequest.ProtoReflect.Descriptor instead.
 func (*XferRequest) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{7}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *XferRequest) GetOp() XferOp {
@@ -708,6 +793,20 @@ func (x *XferRequest) GetExpect() *PeerExpect {
 	return nil
 }
 
+func (x *XferRequest) GetConsumerEngineId() string {
+	if x != nil {
+		return x.ConsumerEngineId
+	}
+	return ""
+}
+
+func (x *XferRequest) GetConsumerTpRank() uint32 {
+	if x != nil {
+		return x.ConsumerTpRank
+	}
+	return 0
+}
+
 type isXferRequest_Descs interface {
 	isXferRequest_Descs()
 }
@@ -747,7 +846,7 @@ type XferStatus struct {
 
 func (x *XferStatus) Reset() {
 	*x = XferStatus{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[8]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -759,7 +858,7 @@ func (x *XferStatus) String() string {
 func (*XferStatus) ProtoMessage() {}
 
 func (x *XferStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[8]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -772,7 +871,7 @@ func (x *XferStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use XferStatus.ProtoReflect.Descriptor instead.
 func (*XferStatus) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{8}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *XferStatus) GetError() *Error {
@@ -819,7 +918,7 @@ type Notification struct {
 
 func (x *Notification) Reset() {
 	*x = Notification{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[9]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -831,7 +930,7 @@ func (x *Notification) String() string {
 func (*Notification) ProtoMessage() {}
 
 func (x *Notification) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[9]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -844,7 +943,7 @@ func (x *Notification) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Notification.ProtoReflect.Descriptor instead.
 func (*Notification) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{9}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Notification) GetRequestId() string {
@@ -907,7 +1006,7 @@ type NotificationAck struct {
 
 func (x *NotificationAck) Reset() {
 	*x = NotificationAck{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[10]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -919,7 +1018,7 @@ func (x *NotificationAck) String() string {
 func (*NotificationAck) ProtoMessage() {}
 
 func (x *NotificationAck) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[10]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -932,7 +1031,7 @@ func (x *NotificationAck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NotificationAck.ProtoReflect.Descriptor instead.
 func (*NotificationAck) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{10}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *NotificationAck) GetError() *Error {
@@ -959,7 +1058,7 @@ type Heartbeat struct {
 
 func (x *Heartbeat) Reset() {
 	*x = Heartbeat{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[11]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -971,7 +1070,7 @@ func (x *Heartbeat) String() string {
 func (*Heartbeat) ProtoMessage() {}
 
 func (x *Heartbeat) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[11]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -984,7 +1083,7 @@ func (x *Heartbeat) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Heartbeat.ProtoReflect.Descriptor instead.
 func (*Heartbeat) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{11}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *Heartbeat) GetRequestIds() []string {
@@ -1035,7 +1134,7 @@ type HeartbeatAck struct {
 
 func (x *HeartbeatAck) Reset() {
 	*x = HeartbeatAck{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[12]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1047,7 +1146,7 @@ func (x *HeartbeatAck) String() string {
 func (*HeartbeatAck) ProtoMessage() {}
 
 func (x *HeartbeatAck) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[12]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1060,7 +1159,7 @@ func (x *HeartbeatAck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatAck.ProtoReflect.Descriptor instead.
 func (*HeartbeatAck) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{12}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *HeartbeatAck) GetError() *Error {
@@ -1096,7 +1195,7 @@ type PeerRequest struct {
 
 func (x *PeerRequest) Reset() {
 	*x = PeerRequest{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[13]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1108,7 +1207,7 @@ func (x *PeerRequest) String() string {
 func (*PeerRequest) ProtoMessage() {}
 
 func (x *PeerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[13]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1121,7 +1220,7 @@ func (x *PeerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PeerRequest.ProtoReflect.Descriptor instead.
 func (*PeerRequest) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{13}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *PeerRequest) GetWireVersion() WireVersion {
@@ -1251,7 +1350,7 @@ type PeerResponse struct {
 
 func (x *PeerResponse) Reset() {
 	*x = PeerResponse{}
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[14]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1263,7 +1362,7 @@ func (x *PeerResponse) String() string {
 func (*PeerResponse) ProtoMessage() {}
 
 func (x *PeerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[14]
+	mi := &file_kvsidecar_v1_xfer_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1276,7 +1375,7 @@ func (x *PeerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PeerResponse.ProtoReflect.Descriptor instead.
 func (*PeerResponse) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{14}
+	return file_kvsidecar_v1_xfer_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *PeerResponse) GetBody() isPeerResponse_Body {
@@ -1408,7 +1507,11 @@ const file_kvsidecar_v1_xfer_proto_rawDesc = "" +
 	"numRegions\x12\x16\n" +
 	"\x06offset\x18\x03 \x01(\x04R\x06offset\x12\x10\n" +
 	"\x03len\x18\x04 \x01(\x04R\x03len\x12\x1b\n" +
-	"\tblock_ids\x18\x05 \x03(\rR\bblockIds\"\xbf\x02\n" +
+	"\tblock_ids\x18\x05 \x03(\rR\bblockIds\"n\n" +
+	"\vRegionShape\x12\x14\n" +
+	"\x05layer\x18\x01 \x01(\rR\x05layer\x12,\n" +
+	"\x04kind\x18\x02 \x01(\x0e2\x18.kvsidecar.v1.RegionKindR\x04kind\x12\x1b\n" +
+	"\tblock_len\x18\x03 \x01(\x04R\bblockLen\"\xf2\x02\n" +
 	"\n" +
 	"PeerExpect\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12\x17\n" +
@@ -1421,7 +1524,9 @@ const file_kvsidecar_v1_xfer_proto_rawDesc = "" +
 	"numRegions\x12\x1b\n" +
 	"\tblock_len\x18\a \x01(\x04R\bblockLen\x12 \n" +
 	"\vincarnation\x18\b \x01(\x04R\vincarnation\x12*\n" +
-	"\x11capability_key_id\x18\t \x01(\tR\x0fcapabilityKeyId\"\xbc\x03\n" +
+	"\x11capability_key_id\x18\t \x01(\tR\x0fcapabilityKeyId\x121\n" +
+	"\x06layout\x18\n" +
+	" \x03(\v2\x19.kvsidecar.v1.RegionShapeR\x06layout\"\x94\x04\n" +
 	"\vXferRequest\x12$\n" +
 	"\x02op\x18\x01 \x01(\x0e2\x14.kvsidecar.v1.XferOpR\x02op\x12\x1d\n" +
 	"\n" +
@@ -1437,7 +1542,9 @@ const file_kvsidecar_v1_xfer_proto_rawDesc = "" +
 	"\axfer_id\x18\a \x01(\x04R\x06xferId\x12\x1b\n" +
 	"\ttotal_len\x18\b \x01(\x04R\btotalLen\x12\x1b\n" +
 	"\texport_id\x18\t \x01(\x04R\bexportId\x120\n" +
-	"\x06expect\x18\v \x01(\v2\x18.kvsidecar.v1.PeerExpectR\x06expectB\a\n" +
+	"\x06expect\x18\v \x01(\v2\x18.kvsidecar.v1.PeerExpectR\x06expect\x12,\n" +
+	"\x12consumer_engine_id\x18\f \x01(\tR\x10consumerEngineId\x12(\n" +
+	"\x10consumer_tp_rank\x18\r \x01(\rR\x0econsumerTpRankB\a\n" +
 	"\x05descs\"k\n" +
 	"\n" +
 	"XferStatus\x12)\n" +
@@ -1503,7 +1610,7 @@ func file_kvsidecar_v1_xfer_proto_rawDescGZIP() []byte {
 }
 
 var file_kvsidecar_v1_xfer_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvsidecar_v1_xfer_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
+var file_kvsidecar_v1_xfer_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
 var file_kvsidecar_v1_xfer_proto_goTypes = []any{
 	(XferOp)(0),               // 0: kvsidecar.v1.XferOp
 	(*Descriptor)(nil),        // 1: kvsidecar.v1.Descriptor
@@ -1512,51 +1619,55 @@ var file_kvsidecar_v1_xfer_proto_goTypes = []any{
 	(*UnprepDescList)(nil),    // 4: kvsidecar.v1.UnprepDescList
 	(*IndexedDescs)(nil),      // 5: kvsidecar.v1.IndexedDescs
 	(*BlockDescs)(nil),        // 6: kvsidecar.v1.BlockDescs
-	(*PeerExpect)(nil),        // 7: kvsidecar.v1.PeerExpect
-	(*XferRequest)(nil),       // 8: kvsidecar.v1.XferRequest
-	(*XferStatus)(nil),        // 9: kvsidecar.v1.XferStatus
-	(*Notification)(nil),      // 10: kvsidecar.v1.Notification
-	(*NotificationAck)(nil),   // 11: kvsidecar.v1.NotificationAck
-	(*Heartbeat)(nil),         // 12: kvsidecar.v1.Heartbeat
-	(*HeartbeatAck)(nil),      // 13: kvsidecar.v1.HeartbeatAck
-	(*PeerRequest)(nil),       // 14: kvsidecar.v1.PeerRequest
-	(*PeerResponse)(nil),      // 15: kvsidecar.v1.PeerResponse
-	(*ModelGeometry)(nil),     // 16: kvsidecar.v1.ModelGeometry
-	(*Error)(nil),             // 17: kvsidecar.v1.Error
-	(WireVersion)(0),          // 18: kvsidecar.v1.WireVersion
-	(*HandshakeRequest)(nil),  // 19: kvsidecar.v1.HandshakeRequest
-	(*HandshakeResponse)(nil), // 20: kvsidecar.v1.HandshakeResponse
+	(*RegionShape)(nil),       // 7: kvsidecar.v1.RegionShape
+	(*PeerExpect)(nil),        // 8: kvsidecar.v1.PeerExpect
+	(*XferRequest)(nil),       // 9: kvsidecar.v1.XferRequest
+	(*XferStatus)(nil),        // 10: kvsidecar.v1.XferStatus
+	(*Notification)(nil),      // 11: kvsidecar.v1.Notification
+	(*NotificationAck)(nil),   // 12: kvsidecar.v1.NotificationAck
+	(*Heartbeat)(nil),         // 13: kvsidecar.v1.Heartbeat
+	(*HeartbeatAck)(nil),      // 14: kvsidecar.v1.HeartbeatAck
+	(*PeerRequest)(nil),       // 15: kvsidecar.v1.PeerRequest
+	(*PeerResponse)(nil),      // 16: kvsidecar.v1.PeerResponse
+	(RegionKind)(0),           // 17: kvsidecar.v1.RegionKind
+	(*ModelGeometry)(nil),     // 18: kvsidecar.v1.ModelGeometry
+	(*Error)(nil),             // 19: kvsidecar.v1.Error
+	(WireVersion)(0),          // 20: kvsidecar.v1.WireVersion
+	(*HandshakeRequest)(nil),  // 21: kvsidecar.v1.HandshakeRequest
+	(*HandshakeResponse)(nil), // 22: kvsidecar.v1.HandshakeResponse
 }
 var file_kvsidecar_v1_xfer_proto_depIdxs = []int32{
 	1,  // 0: kvsidecar.v1.DescriptorList.descs:type_name -> kvsidecar.v1.Descriptor
 	2,  // 1: kvsidecar.v1.PrepDescList.descs:type_name -> kvsidecar.v1.DescriptorList
-	16, // 2: kvsidecar.v1.PeerExpect.geometry:type_name -> kvsidecar.v1.ModelGeometry
-	0,  // 3: kvsidecar.v1.XferRequest.op:type_name -> kvsidecar.v1.XferOp
-	5,  // 4: kvsidecar.v1.XferRequest.indexed:type_name -> kvsidecar.v1.IndexedDescs
-	2,  // 5: kvsidecar.v1.XferRequest.list:type_name -> kvsidecar.v1.DescriptorList
-	6,  // 6: kvsidecar.v1.XferRequest.blocks:type_name -> kvsidecar.v1.BlockDescs
-	7,  // 7: kvsidecar.v1.XferRequest.expect:type_name -> kvsidecar.v1.PeerExpect
-	17, // 8: kvsidecar.v1.XferStatus.error:type_name -> kvsidecar.v1.Error
-	17, // 9: kvsidecar.v1.NotificationAck.error:type_name -> kvsidecar.v1.Error
-	17, // 10: kvsidecar.v1.HeartbeatAck.error:type_name -> kvsidecar.v1.Error
-	18, // 11: kvsidecar.v1.PeerRequest.wire_version:type_name -> kvsidecar.v1.WireVersion
-	19, // 12: kvsidecar.v1.PeerRequest.handshake:type_name -> kvsidecar.v1.HandshakeRequest
-	3,  // 13: kvsidecar.v1.PeerRequest.prep:type_name -> kvsidecar.v1.PrepDescList
-	8,  // 14: kvsidecar.v1.PeerRequest.xfer:type_name -> kvsidecar.v1.XferRequest
-	10, // 15: kvsidecar.v1.PeerRequest.notification:type_name -> kvsidecar.v1.Notification
-	12, // 16: kvsidecar.v1.PeerRequest.heartbeat:type_name -> kvsidecar.v1.Heartbeat
-	4,  // 17: kvsidecar.v1.PeerRequest.unprep:type_name -> kvsidecar.v1.UnprepDescList
-	20, // 18: kvsidecar.v1.PeerResponse.handshake:type_name -> kvsidecar.v1.HandshakeResponse
-	17, // 19: kvsidecar.v1.PeerResponse.prep:type_name -> kvsidecar.v1.Error
-	9,  // 20: kvsidecar.v1.PeerResponse.xfer:type_name -> kvsidecar.v1.XferStatus
-	11, // 21: kvsidecar.v1.PeerResponse.notification:type_name -> kvsidecar.v1.NotificationAck
-	13, // 22: kvsidecar.v1.PeerResponse.heartbeat:type_name -> kvsidecar.v1.HeartbeatAck
-	17, // 23: kvsidecar.v1.PeerResponse.unprep:type_name -> kvsidecar.v1.Error
-	24, // [24:24] is the sub-list for method output_type
-	24, // [24:24] is the sub-list for method input_type
-	24, // [24:24] is the sub-list for extension type_name
-	24, // [24:24] is the sub-list for extension extendee
-	0,  // [0:24] is the sub-list for field type_name
+	17, // 2: kvsidecar.v1.RegionShape.kind:type_name -> kvsidecar.v1.RegionKind
+	18, // 3: kvsidecar.v1.PeerExpect.geometry:type_name -> kvsidecar.v1.ModelGeometry
+	7,  // 4: kvsidecar.v1.PeerExpect.layout:type_name -> kvsidecar.v1.RegionShape
+	0,  // 5: kvsidecar.v1.XferRequest.op:type_name -> kvsidecar.v1.XferOp
+	5,  // 6: kvsidecar.v1.XferRequest.indexed:type_name -> kvsidecar.v1.IndexedDescs
+	2,  // 7: kvsidecar.v1.XferRequest.list:type_name -> kvsidecar.v1.DescriptorList
+	6,  // 8: kvsidecar.v1.XferRequest.blocks:type_name -> kvsidecar.v1.BlockDescs
+	8,  // 9: kvsidecar.v1.XferRequest.expect:type_name -> kvsidecar.v1.PeerExpect
+	19, // 10: kvsidecar.v1.XferStatus.error:type_name -> kvsidecar.v1.Error
+	19, // 11: kvsidecar.v1.NotificationAck.error:type_name -> kvsidecar.v1.Error
+	19, // 12: kvsidecar.v1.HeartbeatAck.error:type_name -> kvsidecar.v1.Error
+	20, // 13: kvsidecar.v1.PeerRequest.wire_version:type_name -> kvsidecar.v1.WireVersion
+	21, // 14: kvsidecar.v1.PeerRequest.handshake:type_name -> kvsidecar.v1.HandshakeRequest
+	3,  // 15: kvsidecar.v1.PeerRequest.prep:type_name -> kvsidecar.v1.PrepDescList
+	9,  // 16: kvsidecar.v1.PeerRequest.xfer:type_name -> kvsidecar.v1.XferRequest
+	11, // 17: kvsidecar.v1.PeerRequest.notification:type_name -> kvsidecar.v1.Notification
+	13, // 18: kvsidecar.v1.PeerRequest.heartbeat:type_name -> kvsidecar.v1.Heartbeat
+	4,  // 19: kvsidecar.v1.PeerRequest.unprep:type_name -> kvsidecar.v1.UnprepDescList
+	22, // 20: kvsidecar.v1.PeerResponse.handshake:type_name -> kvsidecar.v1.HandshakeResponse
+	19, // 21: kvsidecar.v1.PeerResponse.prep:type_name -> kvsidecar.v1.Error
+	10, // 22: kvsidecar.v1.PeerResponse.xfer:type_name -> kvsidecar.v1.XferStatus
+	12, // 23: kvsidecar.v1.PeerResponse.notification:type_name -> kvsidecar.v1.NotificationAck
+	14, // 24: kvsidecar.v1.PeerResponse.heartbeat:type_name -> kvsidecar.v1.HeartbeatAck
+	19, // 25: kvsidecar.v1.PeerResponse.unprep:type_name -> kvsidecar.v1.Error
+	26, // [26:26] is the sub-list for method output_type
+	26, // [26:26] is the sub-list for method input_type
+	26, // [26:26] is the sub-list for extension type_name
+	26, // [26:26] is the sub-list for extension extendee
+	0,  // [0:26] is the sub-list for field type_name
 }
 
 func init() { file_kvsidecar_v1_xfer_proto_init() }
@@ -1566,12 +1677,12 @@ func file_kvsidecar_v1_xfer_proto_init() {
 	}
 	file_kvsidecar_v1_agent_proto_init()
 	file_kvsidecar_v1_common_proto_init()
-	file_kvsidecar_v1_xfer_proto_msgTypes[7].OneofWrappers = []any{
+	file_kvsidecar_v1_xfer_proto_msgTypes[8].OneofWrappers = []any{
 		(*XferRequest_Indexed)(nil),
 		(*XferRequest_List)(nil),
 		(*XferRequest_Blocks)(nil),
 	}
-	file_kvsidecar_v1_xfer_proto_msgTypes[13].OneofWrappers = []any{
+	file_kvsidecar_v1_xfer_proto_msgTypes[14].OneofWrappers = []any{
 		(*PeerRequest_Handshake)(nil),
 		(*PeerRequest_Prep)(nil),
 		(*PeerRequest_Xfer)(nil),
@@ -1579,7 +1690,7 @@ func file_kvsidecar_v1_xfer_proto_init() {
 		(*PeerRequest_Heartbeat)(nil),
 		(*PeerRequest_Unprep)(nil),
 	}
-	file_kvsidecar_v1_xfer_proto_msgTypes[14].OneofWrappers = []any{
+	file_kvsidecar_v1_xfer_proto_msgTypes[15].OneofWrappers = []any{
 		(*PeerResponse_Handshake)(nil),
 		(*PeerResponse_Prep)(nil),
 		(*PeerResponse_Xfer)(nil),
@@ -1593,7 +1704,7 @@ func file_kvsidecar_v1_xfer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvsidecar_v1_xfer_proto_rawDesc), len(file_kvsidecar_v1_xfer_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   15,
+			NumMessages:   16,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
