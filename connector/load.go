@@ -194,13 +194,22 @@ func (r *Rank) runLoad(ctx context.Context, l *load) {
 	close(l.done)
 }
 
+// targets are the handshake targets of l's sources, with what each must
+// be: the params' engine, rank and TP size, this rank's geometry, and its
+// layout (every region's layer and kind, each of the remote block length):
+// a source that lists the same regions in another order is read by layer
+// and kind, one whose regions differ otherwise is refused before any byte.
 func (r *Rank) targets(l *load) []handshake.Target {
 	p := l.params
 	r0, _ := RankAddr(p, 0)
+	layout := make([]handshake.RegionShape, len(r.regions))
+	for i, lr := range r.regions {
+		layout[i] = handshake.RegionShape{Layer: uint32(lr.Layer), Kind: lr.Kind, BlockLen: l.plan.RemoteBlockLen}
+	}
 	ts := make([]handshake.Target, len(l.plan.Sources))
 	for i, s := range l.plan.Sources {
 		e := handshake.Expect{EngineID: p.GetRemoteEngineId(), TPRank: s.PrefillRank, TPSize: int(p.GetTpSize()),
-			ModelHash: r.modelHash, Geometry: r.cfg.Geometry, NumRegions: len(r.regions), BlockLen: l.plan.RemoteBlockLen}
+			ModelHash: r.modelHash, Geometry: r.cfg.Geometry, NumRegions: len(r.regions), BlockLen: l.plan.RemoteBlockLen, Layout: layout}
 		if s.PrefillRank == 0 {
 			// remote_incarnation is rank 0's (the params come from its scheduler).
 			e.Incarnation = p.GetRemoteIncarnation()

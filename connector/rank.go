@@ -353,16 +353,18 @@ func (r *Rank) onHandshake(ctx context.Context, req *v1.HandshakeRequest) *v1.Ha
 
 // checkExpect is the serving side's check of a READ's PeerExpect (a
 // decode rank that READs without waiting for the handshake): the
-// handshake server's checks, on this rank's metadata.
-func (r *Rank) checkExpect(ctx context.Context, e *v1.PeerExpect) error {
+// handshake server's checks, on this rank's metadata; regions maps the
+// reader's regions onto this rank's by layer and kind.
+func (r *Rank) checkExpect(ctx context.Context, e *v1.PeerExpect) ([]int, error) {
 	srv := r.hsServer.Load()
 	if srv == nil {
-		return codes.New(v1.Code_CODE_UNAVAILABLE, "connector: rank %d is starting", r.cfg.TPRank)
+		return nil, codes.New(v1.Code_CODE_UNAVAILABLE, "connector: rank %d is starting", r.cfg.TPRank)
 	}
-	if err := srv.CheckExpect(ctx, e); err != nil {
-		return fmt.Errorf("connector: rank %d of engine %q refused a READ: %w", r.cfg.TPRank, r.cfg.EngineID, err)
+	regions, err := srv.CheckExpect(ctx, e)
+	if err != nil {
+		return nil, fmt.Errorf("connector: rank %d of engine %q refused a READ: %w", r.cfg.TPRank, r.cfg.EngineID, err)
 	}
-	return nil
+	return regions, nil
 }
 
 // checkBlocks validates engine block ids against the pool: in

@@ -384,14 +384,18 @@ func TestInflightKeyedByAddress(t *testing.T) {
 // TestCheckExpect: the expectations a READ carries instead of a handshake
 // are refused with the handshake's classes, naming both values, and a
 // READ expecting exactly this rank passes.
+//
+// fault-matrix: region-layout-differs
 func TestCheckExpect(t *testing.T) {
 	md := rankMeta("prefill", 1, 2, 0x77)
 	md.CapabilityKeyID = "k1"
 	s, err := handshake.NewServer(md)
 	require.NoError(t, err)
 	e := handshake.Expect{EngineID: "prefill", TPRank: 1, TPSize: 2, ModelHash: md.ModelHash, Geometry: md.Geometry,
-		NumRegions: len(md.Regions), BlockLen: md.Regions[0].BlockLen, Incarnation: 0x77}
-	require.NoError(t, s.CheckExpect(t.Context(), handshake.ExpectOf(e, "k1")))
+		NumRegions: len(md.Regions), BlockLen: md.Regions[0].BlockLen, Incarnation: 0x77, Layout: handshake.Shapes(md.Regions)}
+	regions, err := s.CheckExpect(t.Context(), handshake.ExpectOf(e, "k1"))
+	require.NoError(t, err)
+	require.Equal(t, []int{0, 1, 2, 3}, regions, "the reader's layout is this rank's, in its order")
 
 	other := proto.Clone(md.Geometry).(*v1.ModelGeometry)
 	other.NumLayers++
@@ -410,14 +414,77 @@ func TestCheckExpect(t *testing.T) {
 		{"block_len", func(x *v1.PeerExpect) { x.BlockLen++ }, v1.Code_CODE_INCOMPATIBLE_MODEL, "the reader's TP mapping needs"},
 		{"incarnation", func(x *v1.PeerExpect) { x.Incarnation = 0x99 }, v1.Code_CODE_NOT_FOUND, "kv_transfer_params said 0x99"},
 		{"capability key", func(x *v1.PeerExpect) { x.CapabilityKeyId = "k2" }, v1.Code_CODE_CAPABILITY_DENIED, "holds capability key id k1, the export was signed with key id k2"},
+		{"layout: V where this rank holds K", func(x *v1.PeerExpect) { x.Layout[0].Kind = v1.RegionKind_REGION_KIND_V }, v1.Code_CODE_INCOMPATIBLE_MODEL,
+			"the reader lists layer 0 V twice (this agent: [layer 0 K, layer 0 V, layer 1 K, layer 1 V]; the reader: [layer 0 V, layer 0 V, layer 1 K, layer 1 V])"},
+		{"layout: another layer", func(x *v1.PeerExpect) { x.Layout[3].Layer = 2 }, v1.Code_CODE_INCOMPATIBLE_MODEL,
+			"the reader regions[3] is layer 2 V, this agent has no layer 2 V (its regions[3] is layer 1 V)"},
+		{"layout: one region's block length", func(x *v1.PeerExpect) { x.Layout[2].BlockLen *= 2 }, v1.Code_CODE_INCOMPATIBLE_MODEL,
+			fmt.Sprintf("layer 1 K: block_len %d on this agent, the reader needs %d", md.Regions[2].BlockLen, 2*md.Regions[2].BlockLen)},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			x := handshake.ExpectOf(e, "k1")
 			tt.edit(x)
-			err := s.CheckExpect(t.Context(), x)
+			_, err := s.CheckExpect(t.Context(), x)
 			require.Equal(t, tt.want, codes.Of(err), "%v", err)
 			require.ErrorContains(t, err, tt.msg)
 		})
 	}
+}
+
+// TestMatchLayout: a reader's layout maps onto a peer holding the same
+// regions in another order (all K then all V; V before K in one layer) by
+// layer and kind, and is refused, naming both layouts, when the sets
+// differ; the handshake's own check on the decode (Expect.Check) agrees.
+//
+// fault-matrix: region-layout-order
+// fault-matrix: region-layout-differs
+func TestMatchLayout(t *testing.T) {
+	K, V := v1.RegionKind_REGION_KIND_K, v1.RegionKind_REGION_KIND_V
+	sh := func(spec ...any) []handshake.RegionShape {
+		var out []handshake.RegionShape
+		for i := 0; i < len(spec); i += 2 {
+			out = append(out, handshake.RegionShape{Layer: uint32(spec[i].(int)), Kind: spec[i+1].(v1.RegionKind), BlockLen: 4096})
+		}
+		return out
+	}
+	local := sh(0, K, 0, V, 1, K, 1, V)
+	tests := []struct {
+		name   string
+		served []handshake.RegionShape
+		want   []int  // the served index of each local region
+		msg    string // the error, when refused
+	}{
+		{"same order", sh(0, K, 0, V, 1, K, 1, V), []int{0, 1, 2, 3}, ""},
+		{"all K then all V", sh(0, K, 1, K, 0, V, 1, V), []int{0, 2, 1, 3}, ""},
+		{"V before K in layer 1", sh(0, K, 0, V, 1, V, 1, K), []int{0, 1, 3, 2}, ""},
+		{"V instead of K", sh(0, V, 0, V, 1, K, 1, V), nil, "peer p lists layer 0 V twice (regions[0] and regions[1])"},
+		{"a layer missing", sh(0, K, 0, V, 2, K, 2, V), nil,
+			"region layouts differ: this rank regions[2] is layer 1 K, peer p has no layer 1 K (its regions[2] is layer 2 K) (peer p: [layer 0 K, layer 0 V, layer 2 K, layer 2 V]; this rank: [layer 0 K, layer 0 V, layer 1 K, layer 1 V])"},
+		{"one region fewer", sh(0, K, 0, V, 1, K), nil, "peer p has 3 regions, this rank 4"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := handshake.MatchLayout(tt.served, local, "peer p", "this rank")
+			if tt.msg != "" {
+				require.ErrorIs(t, err, handshake.ErrIncompatible)
+				require.ErrorContains(t, err, tt.msg)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tt.want, got)
+			for i, j := range got {
+				require.Equal(t, local[i], tt.served[j], "local region %d reads served region %d", i, j)
+			}
+		})
+	}
+
+	md := rankMeta("prefill", 0, 1, 1)
+	e := handshake.Expect{EngineID: "prefill", TPRank: 0, Layout: handshake.Shapes(md.Regions)}
+	md.Regions[1], md.Regions[2] = md.Regions[2], md.Regions[1] // all K, then all V
+	require.NoError(t, e.Check(md), "the same regions in another order are read by layer and kind")
+	md.Regions[1].Kind = v1.RegionKind_REGION_KIND_V
+	err := e.Check(md)
+	require.Equal(t, v1.Code_CODE_INCOMPATIBLE_MODEL, codes.Of(err))
+	require.ErrorContains(t, err, "peer prefill/tp0 lists layer 1 V twice")
 }

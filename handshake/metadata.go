@@ -219,6 +219,114 @@ type Expect struct {
 	// Incarnation from kv_transfer_params (remote_incarnation); 0 = any.
 	// A cached entry of another incarnation is stale and refetched.
 	Incarnation uint64
+	// Layout is the peer's regions as the dialer names them (the dialer's
+	// own regions' layer and kind, with the block length the TP mapping
+	// needs): the peer must hold the same set, in any order (see
+	// MatchLayout). nil = not checked.
+	Layout []RegionShape
+}
+
+// RegionShape is what one region holds: the tensor (K, V, or one compound
+// region) of one layer, and the bytes of one block of it.
+type RegionShape struct {
+	Layer uint32
+	Kind  v1.RegionKind
+	// BlockLen is the bytes of one block; 0 = not compared.
+	BlockLen uint64
+}
+
+// String names the region as a layout lists it: "layer 0 K", "layer 3
+// compound".
+func (s RegionShape) String() string {
+	k := "kind?"
+	switch s.Kind {
+	case v1.RegionKind_REGION_KIND_K:
+		k = "K"
+	case v1.RegionKind_REGION_KIND_V:
+		k = "V"
+	case v1.RegionKind_REGION_KIND_COMPOUND:
+		k = "compound"
+	}
+	return fmt.Sprintf("layer %d %s", s.Layer, k)
+}
+
+// Shape is the region's RegionShape.
+func (r Region) Shape() RegionShape {
+	return RegionShape{Layer: r.Layer, Kind: r.Kind, BlockLen: r.BlockLen}
+}
+
+// Shapes returns the shapes of rs, in order.
+func Shapes(rs []Region) []RegionShape {
+	out := make([]RegionShape, len(rs))
+	for i, r := range rs {
+		out[i] = r.Shape()
+	}
+	return out
+}
+
+// MatchLayout maps a reader's layout onto a served rank's regions by layer
+// and kind: regions[i] is the index in served of the region holding
+// want[i]'s layer and kind, so a peer that lists the same regions in
+// another order (all K before all V, V before K in a layer) is read
+// correctly. The two must be the same set: equal counts, every (layer,
+// kind) of want exactly once in served, and each with want's block length
+// when want names one. Otherwise the error wraps ErrIncompatible and names
+// the first region that differs and both layouts (servedName and
+// wantName say whose they are in the message: "this agent", "reader").
+func MatchLayout(served, want []RegionShape, servedName, wantName string) ([]int, error) {
+	type key struct {
+		layer uint32
+		kind  v1.RegionKind
+	}
+	bad := func(format string, a ...any) ([]int, error) {
+		return nil, fmt.Errorf("%w: region layouts differ: %s (%s: %s; %s: %s)", ErrIncompatible, fmt.Sprintf(format, a...),
+			servedName, layoutString(served), wantName, layoutString(want))
+	}
+	if len(served) != len(want) {
+		return bad("%s has %d regions, %s %d", servedName, len(served), wantName, len(want))
+	}
+	at := make(map[key]int, len(served))
+	for i, s := range served {
+		k := key{s.Layer, s.Kind}
+		if j, dup := at[k]; dup {
+			return bad("%s lists %v twice (regions[%d] and regions[%d])", servedName, s, j, i)
+		}
+		at[k] = i
+	}
+	out := make([]int, len(want))
+	used := make([]bool, len(served))
+	for i, w := range want {
+		j, ok := at[key{w.Layer, w.Kind}]
+		switch {
+		case !ok:
+			return bad("%s regions[%d] is %v, %s has no %v (its regions[%d] is %v)", wantName, i, w, servedName, w, i, served[i])
+		case used[j]:
+			return bad("%s lists %v twice", wantName, w)
+		case w.BlockLen != 0 && served[j].BlockLen != w.BlockLen:
+			return bad("%v: block_len %d on %s, %s needs %d", w, served[j].BlockLen, servedName, wantName, w.BlockLen)
+		}
+		used[j] = true
+		out[i] = j
+	}
+	return out, nil
+}
+
+// layoutString lists a layout, "layer 0 K, layer 0 V, ..." (the first 8
+// regions and a count of the rest).
+func layoutString(rs []RegionShape) string {
+	const show = 8
+	var b strings.Builder
+	for i, r := range rs {
+		if i == show {
+			fmt.Fprintf(&b, ", ... %d more", len(rs)-show)
+			break
+		}
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		b.WriteString(r.String())
+	}
+	return "[" + b.String() + "]"
 }
 
 // Check validates md against e. Errors wrap ErrUnknownEngine, ErrTPMismatch
@@ -242,6 +350,11 @@ func (e Expect) Check(md *Metadata) error {
 			len(md.Regions), e.NumRegions, regionLayout(md.Regions))
 	case e.Incarnation != 0 && md.Incarnation != e.Incarnation:
 		return fmt.Errorf("%w: peer %s incarnation %#x, kv_transfer_params said %#x (the prefill restarted; its blocks are gone)", ErrUnknownEngine, md.AgentName, md.Incarnation, e.Incarnation)
+	}
+	if e.Layout != nil {
+		if _, err := MatchLayout(Shapes(md.Regions), e.Layout, "peer "+md.AgentName, "this rank"); err != nil {
+			return err
+		}
 	}
 	if e.BlockLen != 0 {
 		for i, r := range md.Regions {

@@ -30,14 +30,17 @@ func TestBlockDescsRead(t *testing.T) {
 		mu      sync.Mutex
 		engines []string
 	)
-	srv := startAgent(t, Config{Regions: srvRegs, CapabilityKey: key, CheckExpect: func(_ context.Context, e *v1.PeerExpect) error {
+	srv := startAgent(t, Config{Regions: srvRegs, CapabilityKey: key, CheckExpect: func(_ context.Context, e *v1.PeerExpect) ([]int, error) {
 		mu.Lock()
 		engines = append(engines, e.GetEngineId())
 		mu.Unlock()
 		if e.GetEngineId() != "prefill" {
-			return codes.New(v1.Code_CODE_NOT_FOUND, "this agent is engine_id %q, the READ expects %q", "prefill", e.GetEngineId())
+			return nil, codes.New(v1.Code_CODE_NOT_FOUND, "this agent is engine_id %q, the READ expects %q", "prefill", e.GetEngineId())
 		}
-		return nil
+		if len(e.GetLayout()) > 0 {
+			return []int{2, 0, 1}, nil // the reader's region i is this agent's 2, 0, 1
+		}
+		return nil, nil
 	}})
 	cliMem := mmapRegion(t, 128<<10)
 	cliReg := SliceRegion(cliMem, 0, 0)
@@ -64,6 +67,23 @@ func TestBlockDescsRead(t *testing.T) {
 		mu.Lock()
 		require.Equal(t, []string{"prefill"}, engines, "the peer checked the expectation")
 		mu.Unlock()
+	})
+	t.Run("regions mapped by the expectation's layout", func(t *testing.T) {
+		clear(cliMem)
+		// The reader's regions 0 and 1 are this agent's 2 and 0.
+		mapped := &BlockDescs{FirstRegion: 0, NumRegions: 2, Offset: 1024, Len: 2048, BlockIDs: ids}
+		var want []byte
+		for _, r := range []int{2, 0} {
+			for _, b := range ids {
+				off := int(b)*blockLen + 1024
+				want = append(want, srvRegs[r].Mem.(SliceMemory)[off:off+2048]...)
+			}
+		}
+		_, err := cli.Transfer(t.Context(), &Xfer{Op: OpRead, Peer: peer, RequestID: "req", Capability: capab,
+			Local: []Desc{{Addr: cliReg.Base, Len: uint64(len(want))}}, RemoteBlocks: mapped,
+			Expect: &v1.PeerExpect{EngineId: "prefill", Layout: []*v1.RegionShape{{Layer: 1}, {Layer: 0}, {Layer: 0}}}})
+		require.NoError(t, err)
+		require.True(t, bytes.Equal(want, cliMem[:len(want)]), "bytes differ from regions 2 and 0")
 	})
 	t.Run("one local descriptor per entry, checksummed", func(t *testing.T) {
 		clear(cliMem)

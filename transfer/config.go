@@ -120,10 +120,13 @@ type Config struct {
 	// CheckExpect checks a request's PeerExpect (a READ that did not wait
 	// for a handshake carries one) against this agent's own metadata before
 	// anything else of the request is looked at; a non-nil error refuses it
-	// with its class. It may run in 0-RTT and must not change state.
-	// Default nil: a request carrying a PeerExpect is refused with
-	// CODE_UNAVAILABLE.
-	CheckExpect func(ctx context.Context, e *v1.PeerExpect) error
+	// with its class. When the expectation names the reader's layout
+	// (PeerExpect.layout), regions maps the request's region i (as
+	// BlockDescs name it) to the index of this agent's Regions entry that
+	// holds it; nil means the indices are this agent's own. It may run in
+	// 0-RTT and must not change state. Default nil: a request carrying a
+	// PeerExpect is refused with CODE_UNAVAILABLE.
+	CheckExpect func(ctx context.Context, e *v1.PeerExpect) (regions []int, err error)
 	// OnHandshake answers a HandshakeRequest; it may run in 0-RTT and must be
 	// idempotent. Default: answered with CODE_UNAVAILABLE.
 	OnHandshake func(ctx context.Context, req *v1.HandshakeRequest) *v1.HandshakeResponse

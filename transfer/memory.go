@@ -225,13 +225,14 @@ func descsFromProto(l *v1.DescriptorList) []Desc {
 	return out
 }
 
-// resolveBlocks checks b against the registered regions (in registration
-// order) and returns its spans, region-major, each block's slice in
-// b.BlockIds order: every region exists and is divided into blocks,
-// offset+len fits one block, every block lies inside its region, and
-// regions × blocks is at most maxEntries. With merge, slices adjacent in
+// resolveBlocks checks b against the registered regions and returns its
+// spans, region-major, each block's slice in b.BlockIds order: every region
+// exists and is divided into blocks, offset+len fits one block, every block
+// lies inside its region, and regions × blocks is at most maxEntries.
+// b's region i is registered region regionMap[i], or region i when
+// regionMap is nil (registration order). With merge, slices adjacent in
 // memory become one span (fewer, larger writes; checksums need them apart).
-func (rs regionSet) resolveBlocks(b *v1.BlockDescs, maxEntries int, merge bool) ([]span, uint64, error) {
+func (rs regionSet) resolveBlocks(b *v1.BlockDescs, regionMap []int, maxEntries int, merge bool) ([]span, uint64, error) {
 	ids := b.GetBlockIds()
 	first, nr := uint64(b.GetFirstRegion()), uint64(b.GetNumRegions())
 	entries := nr * uint64(len(ids))
@@ -244,11 +245,20 @@ func (rs regionSet) resolveBlocks(b *v1.BlockDescs, maxEntries int, merge bool) 
 			nr, len(ids), entries, maxEntries)
 	case first+nr > uint64(len(rs)):
 		return nil, 0, errorf(v1.Code_CODE_OUT_OF_RANGE, "block descriptors name regions [%d, %d), this agent registered %d", first, first+nr, len(rs))
+	case regionMap != nil && first+nr > uint64(len(regionMap)):
+		return nil, 0, errorf(v1.Code_CODE_OUT_OF_RANGE, "block descriptors name regions [%d, %d), the request's layout lists %d", first, first+nr, len(regionMap))
 	}
 	out := make([]span, 0, entries)
 	var total uint64
 	for ri := first; ri < first+nr; ri++ {
-		r := rs[ri]
+		at := ri
+		if regionMap != nil {
+			at = uint64(regionMap[ri])
+			if at >= uint64(len(rs)) {
+				return nil, 0, errorf(v1.Code_CODE_OUT_OF_RANGE, "the request's region %d maps to region %d, this agent registered %d", ri, at, len(rs))
+			}
+		}
+		r := rs[at]
 		end, carry := bits.Add64(b.GetOffset(), b.GetLen(), 0)
 		switch {
 		case r.BlockLen == 0:

@@ -283,8 +283,10 @@ func (a *Agent) unprepare(sc *servedConn, u *v1.UnprepDescList) error {
 }
 
 // servedSpans checks an XferRequest's descriptors: explicit ones against the
-// registered regions, indexed ones against a prepared list.
-func (a *Agent) servedSpans(sc *servedConn, x *v1.XferRequest) ([]span, uint64, error) {
+// registered regions, indexed ones against a prepared list, block ones
+// against the regions the request's region i names (regionMap[i], or
+// region i when regionMap is nil).
+func (a *Agent) servedSpans(sc *servedConn, x *v1.XferRequest, regionMap []int) ([]span, uint64, error) {
 	switch d := x.GetDescs().(type) {
 	case *v1.XferRequest_List:
 		n := len(d.List.GetDescs())
@@ -317,7 +319,7 @@ func (a *Agent) servedSpans(sc *servedConn, x *v1.XferRequest) ([]span, uint64, 
 		if Op(x.GetOp()) != OpRead {
 			return nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "block descriptors name memory to READ; a %v names addresses", Op(x.GetOp()))
 		}
-		return a.regionSet().resolveBlocks(d.Blocks, a.cfg.MaxDescsPerTransfer, !x.GetChecksum())
+		return a.regionSet().resolveBlocks(d.Blocks, regionMap, a.cfg.MaxDescsPerTransfer, !x.GetChecksum())
 	}
 	return nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "transfer names no descriptors")
 }
@@ -347,17 +349,18 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 		refuse(errorf(v1.Code_CODE_INVALID_ARGUMENT, "transfer op %v is neither READ nor WRITE", x.GetOp()))
 		return
 	}
+	var regionMap []int
 	if e := x.GetExpect(); e != nil {
 		err := errorf(v1.Code_CODE_UNAVAILABLE, "this agent has no metadata to check the request's expectations against")
 		if a.cfg.CheckExpect != nil {
-			err = a.cfg.CheckExpect(ctx, e)
+			regionMap, err = a.cfg.CheckExpect(ctx, e)
 		}
 		if err != nil {
 			refuse(err)
 			return
 		}
 	}
-	spans, total, err := a.servedSpans(sc, x)
+	spans, total, err := a.servedSpans(sc, x, regionMap)
 	if err != nil {
 		refuse(err)
 		return

@@ -218,7 +218,7 @@ func FuzzPeerRequest(f *testing.F) {
 				return ErrNotFound
 			}())
 		case *v1.PeerRequest_Xfer:
-			spans, total, err := a.servedSpans(sc, body.Xfer)
+			spans, total, err := a.servedSpans(sc, body.Xfer, nil)
 			if err != nil {
 				return
 			}
