@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"sync/atomic"
 
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/vmm"
@@ -99,6 +100,15 @@ func BuildRank(ctx context.Context, cfg *BuildConfig) (_ *Built, err error) {
 	}
 	gcfg.Ownership = tpgroup.OwnershipCoordinated
 	member := tpgroup.Member{EngineID: cfg.Rank.EngineID, TPSize: cfg.Rank.TPSize, TPRank: cfg.Rank.TPRank, Device: cfg.Device}
+	// A follower's answer to rank 0's free: no export of this rank holds
+	// the blocks any more, and no transfer of this rank touches them.
+	var rank atomic.Pointer[Rank]
+	gcfg.OnFree = func(ctx context.Context, blocks []int) error {
+		if r := rank.Load(); r != nil {
+			r.ownerFreed(blocks)
+		}
+		return b.Pool.WaitUnpinned(ctx, blocks)
+	}
 	newPool := func() error {
 		p, err := vmm.NewPool(ctx, vc)
 		if err != nil {
@@ -123,6 +133,7 @@ func BuildRank(ctx context.Context, cfg *BuildConfig) (_ *Built, err error) {
 			return nil, err
 		}
 		vc.PageHook = track(b.Group.Hook())
+		vc.FreeHook = b.Group.FreeBlocks
 		if err := newPool(); err != nil {
 			return nil, err
 		}
@@ -150,6 +161,7 @@ func BuildRank(ctx context.Context, cfg *BuildConfig) (_ *Built, err error) {
 	if b.Rank, err = NewRank(ctx, &rc); err != nil {
 		return nil, err
 	}
+	rank.Store(b.Rank)
 	b.closers = append(b.closers, func() error {
 		if err := b.Rank.Close(); !errors.Is(err, net.ErrClosed) {
 			return err

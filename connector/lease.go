@@ -374,6 +374,33 @@ func (t *leaseTable) extend(refs []exportRef, verify func(i int, l *lease) error
 	return out
 }
 
+// revoke ends every live lease holding one of blocks (rank 0 freed them)
+// and returns how many it ended; a pinned one frees its blocks when its
+// READs stop.
+func (t *leaseTable) revoke(blocks []int) int {
+	t.mu.Lock()
+	var free []*lease
+	n := 0
+	for _, l := range t.byExport {
+		for _, b := range blocks {
+			if b < 0 || !l.has(uint32(b)) {
+				continue
+			}
+			t.removeLocked(l, fmt.Sprintf("rank 0 freed block %d while the export held it", b))
+			if t.endLocked(l, false) {
+				free = append(free, l)
+			}
+			n++
+			break
+		}
+	}
+	t.mu.Unlock()
+	for _, l := range free {
+		t.free(l, false)
+	}
+	return n
+}
+
 // removeLocked ends l; how says how, for later messages naming it.
 func (t *leaseTable) removeLocked(l *lease, how string) {
 	heap.Remove(&t.order, l.index)

@@ -33,7 +33,10 @@ type load struct {
 	// the load failed before any handshake).
 	reached []bool
 	cancel  context.CancelCauseFunc
-	done    chan struct{}
+	// unpin releases the pool's pin of blocks (Pool.Pin), once no READ
+	// writes into them.
+	unpin func()
+	done  chan struct{}
 	// start is when StartLoad accepted the load; firstByte observes the
 	// time to its first KV byte once.
 	start     time.Time
@@ -109,21 +112,33 @@ func (r *Rank) StartLoad(ctx context.Context, meta *v1.ReqMeta) error {
 	lctx, cancelTimeout := context.WithTimeoutCause(lctx, r.cfg.LoadTimeout,
 		fmt.Errorf("connector: load of %q exceeded LoadTimeout %v", id, r.cfg.LoadTimeout))
 	l.cancel = func(err error) { cancel(err); cancelTimeout() }
+	// The destination pages stay mapped until the load ends, on this rank
+	// and, under coordinated ownership, on rank 0, whose free of a block
+	// waits for this pin (and aborts the load at its deadline).
+	l.unpin, err = r.pool.Pin(local, func() {
+		l.cancel(fmt.Errorf("%w: rank 0 frees local blocks of request %q while rank %d loads into them", ErrAborted, id, r.cfg.TPRank))
+	})
+	if err != nil {
+		l.cancel(nil)
+		return fmt.Errorf("%w: local_block_ids: %w", ErrInvalidArgument, err)
+	}
+	fail := func(err error) error {
+		l.unpin()
+		l.cancel(nil)
+		return err
+	}
 	r.mu.Lock()
 	if r.closed || r.draining {
 		r.mu.Unlock()
-		l.cancel(nil)
-		return r.refuseIfDraining()
+		return fail(r.refuseIfDraining())
 	}
 	if _, busy := r.loads[id]; busy {
 		r.mu.Unlock()
-		l.cancel(nil)
-		return fmt.Errorf("%w: request %q is already loading", ErrBusy, id)
+		return fail(fmt.Errorf("%w: request %q is already loading", ErrBusy, id))
 	}
 	if err := r.busyLocked("local_block_ids", local, false); err != nil {
 		r.mu.Unlock()
-		l.cancel(nil)
-		return err
+		return fail(err)
 	}
 	for _, b := range local {
 		r.busy[b] = blockUse{useLoading, id}
@@ -158,6 +173,7 @@ func (r *Rank) Abort(ctx context.Context, requestID string) error {
 func (r *Rank) runLoad(ctx context.Context, l *load) {
 	start := time.Now()
 	err := r.load(ctx, l)
+	l.unpin()
 	// Notify every source reached, read or not, whatever happened: prefill
 	// frees its blocks now instead of at lease expiry. After a successful
 	// load the notifications come first, so the prefill has released its

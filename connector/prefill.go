@@ -227,13 +227,15 @@ func (r *Rank) released(l *lease, expired bool) {
 // and the first bad block, and moves no byte. The lease is pinned until
 // release: if it expires or is notified while the READ runs, its blocks are
 // freed (and their pages unmapped) only after the READ stopped reading
-// them. A READ that arrived in 0-RTT (a.Early) holds only that pin: it
+// them; the blocks' pages are pinned in the pool (Pool.Pin) too. A READ
+// that arrived in 0-RTT (a.Early) holds only that pin: it
 // marks nothing as read until its handshake completed (release), so a
 // replayed flight changes no lasting state of the lease.
 func (r *Rank) authorize(_ context.Context, a *transfer.Access) error {
 	if a.Op != transfer.OpRead {
 		return fmt.Errorf("%w: %s into exported blocks of request %q is not allowed", ErrCapabilityDenied, a.Op, a.RequestID)
 	}
+	var unpin func()
 	l, err := r.leases.pin(exportRef{a.RequestID, a.ExportID}, !a.Early, func(l *lease) error {
 		if err := r.capKey.VerifyExport(a.Capability, r.exportRef(l), l.tokens()); err != nil {
 			return fmt.Errorf("connector: READ of request %q on rank %d: %w; no byte was read", l.id, r.cfg.TPRank, err)
@@ -244,7 +246,14 @@ func (r *Rank) authorize(_ context.Context, a *transfer.Access) error {
 					ErrCapabilityDenied, b, l.id, l.export, r.cfg.TPRank)
 			}
 		}
-		if err := r.pool.CheckMapped(kvgeom.Ints(a.BlockIDs)); err != nil {
+		// The pages stay mapped until release, on this rank and, under
+		// coordinated ownership, on rank 0, whose free of a block waits for
+		// this pin (Pool.WaitUnpinned, through the TP group).
+		var err error
+		unpin, err = r.pool.Pin(kvgeom.Ints(a.BlockIDs), func() {
+			a.Abort(fmt.Errorf("%w: rank 0 frees blocks of request %q while rank %d serves them", ErrAborted, l.id, r.cfg.TPRank))
+		})
+		if err != nil {
 			var be *vmm.BlockError
 			if errors.As(err, &be) {
 				return codes.New(codes.Of(err), "connector: request %q export %016x on rank %d: block %d: its page is not mapped; no byte was read",
@@ -258,8 +267,25 @@ func (r *Rank) authorize(_ context.Context, a *transfer.Access) error {
 		r.cfg.Logger.Warn("READ refused", "peer", a.Peer, "request_id", a.RequestID, "export_id", strconv.FormatUint(a.ExportID, 16), "err", err)
 		return err
 	}
-	r.pinned.Store(a, l)
+	r.pinned.Store(a, servedRead{l, unpin})
 	return nil
+}
+
+// servedRead is a READ being served: its lease, pinned, and its pin of the
+// blocks' pages.
+type servedRead struct {
+	lease *lease
+	unpin func()
+}
+
+// ownerFreed ends, on a follower of a coordinated group, every export that
+// holds one of blocks: rank 0 is freeing them, and may hand them to another
+// request, so no later READ may be served from them (a READ being served
+// keeps its pin; rank 0 waits for it).
+func (r *Rank) ownerFreed(blocks []int) {
+	if n := r.leases.revoke(blocks); n > 0 {
+		r.cfg.Logger.Warn("rank 0 freed blocks that exports of this rank held; the exports ended", "blocks", len(blocks), "exports", n)
+	}
 }
 
 // exportRef names lease l for the capability key.
@@ -272,8 +298,11 @@ func (r *Rank) exportRef(l *lease) transfer.ExportRef {
 // whose handshake never completed (a.Early still set: a replayed 0-RTT
 // flight, or a dialer gone before its handshake ended) counts for nothing.
 func (r *Rank) release(a *transfer.Access) {
-	if l, ok := r.pinned.LoadAndDelete(a); ok {
-		r.leases.unpin(l.(*lease), a.Err == nil, !a.Early)
+	if v, ok := r.pinned.LoadAndDelete(a); ok {
+		sr := v.(servedRead)
+		r.leases.unpin(sr.lease, a.Err == nil, !a.Early)
+		sr.unpin() // last: the READ is over before its pages may unmap
+
 	}
 }
 

@@ -93,15 +93,18 @@ type Pool struct {
 	limit       uint64
 	pages       []page
 	blockUsed   []bool
-	partial     idxSet  // local mapped pages with free and used blocks
-	empty       idxSet  // local mapped pages with no used block (the reserve)
-	unmapped    []int32 // unmapped pages; the short last page, if any, kept at the bottom
-	unmappedCap int     // blocks in unmapped pages
-	committed   int     // pages busy, mapped or broken: what the limit counts
-	mappedCnt   int     // pages in pageMapped
-	freeMapped  int     // free blocks in partial and empty pages
-	used        int     // allocated blocks, null block excluded
-	refilling   int     // pages the refill goroutine is mapping
+	partial     idxSet            // local mapped pages with free and used blocks
+	empty       idxSet            // local mapped pages with no used block (the reserve)
+	unmapped    []int32           // unmapped pages; the short last page, if any, kept at the bottom
+	unmappedCap int               // blocks in unmapped pages
+	committed   int               // pages busy, mapped or broken: what the limit counts
+	mappedCnt   int               // pages in pageMapped
+	freeMapped  int               // free blocks in partial and empty pages
+	used        int               // allocated blocks, null block excluded
+	refilling   int               // pages the refill goroutine is mapping
+	pins        map[*pin]struct{} // transfers' holds on blocks (Pin)
+	pagePins    []int32           // pins per page index
+	unpinned    chan struct{}     // closed and cleared when a pin goes
 
 	onCommit func(committed, limitPages int) // tests: called under mu when a page is committed
 }
@@ -326,7 +329,10 @@ func (p *Pool) limitSnapshot() uint64 {
 // pool is over its limit, empty pages are unmapped first. An error of the
 // unmap (a *PageError), of PageHook.UnmapPages (a *HookError), or both
 // (errors.Join) is returned after the blocks were freed; the hook is told
-// about every page that was unmapped, whatever ctx has become since.
+// about every page that was unmapped, whatever ctx has become since. With
+// a Config.FreeHook, it runs first (the blocks still allocated), detached
+// from ctx and bounded by UnmapHookTimeout; its failure is logged and
+// counted, and the blocks are freed anyway.
 func (p *Pool) Free(ctx context.Context, ids []int) error {
 	p.mu.Lock()
 	if p.closed {
@@ -336,6 +342,29 @@ func (p *Pool) Free(ctx context.Context, ids []int) error {
 	if err := p.validateFreeLocked(ids); err != nil {
 		p.mu.Unlock()
 		return err
+	}
+	if p.cfg.FreeHook != nil && len(ids) > 0 {
+		// The blocks stay allocated while the hook waits: nobody can be
+		// handed them before every other rank stopped using them.
+		p.ops.Add(1)
+		p.mu.Unlock()
+		hctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.UnmapHookTimeout)
+		herr := p.cfg.FreeHook(hctx, ids)
+		cancel()
+		if herr != nil {
+			p.m.failures.WithLabelValues("hook_free").Inc()
+			p.log.Warn("vmm: free hook failed; freeing anyway", "blocks", len(ids), "err", herr)
+		}
+		p.mu.Lock()
+		p.ops.Done()
+		if p.closed {
+			p.mu.Unlock()
+			return p.closedErr()
+		}
+		if err := p.validateFreeLocked(ids); err != nil {
+			p.mu.Unlock()
+			return err // freed by another call meanwhile
+		}
 	}
 	trim := p.releaseLocked(ids)
 	if len(trim) == 0 {

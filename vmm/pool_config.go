@@ -64,7 +64,14 @@ type Config struct {
 	// PageHook, when set, is told about every page index mapped or unmapped
 	// (except page 0). Default (nil): none.
 	PageHook PageHook
-	// UnmapHookTimeout bounds each PageHook.UnmapPages call. That call runs
+	// FreeHook, when set, is called by Free with the ids to free after they
+	// were validated and before any is released: rank 0 of a coordinated TP
+	// group waits there until ranks 1..N-1 stopped every transfer that
+	// reads or writes them (tpgroup.Group.FreeBlocks), so no rank serves a
+	// block that rank 0 hands out again or unmaps. It runs detached from
+	// Free's ctx, bounded by UnmapHookTimeout. Default (nil): none.
+	FreeHook func(ctx context.Context, ids []int) error
+	// UnmapHookTimeout bounds each PageHook.UnmapPages (and FreeHook) call. That call runs
 	// detached from the caller's ctx (context.WithoutCancel), so a caller
 	// that gives up after the local unmap cannot leave the followers still
 	// mapping pages rank 0 will reuse. Default (0): DefaultUnmapHookTimeout

@@ -3,6 +3,7 @@ package vmm
 import (
 	"context"
 	"fmt"
+	"slices"
 )
 
 // MapPages maps page indices on command, without allocating block ids: the
@@ -80,24 +81,51 @@ func (p *Pool) MapPages(ctx context.Context, pages []int) error {
 
 // UnmapPages unmaps page indices mapped by MapPages. Every index is checked
 // first (a *PageError wrapping ErrNotMapped or ErrBlockOutOfRange, nothing
-// unmapped); a backend failure is returned as a *PageError.
+// unmapped); a page with a pinned block (Pool.Pin: a transfer reads or
+// writes it) is unmapped only once it is unpinned: the call waits, asks
+// the transfers to abort when half of ctx's deadline passed, and fails
+// with ErrPinned, nothing unmapped, if they did not stop by its end. A
+// backend failure is returned as a *PageError.
 func (p *Pool) UnmapPages(ctx context.Context, pages []int) error {
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
 		return p.closedErr()
 	}
-	seen := make(map[int]bool, len(pages))
-	for _, pg := range pages {
-		if pg < 0 || pg >= p.nPages {
-			p.mu.Unlock()
-			return &PageError{Op: "unmap", Page: pg, Region: -1, Err: fmt.Errorf("%w: page index outside [0, %d)", ErrBlockOutOfRange, p.nPages)}
+	check := func() error {
+		seen := make(map[int]bool, len(pages))
+		for _, pg := range pages {
+			if pg < 0 || pg >= p.nPages {
+				return &PageError{Op: "unmap", Page: pg, Region: -1, Err: fmt.Errorf("%w: page index outside [0, %d)", ErrBlockOutOfRange, p.nPages)}
+			}
+			if seen[pg] || p.pages[pg].status != pageMapped || !p.pages[pg].ext {
+				return &PageError{Op: "unmap", Page: pg, Region: -1, Err: ErrNotMapped}
+			}
+			seen[pg] = true
 		}
-		if seen[pg] || p.pages[pg].status != pageMapped || !p.pages[pg].ext {
-			p.mu.Unlock()
-			return &PageError{Op: "unmap", Page: pg, Region: -1, Err: ErrNotMapped}
+		return nil
+	}
+	if err := check(); err != nil {
+		p.mu.Unlock()
+		return err
+	}
+	err := p.waitUnpinnedLocked(ctx, "unmap", func(pn *pin) bool {
+		for _, pg := range pn.pages {
+			if slices.Contains(pages, pg) {
+				return true
+			}
 		}
-		seen[pg] = true
+		return false
+	})
+	if err == nil && p.closed {
+		err = p.closedErr()
+	}
+	if err == nil {
+		err = check() // the pages may have changed while it waited
+	}
+	if err != nil {
+		p.mu.Unlock()
+		return err
 	}
 	for _, pg := range pages {
 		p.pages[pg].status = pageBusy
@@ -106,7 +134,7 @@ func (p *Pool) UnmapPages(ctx context.Context, pages []int) error {
 	p.ops.Add(1)
 	p.mu.Unlock()
 	defer p.ops.Done()
-	err := p.unmapBackend(pages)
+	err = p.unmapBackend(pages)
 	p.mu.Lock()
 	for _, pg := range pages {
 		if p.pages[pg].status != pageBroken {

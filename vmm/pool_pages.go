@@ -137,8 +137,15 @@ func (p *Pool) releaseLocked(ids []int) []int {
 // page while the pool is over its limit. They are marked busy.
 func (p *Pool) trimLocked(keep int) []int {
 	var out []int
+	var skipped []int
 	for p.empty.len() > 0 && (p.empty.len() > keep || (p.limit != 0 && uint64(p.committed)*p.pageBytes > p.limit)) {
 		pg := p.empty.last()
+		if p.pinnedPageLocked(pg) {
+			// A transfer still touches it (a pin on a freed block): not now.
+			p.empty.remove(pg)
+			skipped = append(skipped, pg)
+			continue
+		}
 		p.empty.remove(pg)
 		ps := &p.pages[pg]
 		p.freeMapped -= len(ps.free)
@@ -146,6 +153,9 @@ func (p *Pool) trimLocked(keep int) []int {
 		ps.status = pageBusy
 		p.mappedCnt--
 		out = append(out, pg)
+	}
+	for _, pg := range skipped {
+		p.empty.add(pg)
 	}
 	return out
 }

@@ -802,3 +802,72 @@ func TestPoolProperty(t *testing.T) {
 	require.Equal(t, int64(testLayout.NumRegions()), be.live.Load())
 	checkInvariants(t, p)
 }
+
+// TestPoolPinHoldsPages: a follower's page stays mapped while a transfer
+// pins one of its blocks. UnmapPages and WaitUnpinned wait for the unpin;
+// at half their deadline they ask the pinning transfer to abort, and
+// when it does not stop by the deadline they fail with ErrPinned naming
+// the blocks, the page still mapped. Pin itself refuses a block whose
+// page is not mapped.
+//
+// fault-matrix: coordinated-free-under-read
+func TestPoolPinHoldsPages(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		be := newFailing(t)
+		p := newTestPool(t, Config{Backend: be, PreallocPages: -1})
+		nr := int64(testLayout.NumRegions())
+		require.NoError(t, p.MapPages(t.Context(), []int{2}))
+		_, err := p.Pin([]int{2 * 32, 3 * 32}, nil)
+		var be2 *BlockError
+		require.ErrorAs(t, err, &be2)
+		require.Equal(t, 3*32, be2.Block, "the first block whose page is not mapped")
+		require.ErrorIs(t, err, ErrNotMapped)
+
+		// Unpinned before the deadline: the unmap waits for it.
+		unpin, err := p.Pin([]int{2*32 + 5}, func() { t.Error("aborted before half the deadline") })
+		require.NoError(t, err)
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		done := make(chan error, 1)
+		go func() { done <- p.UnmapPages(ctx, []int{2}) }()
+		time.Sleep(4 * time.Second)
+		synctest.Wait()
+		require.Empty(t, done, "UnmapPages returned under a pin")
+		require.Equal(t, 2*nr, be.mapped.Load(), "page 2 still mapped")
+		unpin()
+		require.NoError(t, <-done)
+		require.Equal(t, nr, be.mapped.Load(), "page 2 unmapped after the unpin")
+		cancel()
+
+		// A transfer that stops when asked: aborted at 5 s of 10 s.
+		require.NoError(t, p.MapPages(t.Context(), []int{2}))
+		start := time.Now()
+		var aborted time.Duration
+		unpin, err = p.Pin([]int{2*32 + 1}, func() { aborted = time.Since(start); go unpin() })
+		require.NoError(t, err)
+		ctx, cancel = context.WithTimeout(t.Context(), 10*time.Second)
+		require.NoError(t, p.UnmapPages(ctx, []int{2}))
+		cancel()
+		require.Equal(t, 5*time.Second, aborted)
+		require.Equal(t, nr, be.mapped.Load())
+
+		// One that does not stop: ErrPinned at the deadline, nothing unmapped.
+		require.NoError(t, p.MapPages(t.Context(), []int{2}))
+		unpin, err = p.Pin([]int{2*32 + 7}, func() {})
+		require.NoError(t, err)
+		ctx, cancel = context.WithTimeout(t.Context(), 10*time.Second)
+		err = p.UnmapPages(ctx, []int{2})
+		cancel()
+		require.ErrorIs(t, err, ErrPinned)
+		require.ErrorContains(t, err, "blocks [71] are still read or written by 1 transfer(s)")
+		require.Equal(t, 2*nr, be.mapped.Load(), "not unmapped under the pin")
+		ctx, cancel = context.WithTimeout(t.Context(), time.Second)
+		require.ErrorIs(t, p.WaitUnpinned(ctx, []int{2*32 + 7}), ErrPinned)
+		cancel()
+		require.NoError(t, p.WaitUnpinned(t.Context(), []int{2*32 + 8}), "another block is not pinned")
+		unpin()
+		unpin() // a second call counts for nothing
+		require.NoError(t, p.WaitUnpinned(t.Context(), []int{2*32 + 7}))
+		require.NoError(t, p.UnmapPages(t.Context(), []int{2}))
+		checkInvariants(t, p)
+	})
+}

@@ -1,6 +1,7 @@
 package tpgroup
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"os"
@@ -117,6 +118,13 @@ type Config struct {
 	// MaxFrame is the largest group message accepted, in bytes. Default
 	// wire.DefaultMaxFrame (4 MiB: about a million page indices).
 	MaxFrame int
+	// OnFree is called on ranks 1..N-1 of a coordinated group when rank 0
+	// is about to free blocks (Group.FreeBlocks): it must return once this
+	// rank no longer uses them (no export holds them, no transfer reads or
+	// writes them; vmm.Pool.WaitUnpinned), within ctx, the group's
+	// PeerTimeout. Its error goes back to rank 0. Default (nil): the follower
+	// answers at once.
+	OnFree func(ctx context.Context, blocks []int) error
 	// Logger receives the group's logs. Default (nil): discarded.
 	Logger *slog.Logger
 	// Registerer receives the group's metrics (kvsidecar_tpgroup_*).

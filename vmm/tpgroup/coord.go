@@ -36,6 +36,17 @@ func (c coordinator) UnmapPages(ctx context.Context, pages []int) error {
 	return c.g.broadcast(ctx, v1.PageOp_KIND_UNMAP, pages)
 }
 
+// FreeBlocks is rank 0's vmm.Config.FreeHook in coordinated mode: it tells
+// ranks 1..N-1, in parallel and within PeerTimeout, that rank 0 is about to
+// free blocks, and returns once each answered that it no longer uses them
+// (Config.OnFree): no follower then reads or writes a block rank 0 hands
+// out again or unmaps. A rank that fails or does not answer is named in an
+// *OpError; nothing is rolled back (the blocks are the engine's to free).
+// It is a no-op on a group of one rank.
+func (g *Group) FreeBlocks(ctx context.Context, blocks []int) error {
+	return g.broadcast(ctx, v1.PageOp_KIND_FREE, blocks)
+}
+
 func checkPages(pages []int) error {
 	if len(pages) == 0 {
 		return fmt.Errorf("%w: empty page list", ErrInvalidArgument)
@@ -84,10 +95,7 @@ func (g *Group) broadcast(ctx context.Context, kind v1.PageOp_Kind, pages []int)
 	}
 	defer g.wg.Done()
 	start := time.Now()
-	op := "map"
-	if kind == v1.PageOp_KIND_UNMAP {
-		op = "unmap"
-	}
+	op := opName(kind)
 	defer func() { g.met.opSeconds.WithLabelValues(op).Observe(time.Since(start).Seconds()) }()
 
 	ranks := make([]int, 0, g.m.TPSize-1)
@@ -101,6 +109,10 @@ func (g *Group) broadcast(ctx context.Context, kind v1.PageOp_Kind, pages []int)
 		return nil
 	}
 	oe := &OpError{Op: op, Pages: len(pages), Failed: failed}
+	if kind == v1.PageOp_KIND_FREE {
+		g.log.Warn("tpgroup free barrier failed", "blocks", len(pages), "failed_ranks", oe.Ranks(), "err", oe)
+		return oe
+	}
 	if kind == v1.PageOp_KIND_MAP && len(mapped) > 0 {
 		// The caller may have given up already; the rollback still runs,
 		// under its own PeerTimeout.
@@ -114,4 +126,15 @@ func (g *Group) broadcast(ctx context.Context, kind v1.PageOp_Kind, pages []int)
 	}
 	g.log.Warn("tpgroup page op failed", "op", op, "pages", len(pages), "failed_ranks", oe.Ranks(), "err", oe)
 	return oe
+}
+
+// opName is the name of a page op kind in messages and metric labels.
+func opName(kind v1.PageOp_Kind) string {
+	switch kind {
+	case v1.PageOp_KIND_UNMAP:
+		return "unmap"
+	case v1.PageOp_KIND_FREE:
+		return "free"
+	}
+	return "map"
 }

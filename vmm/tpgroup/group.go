@@ -366,6 +366,9 @@ func (g *Group) checkRequest(req *v1.GroupRequest) error {
 
 func (g *Group) servePageOp(op *v1.PageOp) *v1.GroupResponse {
 	kind := op.GetKind()
+	if kind == v1.PageOp_KIND_FREE {
+		return g.serveFree(op.GetBlocks())
+	}
 	pages := make([]int, len(op.GetPages()))
 	for i, p := range op.GetPages() {
 		pages[i] = int(p)
@@ -389,7 +392,25 @@ func (g *Group) servePageOp(op *v1.PageOp) *v1.GroupResponse {
 		}
 		return g.reply("unmap", err)
 	}
-	return g.reply("invalid", fmt.Errorf("%w: page op kind %v: want KIND_MAP or KIND_UNMAP", ErrInvalidArgument, kind))
+	return g.reply("invalid", fmt.Errorf("%w: page op kind %v: want KIND_MAP, KIND_UNMAP or KIND_FREE", ErrInvalidArgument, kind))
+}
+
+// serveFree answers rank 0's KIND_FREE: once Config.OnFree says this rank
+// no longer uses the blocks.
+func (g *Group) serveFree(ids []uint32) *v1.GroupResponse {
+	if len(ids) == 0 {
+		return g.reply("invalid", fmt.Errorf("%w: page op KIND_FREE with no blocks", ErrInvalidArgument))
+	}
+	if g.cfg.OnFree == nil {
+		return g.reply("free", nil)
+	}
+	blocks := make([]int, len(ids))
+	for i, b := range ids {
+		blocks[i] = int(b)
+	}
+	ctx, cancel := g.opContext(g.ctx)
+	defer cancel()
+	return g.reply("free", g.cfg.OnFree(ctx, blocks))
 }
 
 // reply builds the response to a request of the given kind and counts it.

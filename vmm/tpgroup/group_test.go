@@ -336,8 +336,8 @@ func TestDefaultsAndMetrics(t *testing.T) {
 func TestRegisterMetricsBeforeGroup(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	require.NoError(t, RegisterMetrics(reg, 4))
-	for name, series := range map[string]int{"kvsidecar_tpgroup_messages_sent_total": 3, "kvsidecar_tpgroup_requests_served_total": 2,
-		"kvsidecar_tpgroup_rollbacks_total": 1, "kvsidecar_tpgroup_op_seconds": 2} {
+	for name, series := range map[string]int{"kvsidecar_tpgroup_messages_sent_total": 3, "kvsidecar_tpgroup_requests_served_total": 3,
+		"kvsidecar_tpgroup_rollbacks_total": 1, "kvsidecar_tpgroup_op_seconds": 3} {
 		n, err := promtest.GatherAndCount(reg, name)
 		require.NoError(t, err)
 		require.Equal(t, series, n, name)

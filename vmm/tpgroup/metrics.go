@@ -43,7 +43,7 @@ func newMetrics(reg prometheus.Registerer, tpSize int) (*metrics, error) {
 	for r := 1; r < tpSize; r++ {
 		m.sent.WithLabelValues(rankLabel(r))
 	}
-	for _, kind := range []string{"map", "unmap"} {
+	for _, kind := range []string{"map", "unmap", "free"} {
 		m.served.WithLabelValues(kind, v1.Code_CODE_OK.String())
 		m.opSeconds.WithLabelValues(kind)
 	}

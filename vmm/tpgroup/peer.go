@@ -146,12 +146,18 @@ func (g *Group) request(to int) *v1.GroupRequest {
 	}
 }
 
-func pageOpRequest(req *v1.GroupRequest, kind v1.PageOp_Kind, pages []int) *v1.GroupRequest {
-	u := make([]uint32, len(pages))
-	for i, pg := range pages {
+// pageOpRequest sets req's body to a page op of kind on ids: page indices,
+// or block ids for KIND_FREE.
+func pageOpRequest(req *v1.GroupRequest, kind v1.PageOp_Kind, ids []int) *v1.GroupRequest {
+	u := make([]uint32, len(ids))
+	for i, pg := range ids {
 		u[i] = uint32(pg)
 	}
-	req.Body = &v1.GroupRequest_PageOp{PageOp: &v1.PageOp{Kind: kind, Pages: u}}
+	op := &v1.PageOp{Kind: kind, Pages: u}
+	if kind == v1.PageOp_KIND_FREE {
+		op.Pages, op.Blocks = nil, u
+	}
+	req.Body = &v1.GroupRequest_PageOp{PageOp: op}
 	return req
 }
 
@@ -162,11 +168,8 @@ func pageOpRequest(req *v1.GroupRequest, kind v1.PageOp_Kind, pages []int) *v1.G
 // pages are unmapped locally already, and a page left mapped on the peer
 // would make every later MAP of it fail with "already mapped".
 func (g *Group) pageOp(ctx context.Context, rank int, kind v1.PageOp_Kind, pages []int) *RankError {
-	op := "map"
+	op := opName(kind)
 	unmap := kind == v1.PageOp_KIND_UNMAP
-	if unmap {
-		op = "unmap"
-	}
 	p := g.peers[rank]
 	if err := p.acquire(ctx); err != nil {
 		if unmap {
@@ -187,7 +190,7 @@ func (g *Group) pageOp(ctx context.Context, rank int, kind v1.PageOp_Kind, pages
 	}
 	var re *RemoteError
 	definite := !sent || errors.As(err, &re) || errors.Is(err, ErrTPMismatch)
-	if unmap || !definite {
+	if unmap || !definite && kind == v1.PageOp_KIND_MAP {
 		p.markPending(pages)
 	}
 	return &RankError{Rank: rank, Op: op, Err: err}
