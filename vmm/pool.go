@@ -405,20 +405,28 @@ func (p *Pool) checkBlocks(ids []int, allocated bool) error {
 		return p.closedErr()
 	}
 	for _, b := range ids {
-		var bad error
-		switch {
-		case b < 0 || b >= p.cfg.NumBlocks:
-			bad = ErrBlockOutOfRange
-		case b == 0:
-			bad = ErrNullBlock
-		case allocated && (!p.blockUsed[b] || p.pages[b/p.bpp].status != pageMapped):
-			bad = ErrNotAllocated
-		case p.pages[b/p.bpp].status != pageMapped:
-			bad = ErrNotMapped
+		if err := p.checkBlockLocked(b, allocated); err != nil {
+			return err
 		}
-		if bad != nil {
-			return &BlockError{Block: b, NumBlocks: p.cfg.NumBlocks, Err: bad}
-		}
+	}
+	return nil
+}
+
+// checkBlockLocked is checkBlocks of one id; p.mu is held.
+func (p *Pool) checkBlockLocked(b int, allocated bool) error {
+	var bad error
+	switch {
+	case b < 0 || b >= p.cfg.NumBlocks:
+		bad = ErrBlockOutOfRange
+	case b == 0:
+		bad = ErrNullBlock
+	case allocated && (!p.blockUsed[b] || p.pages[b/p.bpp].status != pageMapped):
+		bad = ErrNotAllocated
+	case p.pages[b/p.bpp].status != pageMapped:
+		bad = ErrNotMapped
+	}
+	if bad != nil {
+		return &BlockError{Block: b, NumBlocks: p.cfg.NumBlocks, Err: bad}
 	}
 	return nil
 }

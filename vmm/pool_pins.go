@@ -42,17 +42,8 @@ func (p *Pool) Pin(ids []int, abort func()) (unpin func(), err error) {
 	}
 	pn := &pin{blocks: slices.Clone(ids), abort: abort}
 	for _, b := range ids {
-		var bad error
-		switch {
-		case b < 0 || b >= p.cfg.NumBlocks:
-			bad = ErrBlockOutOfRange
-		case b == 0:
-			bad = ErrNullBlock
-		case p.pages[b/p.bpp].status != pageMapped:
-			bad = ErrNotMapped
-		}
-		if bad != nil {
-			return nil, &BlockError{Block: b, NumBlocks: p.cfg.NumBlocks, Err: bad}
+		if err := p.checkBlockLocked(b, false); err != nil {
+			return nil, err
 		}
 		if pg := b / p.bpp; !slices.Contains(pn.pages, pg) {
 			pn.pages = append(pn.pages, pg)
