@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -106,7 +107,13 @@ func (r *Rank) StartLoad(ctx context.Context, meta *v1.ReqMeta) error {
 			return err
 		}
 		l.addrs = append(l.addrs, a)
-		l.exports = append(l.exports, ExportOf(p, s.PrefillRank))
+		e := ExportOf(p, s.PrefillRank)
+		l.exports = append(l.exports, e)
+		if k := slices.Index(p.GetRankExports(), e); k >= 0 {
+			if err := r.checkChecksumParams(p, k, e, s); err != nil {
+				return err
+			}
+		}
 	}
 	lctx, cancel := context.WithCancelCause(r.ctx)
 	lctx, cancelTimeout := context.WithTimeoutCause(lctx, r.cfg.LoadTimeout,
@@ -173,6 +180,12 @@ func (r *Rank) Abort(ctx context.Context, requestID string) error {
 func (r *Rank) runLoad(ctx context.Context, l *load) {
 	start := time.Now()
 	err := r.load(ctx, l)
+	if err == nil && len(l.dst) > 0 {
+		if r.afterRead != nil {
+			r.afterRead(l.id)
+		}
+		err = r.verifyChecksums(l)
+	}
 	l.unpin()
 	// Notify every source reached, read or not, whatever happened: prefill
 	// frees its blocks now instead of at lease expiry. After a successful
@@ -196,8 +209,14 @@ func (r *Rank) runLoad(ctx context.Context, l *load) {
 	if err == nil {
 		r.report(finishedItem{kind: itemRecv, id: l.id, session: l.session})
 	} else {
+		// Every block is recomputed, except after a checksum mismatch: the
+		// blocks whose bytes differ.
+		bad := l.blocks
+		if ce, ok := errors.AsType[*ChecksumError](err); ok {
+			bad = ce.Blocks
+		}
 		r.report(finishedItem{kind: itemFailed, id: l.id, session: l.session,
-			failed: FailedLoad{RequestID: l.id, BlockIDs: l.blocks, Err: err}})
+			failed: FailedLoad{RequestID: l.id, BlockIDs: bad, Err: err}})
 	}
 	r.m.loadsInFlight.Dec()
 	outcome := "done"

@@ -19,6 +19,10 @@ type metrics struct {
 	loadSeconds   prometheus.Histogram
 	firstByte     prometheus.Histogram
 	bytesRead     prometheus.Counter
+	// checksumSeconds: time spent on end-to-end checksums, by op
+	// (record on the prefill, verify on the decode).
+	checksumSeconds    *prometheus.HistogramVec
+	checksumMismatches prometheus.Counter
 }
 
 // RegisterMetrics registers the metric families of the connector (its
@@ -66,6 +70,18 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "kvsidecar_connector_read_bytes_total",
 			Help: "KV bytes read into local pages by decode loads.",
 		}),
+		checksumSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "kvsidecar_connector_checksum_seconds",
+			Help:    "Time spent on end-to-end KV checksums per request, by op: record (prefill, at RequestFinished) or verify (decode, before a load is done).",
+			Buckets: prometheus.ExponentialBuckets(0.00001, 2, 20),
+		}, []string{"op"}),
+		checksumMismatches: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvsidecar_connector_checksum_mismatches_total",
+			Help: "Local blocks whose landed KV differed from the checksums their prefill recorded (reported as load errors).",
+		}),
+	}
+	for _, op := range []string{"record", "verify"} {
+		m.checksumSeconds.WithLabelValues(op)
 	}
 	for _, o := range []struct{ side, outcome string }{
 		{"prefill", "sent"}, {"prefill", "freed_at_once"}, {"prefill", "lease_expired"}, {"decode", "done"},
@@ -76,6 +92,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		promutil.Register(reg, &m.requests), promutil.Register(reg, &m.leasesExpired),
 		promutil.Register(reg, &m.blocksHeld), promutil.Register(reg, &m.loadsInFlight),
 		promutil.Register(reg, &m.loadSeconds), promutil.Register(reg, &m.bytesRead), promutil.Register(reg, &m.firstByte),
+		promutil.Register(reg, &m.checksumSeconds), promutil.Register(reg, &m.checksumMismatches),
 	} {
 		if err != nil {
 			return nil, err

@@ -77,6 +77,15 @@ func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs [
 		r.m.requests.WithLabelValues("prefill", "freed_at_once").Inc()
 		return nil, nil
 	}
+	var sums []byte
+	var heads uint32
+	if on := !r.cfg.DisableChecksums; in.Checksums == nil && on || in.GetChecksums() {
+		// Recorded once the blocks are taken over: the engine wrote them.
+		if sums, heads, err = r.recordChecksums(ids); err != nil {
+			r.unref(ids)
+			return nil, err
+		}
+	}
 	var export uint64
 	var capab []byte
 	var expires time.Time
@@ -108,7 +117,7 @@ func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs [
 		RemoteIncarnation:  r.incarnation,
 		LeaseExpiresUnixMs: expires.UnixMilli(),
 		RankExports: []*v1.RankExport{{TpRank: uint32(r.cfg.TPRank), ExportId: export, Capability: capab,
-			CapabilityKeyId: r.capKey.ID()}},
+			CapabilityKeyId: r.capKey.ID(), BlockChecksums: sums, ChecksumHeads: heads}},
 		BlockSize: r.cfg.Geometry.GetBlockSize(),
 	}
 	out.RemoteHost, out.RemotePort = host, port

@@ -97,6 +97,13 @@ type Config struct {
 	// MaxDescsPerXfer bounds one READ's descriptors. Default
 	// DefaultMaxDescsPerXfer.
 	MaxDescsPerXfer int
+	// DisableChecksums turns off end-to-end checksums of exports: by
+	// default RequestFinished records a CRC-32C per block and KV head of
+	// the export in its params (RankExport.block_checksums; a request's
+	// kv_transfer_params checksums field overrides it either way), and a
+	// decode rank always checks the checksums an export carries before it
+	// reports the load done. Default false: checksums on.
+	DisableChecksums bool
 	// HandshakeMode: handshake.ModePiggyback (default) or ModeLegacy.
 	HandshakeMode handshake.Mode
 	// DeviceID is advertised in the agent metadata. Default 0.
@@ -190,6 +197,10 @@ type Rank struct {
 	pinned      sync.Map // *transfer.Access -> *lease, READs being served
 	m           *metrics
 	local       *handshake.Metadata
+	crcOrder    []int // region indices in checksum order (checksumOrder)
+	// afterRead, set by tests, runs when a load's READs all succeeded,
+	// before its checksums are verified.
+	afterRead func(requestID string)
 
 	ctx    context.Context
 	cancel context.CancelCauseFunc
@@ -246,6 +257,7 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 	}
 	r := &Rank{cfg: c, pool: c.Pool, regions: c.Pool.Regions(), shape: shape, modelHash: handshake.ModelHash(c.Geometry),
 		capKey: transfer.NewCapabilityKeyFromSecret(c.CapabilitySecret), loads: map[string]*load{}, busy: map[int]blockUse{}, refs: map[int]int{}, sessions: map[uint64]bool{}, changed: make(chan struct{})}
+	r.crcOrder = checksumOrder(r.regions)
 	var inc [8]byte
 	_, _ = rand.Read(inc[:])
 	r.incarnation = binary.LittleEndian.Uint64(inc[:]) | 1

@@ -385,7 +385,7 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 				ProgressTimeout: f.progressTimeout, StatelessResetKey: cfg.resetKey, QlogDir: f.qlogDir, ReadLanes: f.readLanes},
 			AdvertiseAddr: cfg.advertise, RankAddrs: cfg.rankAddrs, CapabilitySecret: cfg.secret, Ownership: cfg.ownership,
 			LeaseTTL: f.leaseTTL, LoadTimeout: f.loadTimeout, HandshakeMode: cfg.mode, DeviceID: uint32(max(f.device, 0)),
-			Logger: log, Registerer: reg,
+			DisableChecksums: !f.checksums, Logger: log, Registerer: reg,
 		}})
 	if err != nil {
 		return nil, err

@@ -37,6 +37,7 @@ type serveFlags struct {
 	tlsCert, tlsKey, tlsCA, capKeyFile, socketDir, metricsAddr  string
 	qlogDir, logLevel, handshakeMode                            string
 	leaseTTL, drainTimeout, loadTimeout, progressTimeout        time.Duration
+	checksums                                                   bool
 
 	// given holds the names of the flags set explicitly, on the command
 	// line or through KVSIDECAR_<FLAG> (flag.FlagSet.Visit after applyEnv).
@@ -83,6 +84,7 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.handshakeMode, "handshake-mode", "piggyback", "piggyback or legacy")
 	fs.IntVar(&f.readLanes, "read-lanes", defaultReadLanes(runtime.NumCPU()), fmt.Sprintf("QUIC connections, each from its own UDP socket, that one READ of 1 MiB or more is striped over, in [1, %d] (default: a quarter of the CPUs, 1 to 4)", transfer.MaxReadLanes))
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM/SIGINT/SIGHUP, how long in-flight transfers may take before they are aborted")
+	fs.BoolVar(&f.checksums, "checksums", true, "record a CRC-32C per exported block and KV head when a request finishes, carried in its kv_transfer_params for the decode to check (a request's kv_transfer_params \"checksums\" overrides it); a decode always checks the checksums an export carries")
 }
 
 // defaultReadLanes is --read-lanes' default on a host with ncpu CPUs:

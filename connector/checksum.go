@@ -1,0 +1,186 @@
+package connector
+
+import (
+	"cmp"
+	"encoding/binary"
+	"fmt"
+	"hash/crc32"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/kvsidecar/kvsidecar/vmm"
+)
+
+// End-to-end checksums of the KV (RankExport.block_checksums). QUIC's AEAD
+// proves bytes were not changed on the wire, not that they are the bytes
+// the prefill engine wrote into those blocks: a wrong region, a page
+// remapped under a READ or a block overwritten after the export all arrive
+// intact. So the exporting rank records, when the request finishes, a
+// CRC-32C per block and KV head over that head's bytes in every region (in
+// (layer, K before V) order), and the decode rank checks the heads it read
+// once they are in its memory, before it reports the load done. A KV head
+// is the unit because a decode rank of a larger TP size reads only some
+// heads of a prefill rank's block (HND layout: heads outermost, so a head
+// is a byte range of the block in each region).
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// ChecksumError is a load whose bytes landed but differ, in some blocks,
+// from the checksums the prefill recorded: it reports exactly those local
+// blocks for recompute. Its class is CODE_DATA_LOSS.
+type ChecksumError struct {
+	// RequestID is the decode-side request id.
+	RequestID string
+	// Blocks are the local block ids whose bytes differ, ascending.
+	Blocks []int
+	// Checked is how many local blocks were checked.
+	Checked int
+	// First describes the first difference found.
+	First string
+}
+
+func (e *ChecksumError) Error() string {
+	return fmt.Sprintf("connector: load %q: %d of %d blocks differ from the CRC-32C their prefill recorded when the request finished (local blocks %v; first: %s); they are reported for recompute",
+		e.RequestID, len(e.Blocks), e.Checked, e.Blocks, e.First)
+}
+
+// Code is CODE_DATA_LOSS.
+func (e *ChecksumError) Code() v1.Code { return v1.Code_CODE_DATA_LOSS }
+
+// checksumOrder returns the indices of regions in the order checksums run
+// over them: by layer, K before V (a vmm layout's own order).
+func checksumOrder(regions []vmm.RegionInfo) []int {
+	order := make([]int, len(regions))
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortStableFunc(order, func(a, b int) int {
+		return cmp.Or(cmp.Compare(regions[a].Layer, regions[b].Layer), cmp.Compare(regions[a].Kind, regions[b].Kind))
+	})
+	return order
+}
+
+// headCRC is the CRC-32C of bytes [off, off+n) of block b in every region
+// of order (one KV head of the block). buf is a staging buffer for memory
+// that is not host-addressable (device pages).
+func headCRC(p *vmm.Pool, regions []vmm.RegionInfo, order []int, b int, off, n uint64, buf *[]byte) (uint32, error) {
+	var crc uint32
+	for _, ri := range order {
+		reg := regions[ri]
+		at := reg.BlockOffset(b) + off
+		bs, err := p.HostBytes(reg.Index, at, n)
+		if err != nil {
+			if uint64(cap(*buf)) < n {
+				*buf = make([]byte, n)
+			}
+			bs = (*buf)[:n]
+			if err := p.CopyOut(reg.Index, at, bs); err != nil {
+				return 0, err
+			}
+		}
+		crc = crc32.Update(crc, castagnoli, bs)
+	}
+	return crc, nil
+}
+
+// recordChecksums returns RankExport.block_checksums of blocks (in token
+// order) on this rank and the heads per block they cover.
+func (r *Rank) recordChecksums(blocks []int) ([]byte, uint32, error) {
+	start := time.Now()
+	hb := r.shape.HeadBlockBytes
+	units := r.regions[0].BlockLen / hb
+	out := make([]byte, 0, 4*uint64(len(blocks))*units)
+	var buf []byte
+	for _, b := range blocks {
+		for u := range units {
+			crc, err := headCRC(r.pool, r.regions, r.crcOrder, b, u*hb, hb, &buf)
+			if err != nil {
+				return nil, 0, fmt.Errorf("connector: checksum of block %d: %w", b, err)
+			}
+			out = binary.LittleEndian.AppendUint32(out, crc)
+		}
+	}
+	r.m.checksumSeconds.WithLabelValues("record").Observe(time.Since(start).Seconds())
+	return out, uint32(units), nil
+}
+
+// checkChecksumParams checks export e's checksums against the blocks it
+// names and the heads source s reads: 4 bytes per block and head, and the
+// heads s reads within those it covers. k is e's index in rank_exports.
+func (r *Rank) checkChecksumParams(p *v1.KVTransferParams, k int, e *v1.RankExport, s Source) error {
+	sums, units := e.GetBlockChecksums(), uint64(e.GetChecksumHeads())
+	if len(sums) == 0 && units == 0 {
+		return nil
+	}
+	field := func(f string) string { return fmt.Sprintf("rank_exports[%d].%s", k, f) }
+	hb := r.shape.HeadBlockBytes
+	n := uint64(len(sourceBlocks(p, e)))
+	switch {
+	case units == 0:
+		return &ParamsError{Field: field("checksum_heads"), Rule: "missing (0) while block_checksums is set"}
+	case uint64(len(sums)) != 4*n*units:
+		return &ParamsError{Field: field("block_checksums"), Value: fmt.Sprintf("%d bytes", len(sums)),
+			Rule: fmt.Sprintf("must be 4 bytes per block and head: 4 × %d blocks × %d heads = %d", n, units, 4*n*units)}
+	case !s.NotifyOnly && (s.RemoteOffset+s.Len)/hb > units:
+		return &ParamsError{Field: field("checksum_heads"), Value: strconv.FormatUint(units, 10),
+			Rule: fmt.Sprintf("prefill rank %d's checksums must cover heads %d..%d that decode rank %d reads", s.PrefillRank, s.RemoteOffset/hb, (s.RemoteOffset+s.Len)/hb-1, r.cfg.TPRank)}
+	}
+	return nil
+}
+
+// verifyChecksums checks the heads every reading source of l wrote into
+// l.dst against the checksums its export carries and returns a
+// *ChecksumError naming the local blocks that differ (nil when none does,
+// or no export carries checksums).
+func (r *Rank) verifyChecksums(l *load) error {
+	start := time.Now()
+	hb := r.shape.HeadBlockBytes
+	bad := map[int]bool{}
+	first := ""
+	checked := false
+	var buf []byte
+	for i, s := range l.plan.Sources {
+		e := l.exports[i]
+		sums, units := e.GetBlockChecksums(), uint64(e.GetChecksumHeads())
+		if s.NotifyOnly || len(sums) == 0 {
+			continue
+		}
+		checked = true
+		u0, nu := s.RemoteOffset/hb, s.Len/hb
+		for k, b := range l.dst {
+			rk := uint64(l.hit + k) // the block's index in the export
+			for u := range nu {
+				got, err := headCRC(r.pool, r.regions, r.crcOrder, b, s.LocalOffset+u*hb, hb, &buf)
+				if err != nil {
+					return fmt.Errorf("connector: load %q: checksum of local block %d: %w", l.id, b, err)
+				}
+				at := 4 * (rk*units + u0 + u)
+				if want := binary.LittleEndian.Uint32(sums[at:]); got != want && !bad[b] {
+					bad[b] = true
+					if first == "" {
+						first = fmt.Sprintf("local block %d (remote block %d of prefill rank %d), head %d: CRC-32C %08x, recorded %08x",
+							b, sourceBlocks(l.params, e)[rk], s.PrefillRank, u0+u, got, want)
+					}
+				}
+			}
+		}
+	}
+	if checked {
+		r.m.checksumSeconds.WithLabelValues("verify").Observe(time.Since(start).Seconds())
+	}
+	if len(bad) == 0 {
+		return nil
+	}
+	r.m.checksumMismatches.Add(float64(len(bad)))
+	blocks := make([]int, 0, len(bad))
+	for b := range bad {
+		blocks = append(blocks, b)
+	}
+	slices.Sort(blocks)
+	return &ChecksumError{RequestID: l.id, Blocks: blocks, Checked: len(l.dst), First: first}
+}
+
+var _ codes.Coder = (*ChecksumError)(nil)
