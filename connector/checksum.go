@@ -103,7 +103,7 @@ func (r *Rank) recordChecksums(blocks []int) ([]byte, uint32, error) {
 			out = binary.LittleEndian.AppendUint32(out, crc)
 		}
 	}
-	r.m.checksumSeconds.WithLabelValues("record").Observe(time.Since(start).Seconds())
+	r.observeChecksum("record", start)
 	return out, uint32(units), nil
 }
 
@@ -169,7 +169,7 @@ func (r *Rank) verifyChecksums(l *load) error {
 		}
 	}
 	if checked {
-		r.m.checksumSeconds.WithLabelValues("verify").Observe(time.Since(start).Seconds())
+		r.observeChecksum("verify", start)
 	}
 	if len(bad) == 0 {
 		return nil
@@ -181,6 +181,14 @@ func (r *Rank) verifyChecksums(l *load) error {
 	}
 	slices.Sort(blocks)
 	return &ChecksumError{RequestID: l.id, Blocks: blocks, Checked: len(l.dst), First: first}
+}
+
+// observeChecksum counts the time since start spent on checksums (op
+// record or verify).
+func (r *Rank) observeChecksum(op string, start time.Time) {
+	d := time.Since(start)
+	r.crcNanos.Add(int64(d))
+	r.m.checksumSeconds.WithLabelValues(op).Observe(d.Seconds())
 }
 
 var _ codes.Coder = (*ChecksumError)(nil)

@@ -197,7 +197,8 @@ type Rank struct {
 	pinned      sync.Map // *transfer.Access -> *lease, READs being served
 	m           *metrics
 	local       *handshake.Metadata
-	crcOrder    []int // region indices in checksum order (checksumOrder)
+	crcOrder    []int        // region indices in checksum order (checksumOrder)
+	crcNanos    atomic.Int64 // time spent recording and verifying checksums
 	// afterRead, set by tests, runs when a load's READs all succeeded,
 	// before its checksums are verified.
 	afterRead func(requestID string)
@@ -451,6 +452,10 @@ type Stats struct {
 	// ReadsServing: READs this rank is serving from leased blocks now,
 	// each holding its lease's blocks pinned until its stream ends.
 	ReadsServing int
+	// ChecksumSeconds is the time this rank spent on end-to-end checksums
+	// since it started: recording them (RequestFinished) and verifying
+	// them (loads), in seconds.
+	ChecksumSeconds float64
 }
 
 // Stats returns a snapshot.
@@ -458,7 +463,8 @@ func (r *Rank) Stats() Stats {
 	l, b, p := r.leases.held()
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return Stats{LeasesHeld: l, BlocksHeld: b, LoadsInFlight: len(r.loads), ReadsServing: p}
+	return Stats{LeasesHeld: l, BlocksHeld: b, LoadsInFlight: len(r.loads), ReadsServing: p,
+		ChecksumSeconds: time.Duration(r.crcNanos.Load()).Seconds()}
 }
 
 // Drain refuses new requests and lets what is in flight finish before the

@@ -209,6 +209,8 @@ func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fmt.Fprintf(table, "\nbulk, %s in %s descriptors, loopback, best of %d:\n", sizeString(res.BulkBytes), sizeString(res.BulkBlockSize), *rounds)
 	fmt.Fprintf(table, "  sidecar READ    %.3f GB/s\n  raw quic-go     %.3f GB/s  (sidecar/raw quic-go = %.3f)\n  TLS 1.3 over TCP %.3f GB/s (sidecar/TLS-TCP = %.3f)\n",
 		res.SidecarReadGBPerS, res.RawQUICGBPerS, res.RatioSidecarOverRawQUIC, res.TLSTCPGBPerS, res.RatioSidecarOverTLSTCP)
+	fmt.Fprintf(table, "  checksums       %.4fs CRC-32C of the bytes in %s pieces, recorded and verified = %.1f%% of the READ's time\n",
+		res.ChecksumSeconds, sizeString(res.ChecksumUnitBytes), 100*res.ChecksumShareOfRead)
 	fmt.Fprintf(table, "\nwarm small reads, loopback, %d samples each (p50 / p99 us):\n", res.LatencySamples)
 	fmt.Fprintf(table, "  sidecar READ 4K   %.1f / %.1f\n  sidecar READ 64K  %.1f / %.1f\n  raw quic-go 4K    %.1f / %.1f  (sidecar/raw quic-go p50 = %.3f)\n",
 		res.Read4KP50Us, res.Read4KP99Us, res.Read64KP50Us, res.Read64KP99Us, res.RawQUIC4KP50Us, res.RawQUIC4KP99Us, res.RatioRead4KOverRawQUIC)

@@ -42,6 +42,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	concurrency := fs.Int("concurrency", demo.DefaultConcurrency, fmt.Sprintf("requests in flight at most, 1..%d", maxConcurrency))
 	cacheEntries := fs.Int("cache-entries", demo.DefaultCacheEntries, fmt.Sprintf("decode prefix cache size in 512-token hash blocks, 0..%d (0: no cache)", maxCacheEntries))
 	hsMode := fs.String("handshake-mode", "piggyback", "decode handshake mode: piggyback or legacy")
+	checksums := fs.Bool("checksums", true, "record and verify end-to-end CRC-32C checksums of the KV (serve --checksums)")
 	asJSON := fs.Bool("json", false, "print the summary as one JSON object on the last line of stdout (the table goes to stderr)")
 	verbose := fs.Bool("v", false, "log the ranks' warnings to stderr")
 	var budget byteSize
@@ -85,7 +86,8 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		cache = -1 // the library's "off"
 	}
 	cfg := &demo.Config{Model: *model, PrefillTP: *prefillTP, DecodeTP: *decodeTP, Requests: n,
-		Speedup: *speedup, Trace: tr, Concurrency: *concurrency, CacheEntries: cache, HandshakeMode: mode}
+		Speedup: *speedup, Trace: tr, Concurrency: *concurrency, CacheEntries: cache, HandshakeMode: mode,
+		NoChecksums: !*checksums}
 	switch *backend {
 	case "host":
 		if flagSet(fs.FlagSet, "cuda-library") {
@@ -265,6 +267,7 @@ func printDemoSummary(w io.Writer, s *demo.Summary) {
 		{"transfer latency p50 / p99", latency},
 		{"transfer throughput", fmt.Sprintf("%.3f GB/s (bytes moved over %.2fs with a load in flight)", s.ThroughputGBPerS, s.TransferSeconds)},
 		{"wall throughput", fmt.Sprintf("%.3f GB/s (bytes moved over the %.2fs replay, arrival gaps included)", s.WallGBPerS, s.WallSeconds)},
+		{"checksums", fmt.Sprintf("%.3fs recording and verifying CRC-32C, all ranks: %.1f%% of the transfer time", s.ChecksumSeconds, 100*s.ChecksumShare)},
 		{"handshakes", fmt.Sprintf("%d exchanges over %d QUIC connections = %d RTTs", s.Handshakes, s.Dials, s.HandshakeRTTs)},
 		{"peak pages mapped, prefill", pages(s.PeakPagesPrefill)},
 		{"peak pages mapped, decode", pages(s.PeakPagesDecode)},

@@ -148,6 +148,9 @@ type Config struct {
 	CacheEntries int
 	// HandshakeMode of the decode ranks. Default handshake.ModePiggyback.
 	HandshakeMode handshake.Mode
+	// NoChecksums turns the end-to-end checksums of exports off
+	// (connector.Config.DisableChecksums). Default false: on.
+	NoChecksums bool
 	// Backend returns each rank's vmm backend. Default nil: the host
 	// (memfd) backend.
 	Backend BackendFunc
@@ -225,6 +228,13 @@ type Summary struct {
 	// first request's dispatch to the last one's end, gaps included.
 	WallGBPerS  float64 `json:"wall_gb_per_s"`
 	WallSeconds float64 `json:"wall_seconds"`
+	// ChecksumSeconds: time every rank spent on end-to-end checksums
+	// (recorded at RequestFinished, verified before a load is done),
+	// summed over the ranks; ChecksumShare is it over TransferSeconds (an
+	// upper bound of their cost: ranks run them in parallel). 0 with
+	// Config.NoChecksums.
+	ChecksumSeconds float64 `json:"checksum_seconds"`
+	ChecksumShare   float64 `json:"checksum_share_of_transfer"`
 	// Handshakes: metadata exchanges the decode ranks sent; Dials: QUIC
 	// connections they dialed; HandshakeRTTs: round trips spent on both
 	// (one per 1-RTT QUIC handshake, one per exchange).
@@ -412,7 +422,7 @@ func newRun(ctx context.Context, c Config, reqs []trace.Request) (_ *runner, err
 			err = errors.Join(err, r.close())
 		}
 	}()
-	base := instanceOpts{geom: c.Geometry, srvTLS: srv, cliTLS: cli, backend: c.Backend, logger: c.Logger, reg: c.Registerer}
+	base := instanceOpts{geom: c.Geometry, srvTLS: srv, cliTLS: cli, backend: c.Backend, logger: c.Logger, reg: c.Registerer, noCRC: c.NoChecksums}
 	po := base
 	po.engine, po.side, po.tp = "demo-prefill", "prefill", c.PrefillTP
 	// Coordinated: the demo frees prefill blocks on every pool at once after
@@ -557,6 +567,12 @@ dispatch:
 		}
 	}
 	s.HandshakeRTTs = s.Handshakes + s.Dials
+	for _, rk := range append(slices.Clone(r.pre.ranks), r.dec.ranks...) {
+		s.ChecksumSeconds += rk.Stats().ChecksumSeconds
+	}
+	if busy > 0 {
+		s.ChecksumShare = s.ChecksumSeconds / busy.Seconds()
+	}
 	s.PeakPagesPrefill, s.PeakPagesDecode = int(r.peakPre.Load()), int(r.peakDec.Load())
 	s.PagesMappedAfter = r.pre.physPages() - r.pre.baseline + r.dec.physPages() - r.dec.baseline
 	return s, runErr

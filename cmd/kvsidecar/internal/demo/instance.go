@@ -40,6 +40,7 @@ type instanceOpts struct {
 	numBlocks int
 	ownership v1.Ownership
 	mode      handshake.Mode
+	noCRC     bool          // connector.Config.DisableChecksums
 	delay     time.Duration // one-way delay on every datagram the instance sends
 	sim       packetNet     // tests: listen on this simulated network (its own delay) instead of UDP
 	srvTLS    *tls.Config
@@ -154,7 +155,7 @@ func newInstance(ctx context.Context, o instanceOpts) (in *instance, err error) 
 				Transfer: &transfer.Config{PacketConn: in.pcs[r], ServerTLS: o.srvTLS, ClientTLS: o.cliTLS,
 					AllowedPeers: loopbackPeers, Logger: o.logger, Registerer: o.reg},
 				RankAddrs: in.addrs, CapabilitySecret: secret, Ownership: o.ownership,
-				HandshakeMode: o.mode, Logger: o.logger, Registerer: o.reg}})
+				HandshakeMode: o.mode, DisableChecksums: o.noCRC, Logger: o.logger, Registerer: o.reg}})
 		if berr != nil {
 			return in, fmt.Errorf("demo: %s rank %d: %w", o.side, r, berr)
 		}

@@ -7,14 +7,18 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"log/slog"
+	"runtime"
 	"slices"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/internal/benchxfer"
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	"github.com/kvsidecar/kvsidecar/transfer"
 )
 
@@ -126,6 +130,15 @@ type TransferResult struct {
 	TLSTCPGBPerS            float64 `json:"tls_tcp_gb_per_s"`
 	RatioSidecarOverRawQUIC float64 `json:"ratio_sidecar_over_raw_quic"`
 	RatioSidecarOverTLSTCP  float64 `json:"ratio_sidecar_over_tls_tcp"`
+	// The cost of end-to-end checksums (serve --checksums) on the bulk
+	// READ's bytes: CRC-32C over them in pieces of ChecksumUnitBytes (one KV
+	// head of one block of one region of DefaultModel, the unit the
+	// connector checksums), twice (recorded on the prefill, verified on the
+	// decode), best of BulkRounds; ChecksumShareOfRead is that time over the
+	// sidecar READ's.
+	ChecksumUnitBytes   int     `json:"checksum_unit_bytes"`
+	ChecksumSeconds     float64 `json:"checksum_seconds"`
+	ChecksumShareOfRead float64 `json:"checksum_share_of_read"`
 	// Small reads on the warm connection, in microseconds, nearest rank
 	// over LatencySamples each: a sidecar READ of one 4 KiB and one 64 KiB
 	// descriptor (the wall time of Transfer), and a raw quic-go 4 KiB
@@ -465,11 +478,51 @@ func (b *xferBench) bulk(ctx context.Context, res *TransferResult, st, ct *tls.C
 		}
 		best(&tcp, d)
 	}
+	unit, err := checksumUnit()
+	if err != nil {
+		return err
+	}
+	var sums time.Duration
+	for range b.c.BulkRounds {
+		best(&sums, checksumCost(b.srvMem[:total], b.cliMem[:total], unit))
+	}
+	res.ChecksumUnitBytes, res.ChecksumSeconds = unit, round(sums.Seconds(), 6)
+	res.ChecksumShareOfRead = round(sums.Seconds()/side.Seconds(), 4)
 	gbPerS := func(d time.Duration) float64 { return float64(total) / d.Seconds() / 1e9 }
 	res.SidecarReadGBPerS, res.RawQUICGBPerS, res.TLSTCPGBPerS = round(gbPerS(side), 4), round(gbPerS(raw), 4), round(gbPerS(tcp), 4)
 	res.RatioSidecarOverRawQUIC = round(raw.Seconds()/side.Seconds(), 3)
 	res.RatioSidecarOverTLSTCP = round(tcp.Seconds()/side.Seconds(), 3)
 	return nil
+}
+
+// checksumUnit is the bytes the connector checksums at a time for
+// DefaultModel: one KV head of one block of one region.
+func checksumUnit() (int, error) {
+	g, err := kvgeom.Model(DefaultModel)
+	if err != nil {
+		return 0, err
+	}
+	sh, err := connector.ShapeOf(g)
+	if err != nil {
+		return 0, err
+	}
+	return int(sh.HeadBlockBytes), nil
+}
+
+// checksumCost times CRC-32C over src and then dst in pieces of unit
+// bytes: what recording (prefill) and verifying (decode) cost.
+func checksumCost(src, dst []byte, unit int) time.Duration {
+	tab := crc32.MakeTable(crc32.Castagnoli)
+	start := time.Now()
+	var sink uint32
+	for _, m := range [][]byte{src, dst} {
+		for off := 0; off < len(m); off += unit {
+			sink ^= crc32.Update(0, tab, m[off:min(off+unit, len(m))])
+		}
+	}
+	d := time.Since(start)
+	runtime.KeepAlive(sink)
+	return d
 }
 
 // hist is a snapshot of one histogram series: observations and their sum
