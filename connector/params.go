@@ -4,12 +4,14 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"regexp"
 	"slices"
 	"strconv"
 
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvsidecar/kvsidecar/internal/codes"
 	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
@@ -18,8 +20,10 @@ import (
 // kv_transfer_params, group configs): kvgeom.MaxTPSize.
 const MaxTPSize = kvgeom.MaxTPSize
 
-// ErrInvalidParams is wrapped by every *ParamsError.
-var ErrInvalidParams = errors.New("invalid kv_transfer_params")
+// ErrInvalidParams is wrapped by every *ParamsError, and by every error of
+// UnmarshalKVTransferParams. Its class is CODE_INVALID_ARGUMENT: bad params
+// are the caller's error.
+var ErrInvalidParams = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "invalid kv_transfer_params")
 
 // ParamsError names the kv_transfer_params field that broke a rule.
 // errors.Is(err, ErrInvalidParams) is true.
@@ -48,6 +52,25 @@ func (e *ParamsError) Code() v1.Code { return v1.Code_CODE_INVALID_ARGUMENT }
 
 var paramsJSON = protojson.MarshalOptions{UseProtoNames: true}
 
+// decodeFieldRe finds the field a protojson decode error names (by its
+// JSON name, tpSize; snakeCase gives the proto name, tp_size).
+var decodeFieldRe = regexp.MustCompile(`field ([A-Za-z_][A-Za-z0-9_]*)`)
+
+// snakeCase turns a protojson JSON name into the proto field name:
+// remoteBlockIds -> remote_block_ids.
+func snakeCase(s string) string {
+	var b []byte
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c >= 'A' && c <= 'Z' {
+			b = append(b, '_', c+'a'-'A')
+			continue
+		}
+		b = append(b, c)
+	}
+	return string(b)
+}
+
 // MarshalKVTransferParams encodes p as the kv_transfer_params JSON object,
 // with vLLM NixlConnector field names (remote_engine_id, remote_block_ids,
 // remote_host, remote_port, remote_request_id, tp_size, do_remote_prefill,
@@ -70,7 +93,12 @@ func MarshalKVTransferParams(p *v1.KVTransferParams) ([]byte, error) {
 func UnmarshalKVTransferParams(data []byte) (*v1.KVTransferParams, error) {
 	var p v1.KVTransferParams
 	if err := (protojson.UnmarshalOptions{DiscardUnknown: true}).Unmarshal(data, &p); err != nil {
-		return nil, fmt.Errorf("connector: decode kv_transfer_params: %w: %w", ErrInvalidParams, err)
+		// protojson names the field whose value it could not read.
+		field := "kv_transfer_params"
+		if m := decodeFieldRe.FindStringSubmatch(err.Error()); m != nil {
+			field = snakeCase(m[1])
+		}
+		return nil, &ParamsError{Field: field, Rule: "cannot be decoded: " + err.Error()}
 	}
 	if p.GetDoRemoteDecode() && !p.GetDoRemotePrefill() {
 		return &p, nil

@@ -2,12 +2,14 @@ package connector_test
 
 import (
 	"encoding/json"
+	"fmt"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvsidecar/kvsidecar/connector"
+	"github.com/kvsidecar/kvsidecar/internal/codes"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -101,8 +103,35 @@ func TestParamsErrorsNameTheField(t *testing.T) {
 	t.Run("not JSON", func(t *testing.T) {
 		_, err := connector.UnmarshalKVTransferParams([]byte(`{"tp_size": "two"`))
 		require.ErrorIs(t, err, connector.ErrInvalidParams)
-		require.ErrorContains(t, err, "decode kv_transfer_params")
+		require.ErrorContains(t, err, "cannot be decoded")
 	})
+}
+
+// TestParamsDecodeErrorIsInvalidArgument: params that cannot be decoded
+// are the caller's error, CODE_INVALID_ARGUMENT naming the field (they were
+// CODE_INTERNAL), like every rule the decoded params break.
+//
+// fault-matrix: params-undecodable
+func TestParamsDecodeErrorIsInvalidArgument(t *testing.T) {
+	tests := []struct{ name, json, field string }{
+		{"tp_size of another type", `{"do_remote_prefill": true, "tp_size": "two"}`, "tp_size"},
+		{"block id beyond uint32", `{"do_remote_prefill": true, "remote_block_ids": [4294967296]}`, "remote_block_ids"},
+		{"capability not base64", `{"rank_exports": [{"tp_rank": 0, "capability": "%%%"}]}`, "capability"},
+		{"truncated", `{"do_remote_prefill": true, "tp_size": 2`, "kv_transfer_params"},
+		{"not an object", `[1, 2]`, "kv_transfer_params"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := connector.UnmarshalKVTransferParams([]byte(tc.json))
+			require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, codes.Of(err), "%v", err)
+			require.ErrorIs(t, err, connector.ErrInvalidParams)
+			var pe *connector.ParamsError
+			require.ErrorAs(t, err, &pe)
+			require.Equal(t, tc.field, pe.Field, "%v", err)
+			require.ErrorContains(t, err, "kv_transfer_params: "+tc.field)
+		})
+	}
+	require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, codes.Of(fmt.Errorf("wrapped: %w", connector.ErrInvalidParams)))
 }
 
 // FuzzParamsJSON: any input decodes to validated params or an error naming
