@@ -108,15 +108,13 @@ func (r *Rank) recordChecksums(blocks []int) ([]byte, uint32, error) {
 }
 
 // checkChecksumParams checks export e's checksums against the blocks it
-// names and the heads source s reads: 4 bytes per block and head, and the
-// heads s reads within those it covers. k is e's index in rank_exports.
-func (r *Rank) checkChecksumParams(p *v1.KVTransferParams, k int, e *v1.RankExport, s Source) error {
+// names: 4 bytes per block and head. k is e's index in rank_exports.
+func checkChecksumParams(p *v1.KVTransferParams, k int, e *v1.RankExport) error {
 	sums, units := e.GetBlockChecksums(), uint64(e.GetChecksumHeads())
 	if len(sums) == 0 && units == 0 {
 		return nil
 	}
 	field := func(f string) string { return fmt.Sprintf("rank_exports[%d].%s", k, f) }
-	hb := r.shape.HeadBlockBytes
 	n := uint64(len(sourceBlocks(p, e)))
 	switch {
 	case units == 0:
@@ -124,11 +122,22 @@ func (r *Rank) checkChecksumParams(p *v1.KVTransferParams, k int, e *v1.RankExpo
 	case uint64(len(sums)) != 4*n*units:
 		return &ParamsError{Field: field("block_checksums"), Value: fmt.Sprintf("%d bytes", len(sums)),
 			Rule: fmt.Sprintf("must be 4 bytes per block and head: 4 × %d blocks × %d heads = %d", n, units, 4*n*units)}
-	case !s.NotifyOnly && (s.RemoteOffset+s.Len)/hb > units:
-		return &ParamsError{Field: field("checksum_heads"), Value: strconv.FormatUint(units, 10),
-			Rule: fmt.Sprintf("prefill rank %d's checksums must cover heads %d..%d that decode rank %d reads", s.PrefillRank, s.RemoteOffset/hb, (s.RemoteOffset+s.Len)/hb-1, r.cfg.TPRank)}
 	}
 	return nil
+}
+
+// checkChecksumHeads checks that export e's checksums (k in rank_exports)
+// cover the heads source s read. It runs once the READs succeeded, when
+// the source's handshake confirmed the TP mapping: before, an edited
+// tp_size is best named by the handshake.
+func (r *Rank) checkChecksumHeads(l *load, i int) error {
+	s, e := l.plan.Sources[i], l.exports[i]
+	hb, units := r.shape.HeadBlockBytes, uint64(e.GetChecksumHeads())
+	if (s.RemoteOffset+s.Len)/hb <= units {
+		return nil
+	}
+	return &ParamsError{Field: fmt.Sprintf("rank_exports[%d].checksum_heads", slices.Index(l.params.GetRankExports(), e)), Value: strconv.FormatUint(units, 10),
+		Rule: fmt.Sprintf("prefill rank %d's checksums must cover heads %d..%d that decode rank %d reads", s.PrefillRank, s.RemoteOffset/hb, (s.RemoteOffset+s.Len)/hb-1, r.cfg.TPRank)}
 }
 
 // verifyChecksums checks the heads every reading source of l wrote into
@@ -147,6 +156,9 @@ func (r *Rank) verifyChecksums(l *load) error {
 		sums, units := e.GetBlockChecksums(), uint64(e.GetChecksumHeads())
 		if s.NotifyOnly || len(sums) == 0 {
 			continue
+		}
+		if err := r.checkChecksumHeads(l, i); err != nil {
+			return fmt.Errorf("connector: load %q: %w", l.id, err)
 		}
 		checked = true
 		u0, nu := s.RemoteOffset/hb, s.Len/hb

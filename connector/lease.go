@@ -212,6 +212,10 @@ func (t *leaseTable) getLocked(r exportRef) (*lease, error) {
 		}
 		return nil, fmt.Errorf("%w: request %q export %016x on rank %d: %s", ErrLeaseExpired, r.id, r.export, t.rank, e.how)
 	}
+	if maker := exportRank(r.export); maker != t.rank {
+		return nil, fmt.Errorf("%w: request %q export %016x was made by prefill rank %d, not by this rank %d: the kv_transfer_params' rank_exports entry of rank %d names rank %d's export (swapped or edited entries)",
+			ErrCapabilityDenied, r.id, r.export, maker, t.rank, t.rank, maker)
+	}
 	return nil, fmt.Errorf("%w: request %q export %016x is not held on rank %d: it ended, or an earlier process of this rank made it",
 		ErrLeaseExpired, r.id, r.export, t.rank)
 }

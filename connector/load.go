@@ -110,7 +110,7 @@ func (r *Rank) StartLoad(ctx context.Context, meta *v1.ReqMeta) error {
 		e := ExportOf(p, s.PrefillRank)
 		l.exports = append(l.exports, e)
 		if k := slices.Index(p.GetRankExports(), e); k >= 0 {
-			if err := r.checkChecksumParams(p, k, e, s); err != nil {
+			if err := checkChecksumParams(p, k, e); err != nil {
 				return err
 			}
 		}

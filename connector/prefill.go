@@ -90,7 +90,7 @@ func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs [
 	var capab []byte
 	var expires time.Time
 	for {
-		export = newExportID()
+		export = newExportID(r.cfg.TPRank)
 		ref := transfer.ExportRef{RequestID: requestID, TPRank: uint32(r.cfg.TPRank), ExportID: export}
 		expires, err = r.leases.add(requestID, export, ids, session, func() []byte {
 			capab = r.capKey.IssueExport(ref, blockIDs)
@@ -126,12 +126,21 @@ func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs [
 	return out, nil
 }
 
-// newExportID returns a random non-zero export id.
-func newExportID() uint64 {
+// exportRankShift places the exporting rank in an export id: its top 10
+// bits (MaxTPSize is 1024), so a rank that gets another rank's export (the
+// params' rank_exports entries swapped) names both ranks instead of taking
+// it for an export it made and lost.
+const exportRankShift = 54
+
+// newExportID returns a random non-zero export id of rank.
+func newExportID(rank int) uint64 {
 	var b [8]byte
 	_, _ = rand.Read(b[:])
-	return binary.LittleEndian.Uint64(b[:]) | 1
+	return uint64(rank)<<exportRankShift | binary.LittleEndian.Uint64(b[:])>>(64-exportRankShift) | 1
 }
+
+// exportRank is the rank an export id says made it (newExportID).
+func exportRank(export uint64) int { return int(export >> exportRankShift) }
 
 // checkHeld checks that this rank holds every block of ids now: allocated
 // in its pool, or, on a coordinated follower (rank 0 allocates, this rank

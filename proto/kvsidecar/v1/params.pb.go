@@ -226,7 +226,9 @@ type RankExport struct {
 	// The prefill rank that made the export.
 	TpRank uint32 `protobuf:"varint,1,opt,name=tp_rank,json=tpRank,proto3" json:"tp_rank,omitempty"`
 	// Chosen at random by the exporting rank, unique per export: a request id
-	// reused later gets another one, so stale params never reach new KV.
+	// reused later gets another one, so stale params never reach new KV. Its
+	// top 10 bits are the exporting rank, so a rank given another rank's
+	// export refuses it naming both (CODE_CAPABILITY_DENIED).
 	ExportId uint64 `protobuf:"varint,2,opt,name=export_id,json=exportId,proto3" json:"export_id,omitempty"`
 	// This rank's block ids in token order, when they differ from
 	// remote_block_ids (same length); empty means remote_block_ids.

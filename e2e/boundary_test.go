@@ -1,0 +1,56 @@
+package e2e
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
+
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+// The leftovers of the engine boundary (issue 26): each test is the small
+// input that used to end wrong, on real `kvsidecar serve` processes.
+
+// TestBoundarySwappedRankExports: params whose rank_exports entries are
+// swapped (rank 1's export under tp_rank 0 and rank 0's under tp_rank 1)
+// fail the load with CODE_CAPABILITY_DENIED naming both ranks, not
+// CODE_LEASE_EXPIRED with a message about a restart; no byte is read and
+// neither lease is released, so the params as issued still load
+// byte-exact.
+//
+// fault-matrix: swapped-rank-exports
+func TestBoundarySwappedRankExports(t *testing.T) {
+	env := NewEnv(t)
+	preS := env.StartGroup(t, SidecarOpts{Engine: "pre-sw", Role: "prefill", TPSize: 2, Args: faultArgs()})
+	pre := []*side{attachSide(t, preS[0], 1024), attachSide(t, preS[1], 1024)}
+	dec := []*side{startSide(t, env, "dec-sw", 256, "--role", "decode")}
+	const key = 21
+	params, _ := exportGroup(t, pre, "req-sw", key, 3, nil)
+	swapped := proto.Clone(params).(*v1.KVTransferParams)
+	for _, e := range swapped.GetRankExports() {
+		e.TpRank = 1 - e.GetTpRank()
+	}
+	dst, err := dec[0].e.Alloc(t.Context(), 3)
+	require.NoError(t, err)
+	dec[0].e.fill(t, 99, dst)
+	f := dec[0].e.load(t, "swapped", dst, swapped)
+	require.NotNil(t, f, "a load of swapped exports was reported done")
+	require.Equal(t, v1.Code_CODE_CAPABILITY_DENIED, f.GetError().GetCode(), f.GetError().GetMessage())
+	msg := f.GetError().GetMessage()
+	require.Contains(t, msg, "was made by prefill rank 1, not by this rank 0")
+	require.Contains(t, msg, "was made by prefill rank 0, not by this rank 1")
+	require.NotContains(t, msg, "earlier process")
+	dec[0].e.check(t, 99, dst)
+	require.Zero(t, metricWith(t, pre[0].Sidecar, "kvsidecar_transfer_bytes_total", `role="server"`), "nothing was served")
+	require.NoError(t, dec[0].e.Free(t.Context(), dst))
+
+	dst2 := loadGroup(t, dec, "as-issued", params)
+	requireGroupDone(t, dec, "as-issued", key, dst2)
+	for _, s := range pre {
+		s.waitSent(t, "req-sw", 30*time.Second)
+		s.requireIdle(t)
+	}
+	dec[0].requireIdle(t)
+}
