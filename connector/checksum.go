@@ -63,11 +63,14 @@ func checksumOrder(regions []vmm.RegionInfo) []int {
 	return order
 }
 
-// headCRC is the CRC-32C of bytes [off, off+n) of block b in every region
-// of order (one KV head of the block). buf is a staging buffer for memory
-// that is not host-addressable (device pages).
-func headCRC(p *vmm.Pool, regions []vmm.RegionInfo, order []int, b int, off, n uint64, buf *[]byte) (uint32, error) {
-	var crc uint32
+// headCRCs sets crcs[u] to the CRC-32C of KV head u of block b: bytes
+// [off+u·hb, off+(u+1)·hb) of the block in every region of order, for u
+// in [0, len(crcs)). It reads each region's slice of the block once. buf
+// is a staging buffer for memory that is not host-addressable (device
+// pages).
+func headCRCs(p *vmm.Pool, regions []vmm.RegionInfo, order []int, b int, off, hb uint64, crcs []uint32, buf *[]byte) error {
+	clear(crcs)
+	n := hb * uint64(len(crcs))
 	for _, ri := range order {
 		reg := regions[ri]
 		at := reg.BlockOffset(b) + off
@@ -78,12 +81,14 @@ func headCRC(p *vmm.Pool, regions []vmm.RegionInfo, order []int, b int, off, n u
 			}
 			bs = (*buf)[:n]
 			if err := p.CopyOut(reg.Index, at, bs); err != nil {
-				return 0, err
+				return err
 			}
 		}
-		crc = crc32.Update(crc, castagnoli, bs)
+		for u := range crcs {
+			crcs[u] = crc32.Update(crcs[u], castagnoli, bs[uint64(u)*hb:uint64(u+1)*hb])
+		}
 	}
-	return crc, nil
+	return nil
 }
 
 // recordChecksums returns RankExport.block_checksums of blocks (in token
@@ -94,12 +99,12 @@ func (r *Rank) recordChecksums(blocks []int) ([]byte, uint32, error) {
 	units := r.regions[0].BlockLen / hb
 	out := make([]byte, 0, 4*uint64(len(blocks))*units)
 	var buf []byte
+	crcs := make([]uint32, units)
 	for _, b := range blocks {
-		for u := range units {
-			crc, err := headCRC(r.pool, r.regions, r.crcOrder, b, u*hb, hb, &buf)
-			if err != nil {
-				return nil, 0, fmt.Errorf("connector: checksum of block %d: %w", b, err)
-			}
+		if err := headCRCs(r.pool, r.regions, r.crcOrder, b, 0, hb, crcs, &buf); err != nil {
+			return nil, 0, fmt.Errorf("connector: checksum of block %d: %w", b, err)
+		}
+		for _, crc := range crcs {
 			out = binary.LittleEndian.AppendUint32(out, crc)
 		}
 	}
@@ -162,19 +167,19 @@ func (r *Rank) verifyChecksums(l *load) error {
 		}
 		checked = true
 		u0, nu := s.RemoteOffset/hb, s.Len/hb
+		crcs := make([]uint32, nu)
 		for k, b := range l.dst {
 			rk := uint64(l.hit + k) // the block's index in the export
-			for u := range nu {
-				got, err := headCRC(r.pool, r.regions, r.crcOrder, b, s.LocalOffset+u*hb, hb, &buf)
-				if err != nil {
-					return fmt.Errorf("connector: load %q: checksum of local block %d: %w", l.id, b, err)
-				}
-				at := 4 * (rk*units + u0 + u)
+			if err := headCRCs(r.pool, r.regions, r.crcOrder, b, s.LocalOffset, hb, crcs, &buf); err != nil {
+				return fmt.Errorf("connector: load %q: checksum of local block %d: %w", l.id, b, err)
+			}
+			for u, got := range crcs {
+				at := 4 * (rk*units + u0 + uint64(u))
 				if want := binary.LittleEndian.Uint32(sums[at:]); got != want && !bad[b] {
 					bad[b] = true
 					if first == "" {
 						first = fmt.Sprintf("local block %d (remote block %d of prefill rank %d), head %d: CRC-32C %08x, recorded %08x",
-							b, sourceBlocks(l.params, e)[rk], s.PrefillRank, u0+u, got, want)
+							b, sourceBlocks(l.params, e)[rk], s.PrefillRank, u0+uint64(u), got, want)
 					}
 				}
 			}

@@ -378,6 +378,25 @@ func (t *leaseTable) extend(refs []exportRef, verify func(i int, l *lease) error
 	return out
 }
 
+// withdraw ends the live lease of request id, if any, saying how; it
+// reports whether there was one. A pinned lease frees its blocks when its
+// READs stop.
+func (t *leaseTable) withdraw(id, how string) bool {
+	t.mu.Lock()
+	l, ok := t.byID[id]
+	if !ok {
+		t.mu.Unlock()
+		return false
+	}
+	t.removeLocked(l, how)
+	freeNow := t.endLocked(l, false)
+	t.mu.Unlock()
+	if freeNow {
+		t.free(l, false)
+	}
+	return true
+}
+
 // revoke ends every live lease holding one of blocks (rank 0 freed them)
 // and returns how many it ended; a pinned one frees its blocks when its
 // READs stop.

@@ -35,7 +35,11 @@ import (
 // call naming it, and nothing is taken over. The Rank takes over blockIDs
 // either way (freeing them itself under local ownership; under coordinated
 // ownership the engine frees them once the request is in done_sending of
-// every rank).
+// every rank). A finish that keeps nothing for a request id whose export
+// this rank holds withdraws that export: its lease is released at once (its
+// blocks freed after the READs being served end), the request is reported
+// in done_sending, and later READs of it are refused with
+// CODE_LEASE_EXPIRED ("withdrawn by the engine").
 func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs []uint32, status v1.FinishStatus, in *v1.KVTransferParams) (*v1.KVTransferParams, error) {
 	if err := r.refuseIfDraining(); err != nil {
 		return nil, err
@@ -75,6 +79,12 @@ func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs [
 	if !hold {
 		r.released(&lease{id: requestID, blocks: ids, session: session}, false)
 		r.m.requests.WithLabelValues("prefill", "freed_at_once").Inc()
+		// A finish that keeps nothing withdraws the request's export, if
+		// it holds one: its lease ends now (after the READs being served),
+		// not at its TTL.
+		if r.leases.withdraw(requestID, fmt.Sprintf("withdrawn by the engine (RequestFinished with status %v)", status)) {
+			r.cfg.Logger.Info("export withdrawn", "request_id", requestID, "status", status.String())
+		}
 		return nil, nil
 	}
 	var sums []byte

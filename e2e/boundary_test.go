@@ -54,3 +54,37 @@ func TestBoundarySwappedRankExports(t *testing.T) {
 	}
 	dec[0].requireIdle(t)
 }
+
+// TestBoundaryExportWithdrawn: a second RequestFinished of an exported
+// request with an error status withdraws the export at once: the prefill
+// reports the request in done_sending and holds no lease (it held it for
+// its whole TTL before), and a decode loading the params fails with
+// CODE_LEASE_EXPIRED saying it was withdrawn, no byte read.
+//
+// fault-matrix: export-withdrawn
+func TestBoundaryExportWithdrawn(t *testing.T) {
+	env := NewEnv(t)
+	pre := startSide(t, env, "pre-wd", 256, "--role", "prefill", "--lease-ttl", "10m")
+	dec := startSide(t, env, "dec-wd", 256, "--role", "decode")
+	p := pre.export(t, "req-wd", 3, 2)
+	require.Equal(t, uint64(1), pre.Stats(t)["leases_held"])
+	out, err := pre.e.RequestFinished(t.Context(), "req-wd", p.GetRemoteBlockIds(), v1.FinishStatus_FINISH_STATUS_ERROR, &v1.KVTransferParams{DoRemoteDecode: true})
+	require.NoError(t, err)
+	require.Nil(t, out, "an error finish keeps nothing")
+	pre.waitSent(t, "req-wd", 30*time.Second)
+	require.Zero(t, pre.Stats(t)["leases_held"], "the lease ended now, not at its 10m TTL")
+	l := pre.WaitLog(t, "export withdrawn", 10*time.Second)
+	require.Equal(t, "FINISH_STATUS_ERROR", l["status"])
+
+	dst, err := dec.e.Alloc(t.Context(), 2)
+	require.NoError(t, err)
+	dec.e.fill(t, 9, dst)
+	f := dec.e.load(t, "dec-wd", dst, p)
+	require.NotNil(t, f)
+	require.Equal(t, v1.Code_CODE_LEASE_EXPIRED, f.GetError().GetCode(), f.GetError().GetMessage())
+	require.Contains(t, f.GetError().GetMessage(), "withdrawn by the engine (RequestFinished with status FINISH_STATUS_ERROR)")
+	dec.e.check(t, 9, dst)
+	require.NoError(t, dec.e.Free(t.Context(), dst))
+	pre.requireIdle(t)
+	dec.requireIdle(t)
+}
