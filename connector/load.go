@@ -281,11 +281,8 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 		}
 	}
 	if len(missing) > 0 {
-		// Nothing is read; the sources whose export is known are told, so
-		// they free their blocks now.
-		for i := range l.reached {
-			l.reached[i] = l.exports[i] != nil
-		}
+		// Nothing is read, and nobody is told: params this rank refuses
+		// end no export (the engine may load complete ones later).
 		return fmt.Errorf("connector: load %q: %w", l.id, errors.Join(missing...))
 	}
 	ts := r.targets(l)
@@ -356,11 +353,20 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 	if len(l.dst) == 0 {
 		return nil // nothing to read (full prefix hit): notify only
 	}
+	// A source whose READ was refused as not naming its export (edited
+	// block ids, another export's capability) is not notified: params that
+	// name no export correctly must not end it.
+	for i, err := range readErrs {
+		if refusesParams(err) {
+			l.reached[i] = false
+		}
+	}
 	for i, s := range l.plan.Sources {
 		if s.NotifyOnly {
 			continue
 		}
 		if err := checkRemoteBlocks(l.params, l.exports[i], mds[i]); err != nil {
+			l.reached[i] = false
 			return fmt.Errorf("connector: load %q: %w", l.id, err)
 		}
 	}
@@ -368,6 +374,23 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 		return fmt.Errorf("connector: load %q: %w", l.id, err)
 	}
 	return nil
+}
+
+// refusesParams reports whether err is a source's refusal of what the
+// params name (blocks outside its export or regions, a capability not its
+// export's, a malformed request): the params are wrong, not the transfer.
+func refusesParams(err error) bool {
+	if err == nil {
+		return false
+	}
+	if errors.Is(err, ErrInvalidParams) {
+		return true
+	}
+	switch codes.Of(err) {
+	case v1.Code_CODE_CAPABILITY_DENIED, v1.Code_CODE_OUT_OF_RANGE, v1.Code_CODE_INVALID_ARGUMENT:
+		return true
+	}
+	return false
 }
 
 // checkRemoteBlocks checks export e's block ids against the block count

@@ -88,3 +88,48 @@ func TestBoundaryExportWithdrawn(t *testing.T) {
 	pre.requireIdle(t)
 	dec.requireIdle(t)
 }
+
+// TestBoundaryEditedBlockIDsNotifyNothing: params whose block ids were
+// edited (a block of the prefill that the export does not hold; one beyond
+// its regions) fail the load, and the decode does not notify the prefill:
+// the export's lease is still held, so the params as issued load
+// byte-exact afterwards (the edited load used to end the lease).
+//
+// fault-matrix: edited-block-ids
+func TestBoundaryEditedBlockIDsNotifyNothing(t *testing.T) {
+	env := NewEnv(t)
+	pre := startSide(t, env, "pre-ed", 256, "--role", "prefill")
+	dec := startSide(t, env, "dec-ed", 256, "--role", "decode")
+	const key = 12
+	p := pre.export(t, "req-ed", key, 2)
+	other, err := pre.e.Alloc(t.Context(), 1)
+	require.NoError(t, err)
+	for _, tc := range []struct {
+		name string
+		id   uint32
+		code v1.Code
+	}{
+		{"a block the export does not hold", other[0], v1.Code_CODE_CAPABILITY_DENIED},
+		{"a block beyond the regions", 5000, v1.Code_CODE_OUT_OF_RANGE},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			edited := proto.Clone(p).(*v1.KVTransferParams)
+			edited.RemoteBlockIds[1] = tc.id
+			dst, err := dec.e.Alloc(t.Context(), 2)
+			require.NoError(t, err)
+			f := dec.e.load(t, "edited", dst, edited)
+			require.NotNil(t, f, "a load of edited block ids was reported done")
+			require.Contains(t, []v1.Code{tc.code, v1.Code_CODE_INVALID_ARGUMENT}, f.GetError().GetCode(), f.GetError().GetMessage())
+			require.NoError(t, dec.e.Free(t.Context(), dst))
+			require.Equal(t, uint64(1), pre.Stats(t)["leases_held"], "the edited params ended no lease")
+		})
+	}
+	require.Zero(t, metricWith(t, pre.Sidecar, "kvsidecar_transfer_notifications_total"), "no notification reached the prefill")
+	dst := dec.load(t, "as-issued", p)
+	dec.requireDone(t, "as-issued", key, dst)
+	pre.waitSent(t, "req-ed", 30*time.Second)
+	dec.free(t, dst)
+	pre.free(t, other)
+	pre.requireIdle(t)
+	dec.requireIdle(t)
+}
