@@ -197,8 +197,8 @@ type Rank struct {
 	pinned      sync.Map // *transfer.Access -> *lease, READs being served
 	m           *metrics
 	local       *handshake.Metadata
-	crcOrder    []int        // region indices in checksum order (checksumOrder)
-	crcNanos    atomic.Int64 // time spent recording and verifying checksums
+	crcOrder    []int           // region indices in checksum order (checksumOrder)
+	crcNanos    [2]atomic.Int64 // time spent recording [0] and verifying [1] checksums
 	// afterRead, set by tests, runs when a load's READs all succeeded,
 	// before its checksums are verified.
 	afterRead func(requestID string)
@@ -452,10 +452,11 @@ type Stats struct {
 	// ReadsServing: READs this rank is serving from leased blocks now,
 	// each holding its lease's blocks pinned until its stream ends.
 	ReadsServing int
-	// ChecksumSeconds is the time this rank spent on end-to-end checksums
-	// since it started: recording them (RequestFinished) and verifying
-	// them (loads), in seconds.
-	ChecksumSeconds float64
+	// ChecksumRecordSeconds and ChecksumVerifySeconds are the time this
+	// rank spent on end-to-end checksums since it started, in seconds:
+	// recording them at RequestFinished (before any transfer), and
+	// verifying them before a load is reported done (on its path).
+	ChecksumRecordSeconds, ChecksumVerifySeconds float64
 }
 
 // Stats returns a snapshot.
@@ -464,7 +465,7 @@ func (r *Rank) Stats() Stats {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return Stats{LeasesHeld: l, BlocksHeld: b, LoadsInFlight: len(r.loads), ReadsServing: p,
-		ChecksumSeconds: time.Duration(r.crcNanos.Load()).Seconds()}
+		ChecksumRecordSeconds: time.Duration(r.crcNanos[0].Load()).Seconds(), ChecksumVerifySeconds: time.Duration(r.crcNanos[1].Load()).Seconds()}
 }
 
 // Drain refuses new requests and lets what is in flight finish before the

@@ -228,13 +228,16 @@ type Summary struct {
 	// first request's dispatch to the last one's end, gaps included.
 	WallGBPerS  float64 `json:"wall_gb_per_s"`
 	WallSeconds float64 `json:"wall_seconds"`
-	// ChecksumSeconds: time every rank spent on end-to-end checksums
-	// (recorded at RequestFinished, verified before a load is done),
-	// summed over the ranks; ChecksumShare is it over TransferSeconds (an
-	// upper bound of their cost: ranks run them in parallel). 0 with
-	// Config.NoChecksums.
-	ChecksumSeconds float64 `json:"checksum_seconds"`
-	ChecksumShare   float64 `json:"checksum_share_of_transfer"`
+	// End-to-end checksums (0 with Config.NoChecksums), summed over the
+	// ranks: ChecksumRecordSeconds recording them at RequestFinished, before
+	// the transfer; ChecksumVerifySeconds verifying them before a load is
+	// done, on its path. ChecksumVerifyShare is the verify time over
+	// TransferSeconds, ChecksumShare both over it (upper bounds: ranks run
+	// them in parallel, and a loaded machine's wall time counts).
+	ChecksumRecordSeconds float64 `json:"checksum_record_seconds"`
+	ChecksumVerifySeconds float64 `json:"checksum_verify_seconds"`
+	ChecksumVerifyShare   float64 `json:"checksum_verify_share_of_transfer"`
+	ChecksumShare         float64 `json:"checksum_share_of_transfer"`
 	// Handshakes: metadata exchanges the decode ranks sent; Dials: QUIC
 	// connections they dialed; HandshakeRTTs: round trips spent on both
 	// (one per 1-RTT QUIC handshake, one per exchange).
@@ -568,10 +571,13 @@ dispatch:
 	}
 	s.HandshakeRTTs = s.Handshakes + s.Dials
 	for _, rk := range append(slices.Clone(r.pre.ranks), r.dec.ranks...) {
-		s.ChecksumSeconds += rk.Stats().ChecksumSeconds
+		st := rk.Stats()
+		s.ChecksumRecordSeconds += st.ChecksumRecordSeconds
+		s.ChecksumVerifySeconds += st.ChecksumVerifySeconds
 	}
 	if busy > 0 {
-		s.ChecksumShare = s.ChecksumSeconds / busy.Seconds()
+		s.ChecksumVerifyShare = s.ChecksumVerifySeconds / busy.Seconds()
+		s.ChecksumShare = (s.ChecksumRecordSeconds + s.ChecksumVerifySeconds) / busy.Seconds()
 	}
 	s.PeakPagesPrefill, s.PeakPagesDecode = int(r.peakPre.Load()), int(r.peakDec.Load())
 	s.PagesMappedAfter = r.pre.physPages() - r.pre.baseline + r.dec.physPages() - r.dec.baseline
