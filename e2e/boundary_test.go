@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"strconv"
 	"testing"
 	"time"
 
@@ -132,4 +133,41 @@ func TestBoundaryEditedBlockIDsNotifyNothing(t *testing.T) {
 	pre.free(t, other)
 	pre.requireIdle(t)
 	dec.requireIdle(t)
+}
+
+// TestBoundaryForeignCADecodeRefusesFirst: a decode whose certificate and
+// --tls-ca come from another CA refuses the prefill's certificate before
+// it sends its own. The refusing side, the decode, logs it ("transfer:
+// refused a peer's TLS handshake" with the prefill's address and the
+// reason unknown_authority) and counts it by reason (it logged nothing);
+// the prefill, refused, counts no wrong reason (no_certificate); the load
+// fails naming the refusal, one dial per request. (The refusal the prefill
+// makes when the decode trusts it: TestForeignCAPeerRefusedOnce.)
+//
+// fault-matrix: foreign-ca-both-sides
+func TestBoundaryForeignCADecodeRefusesFirst(t *testing.T) {
+	env := NewEnv(t)
+	pre := env.StartSidecar(t, SidecarOpts{Engine: "prefill-fc", Role: "prefill", Args: geomFlags})
+	foreign := foreignTLS(t, env, "decode-fc-tp0")
+	dec := env.StartSidecar(t, SidecarOpts{Engine: "decode-fc", Role: "decode", Args: geomFlags, TLS: &foreign})
+	pe, de := attach(t, pre, 256), attach(t, dec, 256)
+	dst, err := de.Alloc(t.Context(), 2)
+	require.NoError(t, err)
+	for req := 1; req <= 2; req++ {
+		id := "req-fc-" + strconv.Itoa(req)
+		_, p := prefillRequest(t, pe, id, uint64(req), 2)
+		failed := de.load(t, id, dst, p)
+		require.NotNil(t, failed, "the load must fail")
+		require.Equal(t, v1.Code_CODE_UNAVAILABLE, failed.GetError().GetCode(), failed.GetError().GetMessage())
+		require.Contains(t, failed.GetError().GetMessage(), "certificate signed by unknown authority")
+		require.InDelta(t, float64(req), metricWith(t, dec, "kvsidecar_transfer_tls_refused_total", `reason="unknown_authority"`), 0,
+			"the refusing decode counts each refusal by reason")
+		require.InDelta(t, float64(req), metricWith(t, dec, "kvsidecar_transfer_dials_total"), 0, "one attempt per request")
+	}
+	refused := dec.WaitLog(t, "transfer: refused a peer's TLS handshake", StartTimeout)
+	require.Equal(t, "unknown_authority", refused["reason"])
+	require.Equal(t, "WARN", refused["level"])
+	require.Equal(t, pre.QUICAddr(t), refused["peer"], "the prefill's address")
+	require.Zero(t, metricWith(t, pre, "kvsidecar_transfer_tls_refused_total", `reason="no_certificate"`), "the prefill names no wrong reason")
+	require.Zero(t, metricWith(t, pre, "kvsidecar_transfer_bytes_total"), "nothing was served")
 }

@@ -154,9 +154,24 @@ func attachOwnGeometry(t testing.TB, s *Sidecar, blocks uint32) *engine {
 	return &engine{Client: c, info: info}
 }
 
+// foreignTLS writes certificate files for the process name from another
+// CA than env's, of another name: Go's TLS client presents no certificate
+// to a server that names only other CAs as acceptable, so a CA of the
+// env's own name would hide that.
+func foreignTLS(t testing.TB, env *Env, name string) devtls.Files {
+	t.Helper()
+	other, err := devtls.NewNamedCA("another operator's CA")
+	require.NoError(t, err)
+	f, err := other.WriteFiles(filepath.Join(env.Dir, "foreign"), name)
+	require.NoError(t, err)
+	return f
+}
+
 // TestForeignCAPeerRefusedOnce: a decode whose certificate comes from
-// another CA (its --tls-ca trusts both, so it starts and trusts the prefill)
-// is refused by the prefill's TLS handshake. The prefill logs it with the
+// another CA, of another name (its --tls-ca trusts both, so it starts and
+// trusts the prefill), is refused by the prefill's TLS handshake as
+// unknown_authority (it said no_certificate: the decode's TLS stack sent
+// none, the prefill naming only its own CA as acceptable). The prefill logs it with the
 // reason and the peer's address and counts it by reason (it logged and
 // counted nothing before); the decode's failure names the refusal; each
 // request makes one attempt (one dial), no retry loop.
@@ -165,10 +180,7 @@ func attachOwnGeometry(t testing.TB, s *Sidecar, blocks uint32) *engine {
 func TestForeignCAPeerRefusedOnce(t *testing.T) {
 	env := NewEnv(t)
 	pre := env.StartSidecar(t, SidecarOpts{Engine: "prefill-ca", Role: "prefill", Args: geomFlags})
-	other, err := devtls.NewCA()
-	require.NoError(t, err)
-	foreign, err := other.WriteFiles(filepath.Join(env.Dir, "foreign"), "decode-ca-tp0")
-	require.NoError(t, err)
+	foreign := foreignTLS(t, env, "decode-ca-tp0")
 	own := env.TLS(t, "prefill-ca-tp0") // the env CA's files, for its ca.pem
 	caPEM, err := os.ReadFile(own.CA)
 	require.NoError(t, err)

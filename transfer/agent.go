@@ -439,6 +439,7 @@ func (a *Agent) dial(p *peer, tr *quic.Transport) {
 		// own certificate against at start).
 		tc.ServerName, _, _ = net.SplitHostPort(p.addr)
 	}
+	a.dialingTLS(tc, p.addr)
 	var conn *quic.Conn
 	if p.lane == 0 {
 		a.m.dials.Inc()

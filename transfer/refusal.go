@@ -53,24 +53,59 @@ func (a *Agent) servingTLS(st *tls.Config) *tls.Config {
 			peer = hello.Conn.RemoteAddr().String()
 		}
 		c := st.Clone()
+		// No list of acceptable CAs in the certificate request: a dialer
+		// whose certificate another CA signed presents it anyway (Go's
+		// client sends none that the list does not name), so the refusal
+		// says unknown_authority, not no_certificate.
+		c.ClientCAs = nil
 		c.VerifyConnection = func(cs tls.ConnectionState) error {
-			reason, err := verifyClientCert(cs, roots, time.Now())
-			if err != nil {
-				a.m.tlsRefused.WithLabelValues(reason).Inc()
-				a.refusals.log(a.log, "tls "+reason, "transfer: refused a peer's TLS handshake", "peer", peer, "reason", reason, "err", err)
-			}
-			return err
+			return a.checkPeerCert(cs, roots, x509.ExtKeyUsageClientAuth, "", peer)
 		}
 		return c, nil
 	}
 	return outer
 }
 
-// verifyClientCert verifies the dialer's certificate chain of cs against
-// roots for client authentication at now, as crypto/tls does for
-// RequireAndVerifyClientCert, and classifies a failure into one of
-// tlsRefusalReasons.
-func verifyClientCert(cs tls.ConnectionState, roots *x509.CertPool, now time.Time) (string, error) {
+// dialingTLS makes tc, one dial's copy of the client config, verify the
+// served agent's certificate itself (against tc.RootCAs, for tc.ServerName
+// and server authentication, as crypto/tls does), so a dialer that refuses
+// a peer's certificate (signed by another CA, expired, for another name)
+// counts and logs it with the peer's address like a serving agent does,
+// and always presents its own first certificate, whatever CAs the peer
+// says it accepts. A config with its own VerifyConnection or
+// InsecureSkipVerify is left to crypto/tls.
+func (a *Agent) dialingTLS(tc *tls.Config, peer string) {
+	if tc.InsecureSkipVerify || tc.VerifyConnection != nil {
+		return
+	}
+	roots, name := tc.RootCAs, tc.ServerName
+	tc.InsecureSkipVerify = true // the chain is verified below, for every handshake (resumed ones included)
+	tc.VerifyConnection = func(cs tls.ConnectionState) error {
+		return a.checkPeerCert(cs, roots, x509.ExtKeyUsageServerAuth, name, peer)
+	}
+	if tc.GetClientCertificate == nil && len(tc.Certificates) > 0 {
+		cert := &tc.Certificates[0]
+		tc.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return cert, nil }
+	}
+}
+
+// checkPeerCert verifies the peer's certificate of cs (peerCert) and, when
+// it is refused, counts it by reason and logs it with the peer's address
+// (rate-limited): the refusing side shows why, dialer or server.
+func (a *Agent) checkPeerCert(cs tls.ConnectionState, roots *x509.CertPool, usage x509.ExtKeyUsage, name, peer string) error {
+	reason, err := peerCert(cs, roots, usage, name, time.Now())
+	if err != nil {
+		a.m.tlsRefused.WithLabelValues(reason).Inc()
+		a.refusals.log(a.log, "tls "+reason, "transfer: refused a peer's TLS handshake", "peer", peer, "reason", reason, "err", err)
+	}
+	return err
+}
+
+// peerCert verifies the peer's certificate chain of cs against roots for
+// usage (client or server authentication) and, when name is set, for that
+// host name or IP address, at now, as crypto/tls does, and classifies a
+// failure into one of tlsRefusalReasons.
+func peerCert(cs tls.ConnectionState, roots *x509.CertPool, usage x509.ExtKeyUsage, name string, now time.Time) (string, error) {
 	if len(cs.PeerCertificates) == 0 {
 		return tlsNoCertificate, errors.New("transfer: the peer presented no certificate (mutual TLS requires one)")
 	}
@@ -79,8 +114,8 @@ func verifyClientCert(cs tls.ConnectionState, roots *x509.CertPool, now time.Tim
 	for _, c := range cs.PeerCertificates[1:] {
 		inter.AddCert(c)
 	}
-	_, err := leaf.Verify(x509.VerifyOptions{Roots: roots, Intermediates: inter, CurrentTime: now,
-		KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}})
+	_, err := leaf.Verify(x509.VerifyOptions{Roots: roots, Intermediates: inter, CurrentTime: now, DNSName: name,
+		KeyUsages: []x509.ExtKeyUsage{usage}})
 	if err == nil {
 		return "", nil
 	}

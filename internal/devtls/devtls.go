@@ -29,8 +29,14 @@ type CA struct {
 	pool    *x509.CertPool
 }
 
-// NewCA generates a fresh P-256 CA valid for Validity.
-func NewCA() (*CA, error) {
+// NewCA generates a fresh P-256 CA valid for Validity, named "kvsidecar
+// dev CA".
+func NewCA() (*CA, error) { return NewNamedCA("kvsidecar dev CA") }
+
+// NewNamedCA is NewCA with the CA's subject common name cn: a peer's TLS
+// stack may choose which certificate to present by the issuer names the
+// other side accepts, so two CAs of one name can hide a mistake.
+func NewNamedCA(cn string) (*CA, error) {
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
 		return nil, fmt.Errorf("devtls: generate CA key: %w", err)
@@ -38,7 +44,7 @@ func NewCA() (*CA, error) {
 	now := time.Now()
 	tmpl := &x509.Certificate{
 		SerialNumber:          serial(),
-		Subject:               pkix.Name{CommonName: "kvsidecar dev CA"},
+		Subject:               pkix.Name{CommonName: cn},
 		NotBefore:             now.Add(-time.Hour),
 		NotAfter:              now.Add(Validity),
 		IsCA:                  true,
