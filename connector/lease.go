@@ -61,9 +61,10 @@ type lease struct {
 	pins    int
 	pending bool
 	expired bool
-	// read: a consumer has started reading; a draining prefill waits for
-	// its notification.
-	read bool
+	// readers: the consumers that started reading (a READ of theirs was
+	// authorized and its dialer proved its keys); a draining prefill waits
+	// for the notification of each, not for those that never read.
+	readers map[consumer]struct{}
 }
 
 // tokens returns the blocks in token order, as the capability covers them.
@@ -172,7 +173,7 @@ func (t *leaseTable) add(id string, export uint64, blocks []int, session uint64,
 		return time.Time{}, fmt.Errorf("%w: %016x on rank %d", errExportTaken, export, t.rank)
 	}
 	l := &lease{id: id, export: export, blocks: blocks, ids: ids, sorted: sorted, capability: issue(), session: session,
-		expires: time.Now().Add(t.ttl), consumers: map[consumer]struct{}{}}
+		expires: time.Now().Add(t.ttl), consumers: map[consumer]struct{}{}, readers: map[consumer]struct{}{}}
 	t.byExport[export] = l
 	t.byID[id] = l
 	heap.Push(&t.order, l)
@@ -274,13 +275,13 @@ func (t *leaseTable) endLocked(l *lease, expired bool) bool {
 	return true
 }
 
-// pin keeps export r's blocks from being freed while a READ is served from
-// them; check (called with the lease, under the table's lock) decides
-// whether the READ may be served. It fails like getLocked for an export
-// that is not live. genuine is false for a READ that arrived in 0-RTT
-// before its handshake completed: it may be a replay, so it does not mark
-// the lease as read (which a drain waits on).
-func (t *leaseTable) pin(r exportRef, genuine bool, check func(l *lease) error) (*lease, error) {
+// pin keeps export r's blocks from being freed while a READ of consumer c
+// is served from them; check (called with the lease, under the table's
+// lock) decides whether the READ may be served. It fails like getLocked
+// for an export that is not live. genuine is false for a READ that arrived
+// in 0-RTT before its handshake completed: it may be a replay, so it does
+// not mark the lease as read by c (which a drain waits on).
+func (t *leaseTable) pin(r exportRef, c consumer, genuine bool, check func(l *lease) error) (*lease, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	l, err := t.getLocked(r)
@@ -291,21 +292,24 @@ func (t *leaseTable) pin(r exportRef, genuine bool, check func(l *lease) error) 
 		return nil, err
 	}
 	l.pins++
-	l.read = l.read || genuine
+	if genuine {
+		l.readers[c] = struct{}{}
+	}
 	t.pins++
 	return l, nil
 }
 
-// unpin drops a pin; the last pin of a released lease frees its blocks.
-// completed says the READ was served to its end; genuine that its dialer
-// proved it holds the connection's keys (not a 0-RTT replay), which only
-// then marks the lease as read and counts the READ.
-func (t *leaseTable) unpin(l *lease, completed, genuine bool) {
+// unpin drops a pin of consumer c's READ; the last pin of a released lease
+// frees its blocks. completed says the READ was served to its end; genuine
+// that its dialer proved it holds the connection's keys (not a 0-RTT
+// replay), which only then marks the lease as read by c and counts the
+// READ.
+func (t *leaseTable) unpin(l *lease, c consumer, completed, genuine bool) {
 	t.mu.Lock()
 	l.pins--
 	t.pins--
 	if genuine {
-		l.read = true
+		l.readers[c] = struct{}{}
 		if completed {
 			t.stats.readsServed++
 		}
@@ -328,16 +332,24 @@ func (t *leaseTable) signalLocked() {
 }
 
 // waitDrained blocks until no READ is served from leased blocks and every
-// lease some consumer has started reading was released by its consumers,
-// or ctx is done. A draining prefill lets the loads in flight finish and
-// notify instead of refusing their notifications.
+// consumer that started reading a lease still held has notified it, or ctx
+// is done. A draining prefill lets the loads in flight finish and notify
+// instead of refusing their notifications, and does not wait for consumers
+// that never read (one decode rank of two read and notified, the other
+// never started).
 func (t *leaseTable) waitDrained(ctx context.Context) error {
 	return t.waitUntil(ctx, func() bool {
-		busy := t.pins > 0
-		for _, l := range t.byExport {
-			busy = busy || l.read
+		if t.pins > 0 {
+			return false
 		}
-		return !busy
+		for _, l := range t.byExport {
+			for c := range l.readers {
+				if _, ok := l.consumers[c]; !ok {
+					return false
+				}
+			}
+		}
+		return true
 	})
 }
 

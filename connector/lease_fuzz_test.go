@@ -113,7 +113,7 @@ func runLeaseModel(t *testing.T, ops []byte) {
 	defer func() {
 		for _, o := range open {
 			locked(func() { reading[tag{o.r, o.l.export}]-- })
-			tables[o.r].unpin(o.l, true, true)
+			tables[o.r].unpin(o.l, consumer{"d", 0}, true, true)
 		}
 		for _, lt := range tables {
 			lt.close()
@@ -177,7 +177,7 @@ func runLeaseModel(t *testing.T, ops []byte) {
 			if which != 0 {
 				want = []uint32{uint32(which)}
 			}
-			l, err := tables[r].pin(exportRef{p.id, p.export}, true, func(l *lease) error {
+			l, err := tables[r].pin(exportRef{p.id, p.export}, consumer{"d", 0}, true, func(l *lease) error {
 				if err := key.VerifyExport(p.cap, transfer.ExportRef{RequestID: l.id, TPRank: uint32(r), ExportID: l.export}, l.tokens()); err != nil {
 					return err
 				}
@@ -250,7 +250,7 @@ func runLeaseModel(t *testing.T, ops []byte) {
 			o := open[k]
 			open = append(open[:k], open[k+1:]...)
 			locked(func() { reading[tag{o.r, o.l.export}]-- })
-			tables[o.r].unpin(o.l, true, true)
+			tables[o.r].unpin(o.l, consumer{"d", 0}, true, true)
 		case 5, 6: // the clock moves: 0..15 s
 			time.Sleep(time.Duration(byte_(&i)%16) * time.Second)
 			synctest.Wait()

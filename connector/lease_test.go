@@ -53,8 +53,11 @@ func (t *testTable) notifyExport(id string, e uint64, c consumer, count int) (bo
 	return t.notify(exportRef{id, e}, c, count, capOf(e), func(*lease) error { return nil })
 }
 
+// reader is the consumer the tests' READs are for.
+var reader = consumer{"d", 0}
+
 func (t *testTable) pinExport(id string, e uint64) (*lease, error) {
-	return t.pin(exportRef{id, e}, true, func(*lease) error { return nil })
+	return t.pin(exportRef{id, e}, reader, true, func(*lease) error { return nil })
 }
 
 func (t *testTable) extendExports(refs ...exportRef) []time.Time {
@@ -170,7 +173,7 @@ func TestStaleExportNeverReachesANewOne(t *testing.T) {
 
 		l, err := lt.pinExport("R", 2)
 		require.NoError(t, err)
-		lt.unpin(l, true, true)
+		lt.unpin(l, reader, true, true)
 		require.Error(t, lt.addExport("R", 3, 6), "one live export per request id")
 		require.ErrorIs(t, lt.addExport("Q", 1, 6), errExportTaken, "a recent export id is not reused")
 	})
@@ -213,13 +216,13 @@ func TestPinnedLeaseFreesAfterTheRead(t *testing.T) {
 
 		waited := make(chan error, 1)
 		go func() { waited <- lt.waitDrained(t.Context()) }()
-		lt.unpin(la, true, true)
+		lt.unpin(la, reader, true, true)
 		got := freedList()
 		require.Len(t, got, 1)
 		require.Equal(t, freed{"A", []int{1}, true, 11 * time.Second}, got[0])
 		synctest.Wait()
 		require.Empty(t, waited, "B still pinned")
-		lt.unpin(lb, false, true)
+		lt.unpin(lb, reader, false, true)
 		require.NoError(t, <-waited)
 		require.Len(t, freedList(), 2)
 		require.Equal(t, 1, lt.close().readsServed, "one READ served to its end")
@@ -239,7 +242,7 @@ func TestDrainWaitsForReadLeases(t *testing.T) {
 		require.NoError(t, lt.addExport("unread", 2, 2))
 		l, err := lt.pinExport("read", 1)
 		require.NoError(t, err)
-		lt.unpin(l, true, true) // its READ finished; the notification is still to come
+		lt.unpin(l, reader, true, true) // its READ finished; the notification is still to come
 
 		waited := make(chan error, 1)
 		go func() { waited <- lt.waitDrained(t.Context()) }()
@@ -269,19 +272,19 @@ func TestEarlyReadMarksNothing(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		lt, _ := newTestTable(t, time.Minute)
 		require.NoError(t, lt.addExport("replayed", 1, 1))
-		l, err := lt.pin(exportRef{"replayed", 1}, false, func(*lease) error { return nil })
+		l, err := lt.pin(exportRef{"replayed", 1}, reader, false, func(*lease) error { return nil })
 		require.NoError(t, err)
 		waited := make(chan error, 1)
 		go func() { waited <- lt.waitDrained(t.Context()) }()
 		synctest.Wait()
 		require.Empty(t, waited, "a drain waits for the READ being served")
-		lt.unpin(l, true, false) // its handshake never completed
+		lt.unpin(l, reader, true, false) // its handshake never completed
 		require.NoError(t, <-waited, "nobody proved they read the lease: the drain does not wait for a notification")
 
 		require.NoError(t, lt.addExport("confirmed", 2, 2))
-		l, err = lt.pin(exportRef{"confirmed", 2}, false, func(*lease) error { return nil })
+		l, err = lt.pin(exportRef{"confirmed", 2}, reader, false, func(*lease) error { return nil })
 		require.NoError(t, err)
-		lt.unpin(l, true, true) // the handshake completed while it was served
+		lt.unpin(l, reader, true, true) // the handshake completed while it was served
 		go func() { waited <- lt.waitDrained(t.Context()) }()
 		synctest.Wait()
 		require.Empty(t, waited, "a READ whose dialer proved its keys marks the lease as read")
@@ -290,5 +293,43 @@ func TestEarlyReadMarksNothing(t *testing.T) {
 		require.NoError(t, <-waited)
 		st := lt.close()
 		require.Equal(t, 1, st.readsServed, "only the confirmed READ counts")
+	})
+}
+
+// TestDrainWaitsOnlyForConsumersThatRead is a regression test: a lease
+// announced for two consumers, read and notified by one while the other
+// never started, held a draining prefill for its whole deadline (a
+// restart cost 30 s). A drain now waits for the notification of each
+// consumer that read, and of no other.
+//
+// fault-matrix: drain-partial-consumers
+func TestDrainWaitsOnlyForConsumersThatRead(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		lt, _ := newTestTable(t, time.Minute)
+		require.NoError(t, lt.addExport("two", 1, 1))
+		d0, d1 := consumer{"dec", 0}, consumer{"dec", 1}
+		l, err := lt.pin(exportRef{"two", 1}, d0, true, func(*lease) error { return nil })
+		require.NoError(t, err)
+		lt.unpin(l, d0, true, true)
+		done, err := lt.notifyExport("two", 1, d0, 2)
+		require.NoError(t, err)
+		require.False(t, done, "one of two consumers notified")
+		start := time.Now()
+		require.NoError(t, lt.waitDrained(t.Context()))
+		require.Zero(t, time.Since(start), "the consumer that never read is not waited for")
+
+		// The second consumer starts reading: now the drain waits for it.
+		l, err = lt.pin(exportRef{"two", 1}, d1, true, func(*lease) error { return nil })
+		require.NoError(t, err)
+		lt.unpin(l, d1, true, true)
+		waited := make(chan error, 1)
+		go func() { waited <- lt.waitDrained(t.Context()) }()
+		synctest.Wait()
+		require.Empty(t, waited, "a consumer that read is waited for")
+		done, err = lt.notifyExport("two", 1, d1, 2)
+		require.NoError(t, err)
+		require.True(t, done)
+		require.NoError(t, <-waited)
+		lt.close()
 	})
 }

@@ -453,6 +453,7 @@ func (r *Rank) readSource(ctx context.Context, l *load, s Source, e *v1.RankExpo
 		}
 		x := &transfer.Xfer{Op: transfer.OpRead, Peer: t.Addr, RequestID: l.params.GetRemoteRequestId(),
 			ExportID: e.GetExportId(), Capability: e.GetCapability(), Local: loc, Expect: expect, OnRedial: onRedial, OnFirstByte: firstByte,
+			ConsumerEngineID: r.cfg.EngineID, ConsumerTPRank: uint32(r.cfg.TPRank),
 			RemoteBlocks: &transfer.BlockDescs{NumRegions: uint32(len(r.regions)), Offset: s.RemoteOffset, Len: s.Len, BlockIDs: remote[first:last]}}
 		res, err := r.agent.Transfer(ctx, x)
 		if err != nil {
@@ -477,12 +478,7 @@ func (r *Rank) notifyAll(l *load) error {
 		if i >= len(l.reached) || !l.reached[i] {
 			continue
 		}
-		e := l.exports[i]
-		wg.Go(func() {
-			errs[i] = r.agent.Notify(ctx, addr, &v1.Notification{RequestId: l.params.GetRemoteRequestId(),
-				ExportId: e.GetExportId(), Capability: e.GetCapability(), ConsumerEngineId: r.cfg.EngineID,
-				ConsumerTpRank: uint32(r.cfg.TPRank), ConsumerCount: uint32(l.plan.Consumers)})
-		})
+		wg.Go(func() { errs[i] = r.agent.Notify(ctx, addr, r.notification(l, i)) })
 	}
 	wg.Wait()
 	for i, err := range errs {
@@ -490,6 +486,12 @@ func (r *Rank) notifyAll(l *load) error {
 			continue
 		}
 		r.cfg.Logger.Warn("notification failed", "request_id", l.id, "peer", l.addrs[i], "err", err)
+		if retryableNotify(err) {
+			// A prefill stopped or cut off for a while: its lease would
+			// run its whole TTL. Try again in the background until it
+			// would end anyway.
+			r.wg.Go(func() { r.retryNotify(l, i) })
+		}
 		// After READs that completed, a refused or lost notification fails
 		// nothing: every byte was served under the export's lease, pinned
 		// from the check before the first byte to the last, so none can be
@@ -503,6 +505,65 @@ func (r *Rank) notifyAll(l *load) error {
 
 // notifyTimeout bounds the notifications at the end of a load.
 const notifyTimeout = 10 * time.Second
+
+// notifyRetryMax is the longest wait between two attempts of a lost
+// notification; the first retry comes after a second, each wait doubles.
+const notifyRetryMax = 30 * time.Second
+
+// retryableNotify reports whether a notification's failure means it was
+// lost (no answer in time, the peer unreachable or gone) rather than
+// refused: a refusal is answered and never retried.
+func retryableNotify(err error) bool {
+	switch codes.Of(err) {
+	case v1.Code_CODE_TIMEOUT, v1.Code_CODE_UNAVAILABLE:
+		return true
+	}
+	return false
+}
+
+// notification is the one l sends source i.
+func (r *Rank) notification(l *load, i int) *v1.Notification {
+	e := l.exports[i]
+	return &v1.Notification{RequestId: l.params.GetRemoteRequestId(), ExportId: e.GetExportId(), Capability: e.GetCapability(),
+		ConsumerEngineId: r.cfg.EngineID, ConsumerTpRank: uint32(r.cfg.TPRank), ConsumerCount: uint32(l.plan.Consumers)}
+}
+
+// retryNotify sends source i's lost notification of l again, waiting 1 s,
+// 2 s, ... up to notifyRetryMax between attempts, until it is delivered or
+// refused, the source's lease would have ended (lease_expires_unix_ms of
+// the params; LeaseTTL from now when they carry none), or the rank closes.
+func (r *Rank) retryNotify(l *load, i int) {
+	end := time.Now().Add(r.cfg.LeaseTTL)
+	if ms := l.params.GetLeaseExpiresUnixMs(); ms > 0 {
+		end = time.UnixMilli(ms)
+	}
+	wait := time.Second
+	for attempt := 1; ; attempt++ {
+		if time.Now().Add(wait).After(end) {
+			r.cfg.Logger.Warn("gave up on a lost notification: the lease ends before the next attempt", "request_id", l.id, "peer", l.addrs[i], "attempts", attempt)
+			return
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-r.ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		ctx, cancel := context.WithTimeout(r.ctx, notifyTimeout)
+		err := r.agent.Notify(ctx, l.addrs[i], r.notification(l, i))
+		cancel()
+		switch {
+		case err == nil:
+			r.cfg.Logger.Info("a lost notification was delivered", "request_id", l.id, "peer", l.addrs[i], "retries", attempt)
+			return
+		case !retryableNotify(err) || r.ctx.Err() != nil:
+			r.cfg.Logger.Warn("a lost notification was refused when sent again", "request_id", l.id, "peer", l.addrs[i], "err", err)
+			return
+		}
+		wait = min(2*wait, notifyRetryMax)
+	}
+}
 
 // heartbeatLoop extends the prefill leases of every load in flight, one
 // Heartbeat per source address every HeartbeatInterval.

@@ -264,7 +264,7 @@ func (r *Rank) authorize(_ context.Context, a *transfer.Access) error {
 		return fmt.Errorf("%w: %s into exported blocks of request %q is not allowed", ErrCapabilityDenied, a.Op, a.RequestID)
 	}
 	var unpin func()
-	l, err := r.leases.pin(exportRef{a.RequestID, a.ExportID}, !a.Early, func(l *lease) error {
+	l, err := r.leases.pin(exportRef{a.RequestID, a.ExportID}, consumerOf(a), !a.Early, func(l *lease) error {
 		if err := r.capKey.VerifyExport(a.Capability, r.exportRef(l), l.tokens()); err != nil {
 			return fmt.Errorf("connector: READ of request %q on rank %d: %w; no byte was read", l.id, r.cfg.TPRank, err)
 		}
@@ -299,6 +299,9 @@ func (r *Rank) authorize(_ context.Context, a *transfer.Access) error {
 	return nil
 }
 
+// consumerOf is who a served READ says it is for.
+func consumerOf(a *transfer.Access) consumer { return consumer{a.ConsumerEngineID, a.ConsumerTPRank} }
+
 // servedRead is a READ being served: its lease, pinned, and its pin of the
 // blocks' pages.
 type servedRead struct {
@@ -328,7 +331,7 @@ func (r *Rank) exportRef(l *lease) transfer.ExportRef {
 func (r *Rank) release(a *transfer.Access) {
 	if v, ok := r.pinned.LoadAndDelete(a); ok {
 		sr := v.(servedRead)
-		r.leases.unpin(sr.lease, a.Err == nil, !a.Early)
+		r.leases.unpin(sr.lease, consumerOf(a), a.Err == nil, !a.Early)
 		sr.unpin() // last: the READ is over before its pages may unmap
 
 	}

@@ -217,6 +217,9 @@ type Rank struct {
 	draining bool
 	closed   bool
 	drained  drainStats // what the lease table saw, once closed
+	// drainBlocks are the local blocks of the loads Drain waited for, which
+	// WaitCollected waits for the engine to free.
+	drainBlocks []int
 }
 
 // FailedLoad is a decode request whose KV did not (fully) arrive.
@@ -492,6 +495,7 @@ func (r *Rank) Drain(ctx context.Context) error {
 	loads := make([]*load, 0, len(r.loads))
 	for _, l := range r.loads {
 		loads = append(loads, l)
+		r.drainBlocks = append(r.drainBlocks, l.blocks...)
 	}
 	r.mu.Unlock()
 	r.leases.resetStats()

@@ -2,7 +2,11 @@ package connector
 
 import (
 	"context"
+	"fmt"
 	"slices"
+	"time"
+
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
 // An engine session of the local API runs from the first attach of an
@@ -89,10 +93,58 @@ func (r *Rank) takeLocked(keep func(finishedItem) bool) Finished {
 			f.Failed = append(f.Failed, it.failed)
 		}
 	}
+	if len(rest) < len(r.items) {
+		r.signalLocked() // WaitCollected waits for results to go
+	}
 	clear(r.items[len(rest):])
 	r.items = rest
 	return f
 }
+
+// WaitCollected returns once every load result (done_recving, failed) of
+// a live engine session was taken by GetFinished and, under local
+// ownership, the engine freed the blocks of the loads Drain waited for
+// (it has copied their KV out of them), or with context.Cause(ctx) when
+// ctx ends first. A draining decode's local API keeps serving until then,
+// so the engine collects what the drain let finish before the pages go
+// away. done_sending results are not waited for: a drain releases every
+// lease and an engine that stops does not need them.
+func (r *Rank) WaitCollected(ctx context.Context) error {
+	tick := time.NewTicker(collectPoll)
+	defer tick.Stop()
+	for {
+		r.mu.Lock()
+		n := 0
+		for _, it := range r.items {
+			if it.kind != itemSent && (it.session == 0 || r.sessions[it.session]) {
+				n++
+			}
+		}
+		held := 0
+		if r.cfg.Ownership == v1.Ownership_OWNERSHIP_LOCAL && len(r.sessions) > 0 {
+			for _, b := range r.drainBlocks {
+				if r.pool.CheckAllocated([]int{b}) == nil {
+					held++
+				}
+			}
+		}
+		ch := r.changed
+		r.mu.Unlock()
+		if n == 0 && held == 0 {
+			return nil
+		}
+		select {
+		case <-ch:
+		case <-tick.C: // frees signal nothing here
+		case <-ctx.Done():
+			return fmt.Errorf("connector: %d load results not collected and %d loaded blocks not freed by the engine: %w", n, held, context.Cause(ctx))
+		}
+	}
+}
+
+// collectPoll is how often WaitCollected looks at the blocks the engine
+// frees.
+const collectPoll = 10 * time.Millisecond
 
 // BeginSession makes engine session id live: its results are queued.
 func (r *Rank) BeginSession(id uint64) {

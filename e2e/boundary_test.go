@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"strconv"
+	"syscall"
 	"testing"
 	"time"
 
@@ -170,4 +171,34 @@ func TestBoundaryForeignCADecodeRefusesFirst(t *testing.T) {
 	require.Equal(t, pre.QUICAddr(t), refused["peer"], "the prefill's address")
 	require.Zero(t, metricWith(t, pre, "kvsidecar_transfer_tls_refused_total", `reason="no_certificate"`), "the prefill names no wrong reason")
 	require.Zero(t, metricWith(t, pre, "kvsidecar_transfer_bytes_total"), "nothing was served")
+}
+
+// TestBoundaryDecodeDrainKeepsResults: a decode sidecar SIGTERMed while it
+// loads finishes the load, then keeps its local socket and pages until the
+// engine collected the result and freed the blocks: the engine, calling
+// GetFinished only after the drain finished, gets the request done and
+// every byte right, and the sidecar exits 0 once it freed them (it closed
+// the socket before the engine could read done_recving).
+//
+// fault-matrix: decode-drain-results
+func TestBoundaryDecodeDrainKeepsResults(t *testing.T) {
+	env := NewEnv(t)
+	pre := startSide(t, env, "pre-dd", 8192, "--role", "prefill")
+	dec := startSide(t, env, "dec-dd", 8192, "--role", "decode", "--drain-timeout", flagDur(60*time.Second))
+	warm(t, pre, dec)
+	const key = 17
+	p := pre.export(t, "req-dd", key, bigBlocks)
+	dst := dec.load(t, "dec-dd", p)
+	waitServing(t, pre.Sidecar)
+	dec.Signal(t, syscall.SIGTERM)
+	drained := dec.WaitLog(t, "drain finished", 60*time.Second)
+	require.Equal(t, float64(1), drained["loads_finished"], "the drain let the load finish")
+	f := dec.outcome(t, "dec-dd", 30*time.Second)
+	require.Nil(t, f, "the load finished: %v", f.GetError())
+	dec.e.check(t, key, dst)
+	require.False(t, dec.Exited(), "the sidecar waits for the engine to free the loaded blocks")
+	dec.free(t, dst)
+	require.Zero(t, dec.Wait(t, ExitTimeout), "the decode exits 0 once the engine collected its results")
+	pre.waitSent(t, "req-dd", 30*time.Second)
+	pre.requireIdle(t)
 }

@@ -293,8 +293,10 @@ func (s *Server) write(c *fdpass.Conn, rep *v1.LocalReply, files []*os.File) err
 // Shutdown refuses new requests (create, alloc, RequestFinished and
 // StartLoad get CODE_UNAVAILABLE; frees, GetFinished and stats keep
 // working), drains the rank (loads in flight finish or are aborted when ctx
-// ends; leases are released), then closes: listener, connections, cache.
-// The socket file is removed.
+// ends; leases are released), waits until the engine took the results of
+// those loads with GetFinished (connector.Rank.WaitCollected, also bounded
+// by ctx), then closes: listener, connections, cache. The socket file is
+// removed.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.mu.Lock()
 	s.draining = true
@@ -304,6 +306,11 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	if cache != nil {
 		if derr := cache.Rank.Drain(ctx); derr != nil && !errors.Is(derr, net.ErrClosed) {
 			err = derr
+		}
+		// The engine collects the loads the drain let finish before the
+		// socket closes, within the drain's deadline.
+		if werr := cache.Rank.WaitCollected(ctx); werr != nil {
+			s.cfg.Logger.Warn("drain: closing with load results the engine did not collect", "err", werr)
 		}
 	}
 	return errors.Join(err, s.Close())

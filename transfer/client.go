@@ -59,6 +59,12 @@ type Xfer struct {
 	// the transfer, which then fails with that error. Default nil: the
 	// transfer is sent again as it is.
 	OnRedial func(ctx context.Context) error
+	// ConsumerEngineID and ConsumerTPRank name who the READ is for (a
+	// decode rank: the identity its notification carries), so a serving
+	// agent's owner knows which consumers read (a draining prefill waits
+	// only for their notifications). Default empty: not said.
+	ConsumerEngineID string
+	ConsumerTPRank   uint32
 	// OnFirstByte, when set on a READ, is called once, on the transfer's
 	// goroutine (for a READ striped over lanes, the goroutine of the lane
 	// that landed it), as soon as the first payload byte is in local memory
@@ -384,7 +390,8 @@ func (a *Agent) Transfer(ctx context.Context, x *Xfer) (Result, error) {
 		a.m.inflight.Sub(float64(total))
 	}()
 	req := &v1.XferRequest{Op: v1.XferOp(x.Op), RequestId: x.RequestID, ExportId: x.ExportID, Capability: x.Capability,
-		Checksum: x.Checksum, XferId: id, TotalLen: total, Expect: x.Expect}
+		Checksum: x.Checksum, XferId: id, TotalLen: total, Expect: x.Expect,
+		ConsumerEngineId: x.ConsumerEngineID, ConsumerTpRank: x.ConsumerTPRank}
 	switch {
 	case x.RemoteBlocks != nil:
 		req.Descs = &v1.XferRequest_Blocks{Blocks: x.RemoteBlocks.proto()}

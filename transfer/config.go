@@ -46,10 +46,14 @@ type Access struct {
 	Peer string
 	// Op is the dialer's operation: OpRead reads this agent's memory.
 	Op Op
-	// RequestID, ExportID and Capability come from the XferRequest.
-	RequestID  string
-	ExportID   uint64
-	Capability []byte
+	// RequestID, ExportID and Capability come from the XferRequest, and
+	// ConsumerEngineID and ConsumerTPRank (who the READ says it is for;
+	// empty when it does not say).
+	RequestID        string
+	ExportID         uint64
+	Capability       []byte
+	ConsumerEngineID string
+	ConsumerTPRank   uint32
 	// Descs are the validated descriptors, in transfer order.
 	Descs []Desc
 	// BlockIDs are the sorted block ids the descriptors touch

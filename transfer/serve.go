@@ -384,6 +384,7 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 		})
 	}
 	acc := &Access{Peer: sc.peer, Op: op, RequestID: x.GetRequestId(), ExportID: x.GetExportId(), Capability: x.GetCapability(),
+		ConsumerEngineID: x.GetConsumerEngineId(), ConsumerTPRank: x.GetConsumerTpRank(),
 		BlockIDs: ids, Abort: func(err error) { reset(codes.Of(err)) }, Early: !handshakeDone(sc.conn)}
 	acc.Descs = make([]Desc, len(spans))
 	for i, s := range spans {
