@@ -63,29 +63,45 @@ func checksumOrder(regions []vmm.RegionInfo) []int {
 	return order
 }
 
-// headCRCs sets crcs[u] to the CRC-32C of KV head u of block b: bytes
-// [off+u·hb, off+(u+1)·hb) of the block in every region of order, for u
-// in [0, len(crcs)). It reads each region's slice of the block once. buf
-// is a staging buffer for memory that is not host-addressable (device
-// pages).
-func headCRCs(p *vmm.Pool, regions []vmm.RegionInfo, order []int, b int, off, hb uint64, crcs []uint32, buf *[]byte) error {
+// maxRunBytes bounds the bytes headCRCs reads of a region at once.
+const maxRunBytes = 4 << 20
+
+// headCRCs sets crcs[k·units+u] to the CRC-32C of KV head u of blocks[k]:
+// bytes [off+u·hb, off+(u+1)·hb) of the block in every region of order,
+// for u in [0, units). It reads each region once per run of blocks that lie
+// back to back in memory (a request's blocks mostly do), not once per
+// block. buf is a staging buffer for memory that is not host-addressable
+// (device pages).
+func headCRCs(p *vmm.Pool, regions []vmm.RegionInfo, order []int, blocks []int, off, hb, units uint64, crcs []uint32, buf *[]byte) error {
 	clear(crcs)
-	n := hb * uint64(len(crcs))
 	for _, ri := range order {
 		reg := regions[ri]
-		at := reg.BlockOffset(b) + off
-		bs, err := p.HostBytes(reg.Index, at, n)
-		if err != nil {
-			if uint64(cap(*buf)) < n {
-				*buf = make([]byte, n)
+		for i := 0; i < len(blocks); {
+			first := reg.BlockOffset(blocks[i])
+			j := i + 1
+			for j < len(blocks) && reg.BlockOffset(blocks[j]) == reg.BlockOffset(blocks[j-1])+reg.BlockLen &&
+				reg.BlockOffset(blocks[j])+reg.BlockLen-first <= maxRunBytes {
+				j++
 			}
-			bs = (*buf)[:n]
-			if err := p.CopyOut(reg.Index, at, bs); err != nil {
-				return err
+			n := reg.BlockOffset(blocks[j-1]) + reg.BlockLen - first
+			bs, err := p.HostBytes(reg.Index, first, n)
+			if err != nil {
+				if uint64(cap(*buf)) < n {
+					*buf = make([]byte, n)
+				}
+				bs = (*buf)[:n]
+				if err := p.CopyOut(reg.Index, first, bs); err != nil {
+					return fmt.Errorf("block %d: %w", blocks[i], err)
+				}
 			}
-		}
-		for u := range crcs {
-			crcs[u] = crc32.Update(crcs[u], castagnoli, bs[uint64(u)*hb:uint64(u+1)*hb])
+			for k := i; k < j; k++ {
+				at := reg.BlockOffset(blocks[k]) - first + off
+				for u := range units {
+					c := &crcs[uint64(k)*units+u]
+					*c = crc32.Update(*c, castagnoli, bs[at+u*hb:at+(u+1)*hb])
+				}
+			}
+			i = j
 		}
 	}
 	return nil
@@ -97,16 +113,14 @@ func (r *Rank) recordChecksums(blocks []int) ([]byte, uint32, error) {
 	start := time.Now()
 	hb := r.shape.HeadBlockBytes
 	units := r.regions[0].BlockLen / hb
-	out := make([]byte, 0, 4*uint64(len(blocks))*units)
 	var buf []byte
-	crcs := make([]uint32, units)
-	for _, b := range blocks {
-		if err := headCRCs(r.pool, r.regions, r.crcOrder, b, 0, hb, crcs, &buf); err != nil {
-			return nil, 0, fmt.Errorf("connector: checksum of block %d: %w", b, err)
-		}
-		for _, crc := range crcs {
-			out = binary.LittleEndian.AppendUint32(out, crc)
-		}
+	crcs := make([]uint32, uint64(len(blocks))*units)
+	if err := headCRCs(r.pool, r.regions, r.crcOrder, blocks, 0, hb, units, crcs, &buf); err != nil {
+		return nil, 0, fmt.Errorf("connector: checksums: %w", err)
+	}
+	out := make([]byte, 0, 4*len(crcs))
+	for _, crc := range crcs {
+		out = binary.LittleEndian.AppendUint32(out, crc)
 	}
 	r.observeChecksum("record", start)
 	return out, uint32(units), nil
@@ -167,13 +181,13 @@ func (r *Rank) verifyChecksums(l *load) error {
 		}
 		checked = true
 		u0, nu := s.RemoteOffset/hb, s.Len/hb
-		crcs := make([]uint32, nu)
+		crcs := make([]uint32, uint64(len(l.dst))*nu)
+		if err := headCRCs(r.pool, r.regions, r.crcOrder, l.dst, s.LocalOffset, hb, nu, crcs, &buf); err != nil {
+			return fmt.Errorf("connector: load %q: checksums: %w", l.id, err)
+		}
 		for k, b := range l.dst {
 			rk := uint64(l.hit + k) // the block's index in the export
-			if err := headCRCs(r.pool, r.regions, r.crcOrder, b, s.LocalOffset, hb, crcs, &buf); err != nil {
-				return fmt.Errorf("connector: load %q: checksum of local block %d: %w", l.id, b, err)
-			}
-			for u, got := range crcs {
+			for u, got := range crcs[uint64(k)*nu : uint64(k+1)*nu] {
 				at := 4 * (rk*units + u0 + uint64(u))
 				if want := binary.LittleEndian.Uint32(sums[at:]); got != want && !bad[b] {
 					bad[b] = true
