@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -139,6 +140,8 @@ type Server struct {
 	wg     sync.WaitGroup
 
 	openMu sync.Mutex // serializes Open
+	// calls counts the calls being served, until their reply is written.
+	calls atomic.Int64
 
 	mu       sync.Mutex
 	cache    *Cache
@@ -255,6 +258,7 @@ func (s *Server) serveConn(c *fdpass.Conn) {
 				Message: fmt.Sprintf("localapi: unreadable request frame (limit %d bytes): %v", s.cfg.MaxRequestBytes, err)}}, nil)
 			return
 		}
+		s.calls.Add(1)
 		var rep *v1.LocalReply
 		if n := c.DiscardFiles(); n > 0 {
 			rep = errorReply(fmt.Errorf("%w: request carried %d file descriptors; requests carry none", ErrInvalidArgument, n))
@@ -271,6 +275,7 @@ func (s *Server) serveConn(c *fdpass.Conn) {
 			files = ex.Files
 		}
 		err = s.write(c, rep, files)
+		s.calls.Add(-1)
 		if ex != nil {
 			_ = ex.Close()
 		}
@@ -311,6 +316,16 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		// socket closes, within the drain's deadline.
 		if werr := cache.Rank.WaitCollected(ctx); werr != nil {
 			s.cfg.Logger.Warn("drain: closing with load results the engine did not collect", "err", werr)
+		}
+	}
+	// The calls being served (the free that ended the wait) get their
+	// replies before the connections close.
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for s.calls.Load() > 0 && ctx.Err() == nil {
+		select {
+		case <-tick.C:
+		case <-ctx.Done():
 		}
 	}
 	return errors.Join(err, s.Close())
