@@ -31,7 +31,7 @@ test-0rtt: ## the tests that need 0-RTT streams, which race builds never open (q
 	$(GO) test -count=1 -run 'ZeroRTT|FirstKVByte|HandshakeBench' ./connector/ ./transfer/ ./cmd/kvsidecar/internal/demo/
 
 test-python: build venv ## run the Python tests (pytest in .venv, against bin/kvsidecar), the real vLLM engines included
-	cd python && KVSIDECAR_BIN=$(CURDIR)/$(BIN) $(PYTHON) -m pytest -q -p no:cacheprovider
+	cd python && KVSIDECAR_BIN=$(CURDIR)/$(BIN) $(PYTHON) -m pytest -q -rP -p no:cacheprovider
 
 flake-check: ## every Go test (-race -shuffle=on -count=3) while a CPU burner keeps every core busy
 	GO=$(GO) PKGS='$(PKGS)' .ci/flake-check

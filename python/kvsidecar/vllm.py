@@ -32,8 +32,9 @@ NixlConnector's host-buffer mode stages through host memory:
 scheduler's own connection to each rank's socket) in the step whose tokens
 complete the prompt; each worker copies the prompt's blocks into its rank's
 sidecar blocks as vLLM's forward pass leaves each attention layer
-(``save_kv_layer``; ``wait_for_save`` copies any layer it did not see); ``request_finished`` (after that step) calls
-RequestFinished on every rank and returns rank 0's ``kv_transfer_params``
+(``save_kv_layer``; ``wait_for_save`` copies any layer it did not see);
+``request_finished`` (after that step) calls RequestFinished on every rank
+and returns rank 0's ``kv_transfer_params``
 for the decode. vLLM's own blocks are free at once (``request_finished``
 returns False): the sidecar holds its copy under a lease until the decode
 notified or the lease ended.
@@ -57,6 +58,12 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
 from kvsidecar import errors
 from kvsidecar.local import (
     LocalClient,
@@ -78,13 +85,6 @@ __all__ = ["KVConnectorRole", "KVSidecarConnector", "KVSidecarConnectorMetadata"
 # A child of vLLM's "vllm" logger, so vLLM's handler, format and
 # VLLM_LOGGING_LEVEL apply to the connector's lines too.
 log = logging.getLogger("vllm.kvsidecar")
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-
 
 # vLLM's RequestStatus (vllm/v1/request.py) by name -> why the sidecar is told
 # the request finished. FINISHED_LENGTH_CAPPED is the prefill's max_tokens=1
@@ -162,7 +162,6 @@ class _Config:
         # vLLM's blocks per layer tensor (KVCacheConfig.num_blocks; the
         # scheduler's and the workers' copies agree).
         self.num_vllm_blocks: int = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
-        self.kv_cache_config = kv_cache_config
         extra = dict(getattr(kt, "kv_connector_extra_config", None) or {})
         self.engine_id: str = extra.get("engine_id") or getattr(kt, "engine_id", None) or ""
         if not self.engine_id:
@@ -472,9 +471,7 @@ def _vllm_layout(cfg: _Config) -> LayerLayout:
     backend (``get_current_attn_backends``, vllm 0.32.0
     ``vllm/distributed/kv_transfer/kv_connector/utils.py``) and the layout
     the engine resolved (``CacheConfig.get_resolved_kv_cache_layout``)."""
-    from vllm.distributed.kv_transfer.kv_connector.utils import (  # type: ignore[import-not-found]
-        get_current_attn_backends,
-    )
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
     vc = cfg.vllm_config
     names = sorted({b.get_name() for b in get_current_attn_backends(vc)})

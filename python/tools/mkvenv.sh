@@ -32,7 +32,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python"
   exit 0
 fi
 
-echo "mkvenv: building $VENV from $REQS (a cold install downloads about 3.6 GB; see README)"
+echo "mkvenv: building $VENV from $REQS (a cold install downloads about 3.3 GB; see README)"
 start=$(date +%s)
 rm -rf "$VENV"
 "$PYTHON_BASE" -m venv "$VENV"
