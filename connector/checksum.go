@@ -137,10 +137,11 @@ func checkChecksumParams(p *v1.KVTransferParams, k int, e *v1.RankExport) error 
 	n := uint64(len(sourceBlocks(p, e)))
 	switch {
 	case units == 0:
-		return &ParamsError{Field: field("checksum_heads"), Rule: "missing (0) while block_checksums is set"}
+		return &ParamsError{Field: field("checksum_heads"), Rule: "missing (0) while block_checksums is set", Reason: codes.ReasonParamsMissing}
 	case uint64(len(sums)) != 4*n*units:
 		return &ParamsError{Field: field("block_checksums"), Value: fmt.Sprintf("%d bytes", len(sums)),
-			Rule: fmt.Sprintf("must be 4 bytes per block and head: 4 × %d blocks × %d heads = %d", n, units, 4*n*units)}
+			Rule:   fmt.Sprintf("must be 4 bytes per block and head: 4 × %d blocks × %d heads = %d", n, units, 4*n*units),
+			Reason: codes.ReasonParamsCountMismatch}
 	}
 	return nil
 }
@@ -156,7 +157,8 @@ func (r *Rank) checkChecksumHeads(l *load, i int) error {
 		return nil
 	}
 	return &ParamsError{Field: fmt.Sprintf("rank_exports[%d].checksum_heads", slices.Index(l.params.GetRankExports(), e)), Value: strconv.FormatUint(units, 10),
-		Rule: fmt.Sprintf("prefill rank %d's checksums must cover heads %d..%d that decode rank %d reads", s.PrefillRank, s.RemoteOffset/hb, (s.RemoteOffset+s.Len)/hb-1, r.cfg.TPRank)}
+		Rule:   fmt.Sprintf("prefill rank %d's checksums must cover heads %d..%d that decode rank %d reads", s.PrefillRank, s.RemoteOffset/hb, (s.RemoteOffset+s.Len)/hb-1, r.cfg.TPRank),
+		Reason: codes.ReasonParamsOutOfRange}
 }
 
 // verifyChecksums checks the heads every reading source of l wrote into

@@ -193,26 +193,40 @@ func TestMergeExports(t *testing.T) {
 	require.Empty(t, got.GetRankExports()[1].GetBlockIds(), "equal ids are not repeated")
 
 	tests := []struct {
-		name  string
-		parts []*v1.KVTransferParams
-		want  string
+		name   string
+		parts  []*v1.KVTransferParams
+		field  string
+		reason codes.Reason
+		want   string
 	}{
-		{"none", nil, "at least one part"},
-		{"rank twice", []*v1.KVTransferParams{p0, part(0, []uint32{7, 8, 9}, 1)}, "part 1: rank_exports=rank 0: part 0 exports the same rank"},
+		{"rank twice", []*v1.KVTransferParams{p0, part(0, []uint32{7, 8, 9}, 1)}, "rank_exports", codes.ReasonParamsRankRepeated,
+			"connector: MergeExports: part 1: rank_exports=rank 0: part 0 exports the same rank"},
 		{"another request", []*v1.KVTransferParams{p0, func() *v1.KVTransferParams {
 			p := part(1, []uint32{1, 2, 3}, 1)
 			p.RemoteRequestId = "other"
 			return p
-		}()}, `part 1: remote_request_id="other": differs from "cmpl-123"`},
-		{"another block count", []*v1.KVTransferParams{p0, part(1, []uint32{1, 2}, 1)}, "part 1: remote_block_ids=2 entries"},
+		}()}, "remote_request_id", codes.ReasonMergePartsDiffer, `connector: MergeExports: part 1: remote_request_id="other": differs from "cmpl-123"`},
+		{"another block count", []*v1.KVTransferParams{p0, part(1, []uint32{1, 2}, 1)}, "remote_block_ids", codes.ReasonMergePartsDiffer,
+			"connector: MergeExports: part 1: remote_block_ids=2 entries: every rank holds the same 3 token blocks"},
+		{"a part that breaks a rule", []*v1.KVTransferParams{p0, part(2, []uint32{1, 2, 3}, 1)}, "rank_exports[0].tp_rank", codes.ReasonParamsOutOfRange,
+			"connector: MergeExports: part 1: rank_exports[0].tp_rank=2: must be below tp_size=2"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := connector.MergeExports(tc.parts...)
 			require.ErrorIs(t, err, connector.ErrInvalidParams)
-			require.ErrorContains(t, err, tc.want)
+			var pe *connector.PartError
+			require.ErrorAs(t, err, &pe)
+			require.Equal(t, 1, pe.Part)
+			require.Equal(t, tc.field, pe.Err.Field)
+			require.Equal(t, tc.reason, codes.ReasonOf(err))
+			require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, codes.Of(err))
+			require.EqualError(t, err, tc.want)
 		})
 	}
+	_, err = connector.MergeExports()
+	require.Equal(t, codes.ReasonMergeNoParts, codes.ReasonOf(err))
+	require.NotErrorAs(t, err, new(*connector.PartError), "no part to name")
 }
 
 func TestRankExportsValidation(t *testing.T) {

@@ -277,7 +277,7 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 			missing = append(missing, &ParamsError{Field: "rank_exports", Value: fmt.Sprintf("ranks %v", exportRanks(l.params)),
 				Rule: fmt.Sprintf("no export of prefill rank %d, which holds heads of decode rank %d (prefill tp_size=%d, decode tp_size=%d): "+
 					"the params must carry every prefill rank's export (merge the ranks' RequestFinished params with MergeExports)",
-					s.PrefillRank, r.cfg.TPRank, l.params.GetTpSize(), r.cfg.TPSize)})
+					s.PrefillRank, r.cfg.TPRank, l.params.GetTpSize(), r.cfg.TPSize), Reason: codes.ReasonParamsExportMissing})
 		}
 	}
 	if len(missing) > 0 {
@@ -409,7 +409,8 @@ func checkRemoteBlocks(p *v1.KVTransferParams, e *v1.RankExport, md *handshake.M
 	for i, id := range sourceBlocks(p, e) {
 		if id == 0 || int64(id) >= int64(md.NumBlocks) {
 			return &ParamsError{Field: fmt.Sprintf("%s[%d]", field, i), Value: strconv.FormatUint(uint64(id), 10),
-				Rule: fmt.Sprintf("outside [1, %d) of prefill rank %d (num_blocks; block 0 is the null block)", md.NumBlocks, md.TPRank)}
+				Rule:   fmt.Sprintf("outside [1, %d) of prefill rank %d (num_blocks; block 0 is the null block)", md.NumBlocks, md.TPRank),
+				Reason: codes.ReasonParamsOutOfRange}
 		}
 	}
 	return nil

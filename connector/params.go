@@ -1,15 +1,18 @@
 package connector
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
-	"regexp"
 	"slices"
 	"strconv"
 
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/types/dynamicpb"
 
 	"github.com/kvsidecar/kvsidecar/internal/codes"
 	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
@@ -28,19 +31,27 @@ var ErrInvalidParams = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "invalid kv_tran
 // ParamsError names the kv_transfer_params field that broke a rule.
 // errors.Is(err, ErrInvalidParams) is true.
 type ParamsError struct {
-	// Field is the JSON field name, e.g. "tp_size".
+	// Field is the JSON field name, e.g. "tp_size", or its path,
+	// "rank_exports[1].tp_rank".
 	Field string
 	// Value is the offending value as text ("" when missing).
 	Value string
 	// Rule says what was expected.
 	Rule string
+	// Reason is the rule's stable name (codes.ReasonParamsMissing, ...),
+	// sent as v1.Error.reason; callers branch on it and Field, never on
+	// Rule.
+	Reason codes.Reason
 }
 
-func (e *ParamsError) Error() string {
+func (e *ParamsError) Error() string { return "connector: kv_transfer_params: " + e.detail() }
+
+// detail is the message without the package prefix.
+func (e *ParamsError) detail() string {
 	if e.Value == "" {
-		return fmt.Sprintf("connector: kv_transfer_params: %s: %s", e.Field, e.Rule)
+		return fmt.Sprintf("%s: %s", e.Field, e.Rule)
 	}
-	return fmt.Sprintf("connector: kv_transfer_params: %s=%s: %s", e.Field, e.Value, e.Rule)
+	return fmt.Sprintf("%s=%s: %s", e.Field, e.Value, e.Rule)
 }
 
 // Unwrap returns ErrInvalidParams.
@@ -50,25 +61,76 @@ func (e *ParamsError) Unwrap() error { return ErrInvalidParams }
 // when they cross the local API.
 func (e *ParamsError) Code() v1.Code { return v1.Code_CODE_INVALID_ARGUMENT }
 
+// ErrorReason returns Reason (codes.Reasoner).
+func (e *ParamsError) ErrorReason() codes.Reason { return e.Reason }
+
+// PartError is a refusal of MergeExports: its part number Part (an index
+// into the parts) broke the rule of Err. errors.As finds both, and
+// codes.Of and codes.ReasonOf read Err's code and reason.
+type PartError struct {
+	// Part is the index of the refused part.
+	Part int
+	// Err names the field and the rule.
+	Err *ParamsError
+}
+
+func (e *PartError) Error() string {
+	return fmt.Sprintf("connector: MergeExports: part %d: %s", e.Part, e.Err.detail())
+}
+
+// Unwrap returns Err.
+func (e *PartError) Unwrap() error { return e.Err }
+
 var paramsJSON = protojson.MarshalOptions{UseProtoNames: true}
 
-// decodeFieldRe finds the field a protojson decode error names (by its
-// JSON name, tpSize; snakeCase gives the proto name, tp_size).
-var decodeFieldRe = regexp.MustCompile(`field ([A-Za-z_][A-Za-z0-9_]*)`)
+// undecodableField returns the proto name of the field of data, a JSON
+// object of message md, whose value protojson cannot decode: the first in
+// key order whose value alone fails, the innermost where the value is a
+// message or a list of them (rank_exports[0].capability gives
+// "capability"); "kv_transfer_params" when data is no JSON object or no
+// field fails alone (a repeated key). It reads the JSON, never the text of
+// protojson's error.
+func undecodableField(md protoreflect.MessageDescriptor, data []byte) string {
+	if f := badField(md, data); f != "" {
+		return f
+	}
+	return "kv_transfer_params"
+}
 
-// snakeCase turns a protojson JSON name into the proto field name:
-// remoteBlockIds -> remote_block_ids.
-func snakeCase(s string) string {
-	var b []byte
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if c >= 'A' && c <= 'Z' {
-			b = append(b, '_', c+'a'-'A')
+func badField(md protoreflect.MessageDescriptor, data []byte) string {
+	var obj map[string]json.RawMessage
+	if json.Unmarshal(data, &obj) != nil {
+		return ""
+	}
+	for _, k := range slices.Sorted(maps.Keys(obj)) {
+		fd := md.Fields().ByJSONName(k)
+		if fd == nil {
+			fd = md.Fields().ByTextName(k)
+		}
+		if fd == nil {
+			continue // unknown fields are discarded
+		}
+		one, err := json.Marshal(map[string]json.RawMessage{k: obj[k]})
+		if err != nil {
+			return string(fd.Name())
+		}
+		if (protojson.UnmarshalOptions{DiscardUnknown: true}).Unmarshal(one, dynamicpb.NewMessage(md)) == nil {
 			continue
 		}
-		b = append(b, c)
+		if fd.Message() != nil && !fd.IsMap() {
+			elems := []json.RawMessage{obj[k]}
+			if fd.IsList() {
+				_ = json.Unmarshal(obj[k], &elems)
+			}
+			for _, e := range elems {
+				if f := badField(fd.Message(), e); f != "" {
+					return f
+				}
+			}
+		}
+		return string(fd.Name())
 	}
-	return string(b)
+	return ""
 }
 
 // MarshalKVTransferParams encodes p as the kv_transfer_params JSON object,
@@ -93,12 +155,8 @@ func MarshalKVTransferParams(p *v1.KVTransferParams) ([]byte, error) {
 func UnmarshalKVTransferParams(data []byte) (*v1.KVTransferParams, error) {
 	var p v1.KVTransferParams
 	if err := (protojson.UnmarshalOptions{DiscardUnknown: true}).Unmarshal(data, &p); err != nil {
-		// protojson names the field whose value it could not read.
-		field := "kv_transfer_params"
-		if m := decodeFieldRe.FindStringSubmatch(err.Error()); m != nil {
-			field = snakeCase(m[1])
-		}
-		return nil, &ParamsError{Field: field, Rule: "cannot be decoded: " + err.Error()}
+		return nil, &ParamsError{Field: undecodableField(p.ProtoReflect().Descriptor(), data),
+			Rule: "cannot be decoded: " + err.Error(), Reason: codes.ReasonParamsUndecodable}
 	}
 	if p.GetDoRemoteDecode() && !p.GetDoRemotePrefill() {
 		return &p, nil
@@ -113,64 +171,76 @@ func UnmarshalKVTransferParams(data []byte) (*v1.KVTransferParams, error) {
 // tp_size present and in [1, MaxTPSize]; remote_engine_id and
 // remote_request_id set; remote_rank_addrs either empty (then remote_host
 // and remote_port locate rank 0 and rank r is at remote_port+r) or exactly
-// tp_size valid host:port entries; lease_expires_unix_ms not negative.
+// tp_size valid host:port entries; lease_expires_unix_ms not negative;
+// rank_exports entries of ranks below tp_size, each with an export_id, a
+// capability and no block_ids or one per remote block, no rank twice. A
+// violation is a *ParamsError naming the field and the reason.
 func ValidateRemotePrefill(p *v1.KVTransferParams) error {
+	if pe := validateRemotePrefill(p); pe != nil {
+		return pe
+	}
+	return nil
+}
+
+func validateRemotePrefill(p *v1.KVTransferParams) *ParamsError {
 	if p == nil {
-		return &ParamsError{Field: "kv_transfer_params", Rule: "missing"}
+		return &ParamsError{Field: "kv_transfer_params", Rule: "missing", Reason: codes.ReasonParamsMissing}
 	}
 	if p.TpSize == nil {
-		return &ParamsError{Field: "tp_size", Rule: "missing; the prefill TP size is required and never defaulted to 1"}
+		return &ParamsError{Field: "tp_size", Rule: "missing; the prefill TP size is required and never defaulted to 1", Reason: codes.ReasonParamsMissing}
 	}
 	tp := p.GetTpSize()
 	if tp < 1 || tp > MaxTPSize {
-		return &ParamsError{Field: "tp_size", Value: strconv.FormatUint(uint64(tp), 10), Rule: fmt.Sprintf("must be in [1, %d]", MaxTPSize)}
+		return &ParamsError{Field: "tp_size", Value: strconv.FormatUint(uint64(tp), 10), Rule: fmt.Sprintf("must be in [1, %d]", MaxTPSize), Reason: codes.ReasonParamsOutOfRange}
 	}
 	if p.GetRemoteEngineId() == "" {
-		return &ParamsError{Field: "remote_engine_id", Rule: "missing"}
+		return &ParamsError{Field: "remote_engine_id", Rule: "missing", Reason: codes.ReasonParamsMissing}
 	}
 	if p.GetRemoteRequestId() == "" {
-		return &ParamsError{Field: "remote_request_id", Rule: "missing"}
+		return &ParamsError{Field: "remote_request_id", Rule: "missing", Reason: codes.ReasonParamsMissing}
 	}
 	if n := len(p.GetRemoteRankAddrs()); n > 0 {
 		if n != int(tp) {
 			return &ParamsError{Field: "remote_rank_addrs", Value: fmt.Sprintf("%d entries", n),
-				Rule: fmt.Sprintf("must have exactly tp_size=%d entries, one per prefill rank", tp)}
+				Rule: fmt.Sprintf("must have exactly tp_size=%d entries, one per prefill rank", tp), Reason: codes.ReasonParamsCountMismatch}
 		}
 		for i, a := range p.GetRemoteRankAddrs() {
 			if err := checkHostPort(a); err != nil {
-				return &ParamsError{Field: fmt.Sprintf("remote_rank_addrs[%d]", i), Value: strconv.Quote(a), Rule: err.Error()}
+				return &ParamsError{Field: fmt.Sprintf("remote_rank_addrs[%d]", i), Value: strconv.Quote(a), Rule: err.Error(), Reason: codes.ReasonParamsBadAddress}
 			}
 		}
 	} else {
 		if p.GetRemoteHost() == "" {
-			return &ParamsError{Field: "remote_host", Rule: "missing while remote_rank_addrs is empty"}
+			return &ParamsError{Field: "remote_host", Rule: "missing while remote_rank_addrs is empty", Reason: codes.ReasonParamsMissing}
 		}
 		port := p.GetRemotePort()
 		if port < 1 || uint64(port)+uint64(tp)-1 > 65535 {
 			return &ParamsError{Field: "remote_port", Value: strconv.FormatUint(uint64(port), 10),
-				Rule: fmt.Sprintf("must be in [1, %d] so that ranks 0..%d fit at remote_port+rank", 65536-tp, tp-1)}
+				Rule: fmt.Sprintf("must be in [1, %d] so that ranks 0..%d fit at remote_port+rank", 65536-tp, tp-1), Reason: codes.ReasonParamsOutOfRange}
 		}
 	}
 	if p.GetLeaseExpiresUnixMs() < 0 {
-		return &ParamsError{Field: "lease_expires_unix_ms", Value: strconv.FormatInt(p.GetLeaseExpiresUnixMs(), 10), Rule: "must not be negative"}
+		return &ParamsError{Field: "lease_expires_unix_ms", Value: strconv.FormatInt(p.GetLeaseExpiresUnixMs(), 10), Rule: "must not be negative", Reason: codes.ReasonParamsOutOfRange}
 	}
 	seen := make(map[uint32]int, len(p.GetRankExports()))
 	for i, e := range p.GetRankExports() {
 		field := func(f string) string { return fmt.Sprintf("rank_exports[%d].%s", i, f) }
 		switch {
 		case e.GetTpRank() >= tp:
-			return &ParamsError{Field: field("tp_rank"), Value: strconv.FormatUint(uint64(e.GetTpRank()), 10), Rule: fmt.Sprintf("must be below tp_size=%d", tp)}
+			return &ParamsError{Field: field("tp_rank"), Value: strconv.FormatUint(uint64(e.GetTpRank()), 10), Rule: fmt.Sprintf("must be below tp_size=%d", tp), Reason: codes.ReasonParamsOutOfRange}
 		case e.GetExportId() == 0:
-			return &ParamsError{Field: field("export_id"), Rule: "missing (0)"}
+			return &ParamsError{Field: field("export_id"), Rule: "missing (0)", Reason: codes.ReasonParamsMissing}
 		case len(e.GetCapability()) == 0:
-			return &ParamsError{Field: field("capability"), Rule: "missing"}
+			return &ParamsError{Field: field("capability"), Rule: "missing", Reason: codes.ReasonParamsMissing}
 		case len(e.GetBlockIds()) != 0 && len(e.GetBlockIds()) != len(p.GetRemoteBlockIds()):
 			return &ParamsError{Field: field("block_ids"), Value: fmt.Sprintf("%d entries", len(e.GetBlockIds())),
-				Rule: fmt.Sprintf("must be empty (the rank holds remote_block_ids) or hold one id per remote block (%d)", len(p.GetRemoteBlockIds()))}
+				Rule:   fmt.Sprintf("must be empty (the rank holds remote_block_ids) or hold one id per remote block (%d)", len(p.GetRemoteBlockIds())),
+				Reason: codes.ReasonParamsCountMismatch}
 		}
 		if j, dup := seen[e.GetTpRank()]; dup {
 			return &ParamsError{Field: field("tp_rank"), Value: strconv.FormatUint(uint64(e.GetTpRank()), 10),
-				Rule: fmt.Sprintf("rank_exports[%d] names the same rank; each rank exports a request once", j)}
+				Rule:   fmt.Sprintf("rank_exports[%d] names the same rank; each rank exports a request once", j),
+				Reason: codes.ReasonParamsRankRepeated}
 		}
 		seen[e.GetTpRank()] = i
 	}
@@ -213,11 +283,15 @@ func sourceBlocks(p *v1.KVTransferParams, e *v1.RankExport) []uint32 {
 // else the first part), whose remote_block_ids, addresses and incarnation
 // the result carries. lease_expires_unix_ms is the earliest of the parts
 // (every rank's lease must still hold). The parts must name the same
-// request, engine, tp_size and number of blocks, and no rank twice; an
-// error names the part and the field. Parts are not modified.
+// request, engine, tp_size and number of blocks, and no rank twice, and
+// each must pass ValidateRemotePrefill. A refusal of a part is a
+// *PartError naming the part, whose *ParamsError names the field and the
+// reason (codes.ReasonMergePartsDiffer, codes.ReasonParamsRankRepeated, or
+// the one ValidateRemotePrefill gave); no part is a *ParamsError with
+// codes.ReasonMergeNoParts. Parts are not modified.
 func MergeExports(parts ...*v1.KVTransferParams) (*v1.KVTransferParams, error) {
 	if len(parts) == 0 {
-		return nil, &ParamsError{Field: "kv_transfer_params", Rule: "MergeExports needs at least one part"}
+		return nil, &ParamsError{Field: "kv_transfer_params", Rule: "MergeExports needs at least one part", Reason: codes.ReasonMergeNoParts}
 	}
 	base := parts[0]
 	for _, p := range parts {
@@ -230,21 +304,21 @@ func MergeExports(parts ...*v1.KVTransferParams) (*v1.KVTransferParams, error) {
 	out.RankExports = nil
 	seen := map[uint32]int{}
 	for i, p := range parts {
-		bad := func(field, value, rule string) error {
-			return &ParamsError{Field: fmt.Sprintf("part %d: %s", i, field), Value: value, Rule: rule}
+		differs := func(field, value, rule string) error {
+			return &PartError{Part: i, Err: &ParamsError{Field: field, Value: value, Rule: rule, Reason: codes.ReasonMergePartsDiffer}}
 		}
-		if err := ValidateRemotePrefill(p); err != nil {
-			return nil, fmt.Errorf("connector: MergeExports: part %d: %w", i, err)
+		if pe := validateRemotePrefill(p); pe != nil {
+			return nil, &PartError{Part: i, Err: pe}
 		}
 		switch {
 		case p.GetRemoteRequestId() != base.GetRemoteRequestId():
-			return nil, bad("remote_request_id", strconv.Quote(p.GetRemoteRequestId()), fmt.Sprintf("differs from %q", base.GetRemoteRequestId()))
+			return nil, differs("remote_request_id", strconv.Quote(p.GetRemoteRequestId()), fmt.Sprintf("differs from %q", base.GetRemoteRequestId()))
 		case p.GetRemoteEngineId() != base.GetRemoteEngineId():
-			return nil, bad("remote_engine_id", strconv.Quote(p.GetRemoteEngineId()), fmt.Sprintf("differs from %q", base.GetRemoteEngineId()))
+			return nil, differs("remote_engine_id", strconv.Quote(p.GetRemoteEngineId()), fmt.Sprintf("differs from %q", base.GetRemoteEngineId()))
 		case p.GetTpSize() != base.GetTpSize():
-			return nil, bad("tp_size", strconv.FormatUint(uint64(p.GetTpSize()), 10), fmt.Sprintf("differs from %d", base.GetTpSize()))
+			return nil, differs("tp_size", strconv.FormatUint(uint64(p.GetTpSize()), 10), fmt.Sprintf("differs from %d", base.GetTpSize()))
 		case len(p.GetRemoteBlockIds()) != len(base.GetRemoteBlockIds()):
-			return nil, bad("remote_block_ids", fmt.Sprintf("%d entries", len(p.GetRemoteBlockIds())),
+			return nil, differs("remote_block_ids", fmt.Sprintf("%d entries", len(p.GetRemoteBlockIds())),
 				fmt.Sprintf("every rank holds the same %d token blocks", len(base.GetRemoteBlockIds())))
 		}
 		if p.GetLeaseExpiresUnixMs() != 0 && (out.GetLeaseExpiresUnixMs() == 0 || p.GetLeaseExpiresUnixMs() < out.GetLeaseExpiresUnixMs()) {
@@ -252,7 +326,8 @@ func MergeExports(parts ...*v1.KVTransferParams) (*v1.KVTransferParams, error) {
 		}
 		for _, e := range p.GetRankExports() {
 			if j, dup := seen[e.GetTpRank()]; dup {
-				return nil, bad("rank_exports", fmt.Sprintf("rank %d", e.GetTpRank()), fmt.Sprintf("part %d exports the same rank", j))
+				return nil, &PartError{Part: i, Err: &ParamsError{Field: "rank_exports", Value: fmt.Sprintf("rank %d", e.GetTpRank()),
+					Rule: fmt.Sprintf("part %d exports the same rank", j), Reason: codes.ReasonParamsRankRepeated}}
 			}
 			seen[e.GetTpRank()] = i
 			m := proto.Clone(e).(*v1.RankExport)
@@ -315,7 +390,7 @@ func AlignBlocks(meta *v1.ReqMeta) (hit, dst int, err error) {
 func RankAddr(p *v1.KVTransferParams, r int) (string, error) {
 	tp := int(p.GetTpSize())
 	if r < 0 || r >= tp {
-		return "", &ParamsError{Field: "tp_size", Value: strconv.Itoa(tp), Rule: fmt.Sprintf("rank %d is not below it", r)}
+		return "", &ParamsError{Field: "tp_size", Value: strconv.Itoa(tp), Rule: fmt.Sprintf("rank %d is not below it", r), Reason: codes.ReasonParamsOutOfRange}
 	}
 	if addrs := p.GetRemoteRankAddrs(); len(addrs) > 0 {
 		return addrs[r], nil

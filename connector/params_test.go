@@ -117,6 +117,8 @@ func TestParamsDecodeErrorIsInvalidArgument(t *testing.T) {
 		{"tp_size of another type", `{"do_remote_prefill": true, "tp_size": "two"}`, "tp_size"},
 		{"block id beyond uint32", `{"do_remote_prefill": true, "remote_block_ids": [4294967296]}`, "remote_block_ids"},
 		{"capability not base64", `{"rank_exports": [{"tp_rank": 0, "capability": "%%%"}]}`, "capability"},
+		{"the second export's field", `{"rank_exports": [{"tp_rank": 0}, {"tpRank": "x"}]}`, "tp_rank"},
+		{"a list that is not one", `{"rank_exports": 3, "tp_size": 1}`, "rank_exports"},
 		{"truncated", `{"do_remote_prefill": true, "tp_size": 2`, "kv_transfer_params"},
 		{"not an object", `[1, 2]`, "kv_transfer_params"},
 	}
@@ -128,6 +130,7 @@ func TestParamsDecodeErrorIsInvalidArgument(t *testing.T) {
 			var pe *connector.ParamsError
 			require.ErrorAs(t, err, &pe)
 			require.Equal(t, tc.field, pe.Field, "%v", err)
+			require.Equal(t, codes.ReasonParamsUndecodable, codes.ReasonOf(err))
 			require.ErrorContains(t, err, "kv_transfer_params: "+tc.field)
 		})
 	}

@@ -42,8 +42,9 @@ var (
 	ErrInvalidArgument = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "connector: invalid argument")
 	// ErrBusy: the request id is already loading.
 	ErrBusy = codes.New(v1.Code_CODE_BUSY, "connector: busy")
-	// ErrDraining: the rank is shutting down and refuses new requests.
-	ErrDraining = codes.New(v1.Code_CODE_UNAVAILABLE, "connector: draining")
+	// ErrDraining: the rank is shutting down and refuses new requests
+	// (CODE_UNAVAILABLE, reason DRAINING: move on to another instance).
+	ErrDraining = codes.NewReason(v1.Code_CODE_UNAVAILABLE, codes.ReasonDraining, "connector: draining")
 	// ErrAborted: the load was aborted by Abort.
 	ErrAborted = codes.New(v1.Code_CODE_ABORTED, "connector: aborted")
 )

@@ -32,7 +32,7 @@ func (s *Server) create(c *call) (*v1.LocalReply, error) {
 	}
 	switch {
 	case req.GetGeometry() == nil:
-		return nil, fmt.Errorf("%w: create: geometry is required (the sidecar was started without --model or an explicit geometry)", ErrInvalidArgument)
+		return nil, fmt.Errorf("%w: create: the sidecar was started without --model or an explicit geometry", ErrGeometryRequired)
 	case req.GetTpSize() < 1 || req.GetTpSize() > connector.MaxTPSize:
 		return nil, fmt.Errorf("%w: create: tp_size %d must be in [1, %d]", ErrInvalidArgument, req.GetTpSize(), connector.MaxTPSize)
 	case req.GetTpRank() >= req.GetTpSize():

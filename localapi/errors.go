@@ -16,8 +16,13 @@ var (
 	// of the local API (CODE_INVALID_ARGUMENT).
 	ErrInvalidArgument = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "localapi: invalid argument")
 	// ErrNotAttached: an engine call before CreateKVCache on this connection,
-	// or a call that needs the cache before any engine created it.
-	ErrNotAttached = codes.New(v1.Code_CODE_UNAVAILABLE, "localapi: no KV cache attached")
+	// or a call that needs the cache before any engine created it
+	// (CODE_UNAVAILABLE, reason NOT_ATTACHED: attach first).
+	ErrNotAttached = codes.NewReason(v1.Code_CODE_UNAVAILABLE, codes.ReasonNotAttached, "localapi: no KV cache attached")
+	// ErrGeometryRequired: a CreateKVCache without a geometry to a sidecar
+	// started without one (CODE_INVALID_ARGUMENT, reason GEOMETRY_REQUIRED:
+	// attach again with the engine's geometry).
+	ErrGeometryRequired = codes.NewReason(v1.Code_CODE_INVALID_ARGUMENT, codes.ReasonGeometryRequired, "localapi: geometry is required")
 	// ErrBrokenConn: an earlier call on this Client failed mid-exchange
 	// (timeout, bad reply), so the stream's state is unknown; dial again.
 	ErrBrokenConn = errors.New("localapi: client: connection broken by an earlier error")

@@ -554,7 +554,8 @@ func TestLocalEngineGone(t *testing.T) {
 
 // TestLocalCreateTakesTheSidecarsGeometry: a sidecar started with a model's
 // geometry (serve --model) serves a create call that carries none; one
-// started without refuses it naming what is missing.
+// started without refuses it with reason GEOMETRY_REQUIRED, which the
+// client's error matches as the sentinel.
 func TestLocalCreateTakesTheSidecarsGeometry(t *testing.T) {
 	s := newLocalSidecarGeom(t, "with-model", nil, gqa8)
 	info, err := dialLocal(t, s).Attach(t.Context(), &v1.CreateKVCache{TpSize: 1, NumBlocks: 64})
@@ -564,5 +565,7 @@ func TestLocalCreateTakesTheSidecarsGeometry(t *testing.T) {
 	bare := newLocalSidecar(t, "without-model", nil)
 	_, err = dialLocal(t, bare).Attach(t.Context(), &v1.CreateKVCache{TpSize: 1, NumBlocks: 64})
 	require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, codeOf(err))
-	require.ErrorContains(t, err, "geometry is required")
+	require.Equal(t, codes.ReasonGeometryRequired, codes.ReasonOf(err), "%v", err)
+	require.ErrorIs(t, err, localapi.ErrGeometryRequired)
+	require.NotErrorIs(t, err, localapi.ErrNotAttached)
 }

@@ -48,13 +48,16 @@ func Of(err error) v1.Code {
 }
 
 // Error is an error of one class: a class itself (Sentinel, no message), a
-// package's sentinel or detailed error (New), or an error received from a
-// peer (FromProto).
+// package's sentinel or detailed error (New, NewReason), or an error
+// received from a peer (FromProto).
 type Error struct {
 	// Class is the wire code the error maps to.
 	Class v1.Code
 	// Message is the text; empty only for a class (Sentinel).
 	Message string
+	// Reason says why, finer than Class (v1.Error.reason); empty when the
+	// class says all a caller can act on.
+	Reason Reason
 }
 
 // New returns an *Error of class c with a formatted message. A package
@@ -64,6 +67,17 @@ type Error struct {
 func New(c v1.Code, format string, a ...any) *Error {
 	return &Error{Class: c, Message: fmt.Sprintf(format, a...)}
 }
+
+// NewReason returns an *Error of class c and reason r with a formatted
+// message. A package declares the sentinels that callers across the wire
+// branch on with it: errors.Is matches such a sentinel by identity, every
+// error of the same class and reason (a peer's reply too), and its class.
+func NewReason(c v1.Code, r Reason, format string, a ...any) *Error {
+	return &Error{Class: c, Message: fmt.Sprintf(format, a...), Reason: r}
+}
+
+// ErrorReason returns the reason (Reasoner).
+func (e *Error) ErrorReason() Reason { return e.Reason }
 
 // Error returns the message. A class (no message) reads as its code in
 // words ("unavailable", "capability denied"), so a "%w: detail" wrapping of
@@ -81,25 +95,36 @@ func (e *Error) Code() v1.Code { return e.Class }
 // Is matches a class (an *Error with no message) of the same code, so
 // errors.Is(err, codes.Sentinel(v1.Code_CODE_TP_MISMATCH)) holds for every
 // error of that class: a package's sentinel, a detailed error, a peer's.
+// It matches a target with a reason (NewReason) when the class and the
+// reason are the same, so a Go client's errors.Is(err,
+// localapi.ErrGeometryRequired) holds for the sidecar's reply.
 func (e *Error) Is(target error) bool {
 	t, ok := target.(*Error)
-	return ok && t.Message == "" && t.Class == e.Class
+	switch {
+	case !ok || t.Class != e.Class:
+		return false
+	case t.Reason != "":
+		return t.Reason == e.Reason
+	}
+	return t.Message == ""
 }
 
 // Sentinel returns the class c: a message-less *Error matching every error
 // of code c under errors.Is.
 func Sentinel(c v1.Code) error { return &Error{Class: c} }
 
-// ToProto encodes err for the wire: nil for success.
+// ToProto encodes err for the wire: nil for success; otherwise its code
+// (Of), its reason (ReasonOf) and its text.
 func ToProto(err error) *v1.Error {
 	if err == nil {
 		return nil
 	}
-	return &v1.Error{Code: Of(err), Message: err.Error()}
+	return &v1.Error{Code: Of(err), Message: err.Error(), Reason: string(ReasonOf(err))}
 }
 
 // FromProto decodes a wire error: nil when e is nil or CODE_OK, otherwise an
-// *Error with the peer's code and message prefixed by who said it.
+// *Error with the peer's code and reason and its message prefixed by who
+// said it.
 func FromProto(peer string, e *v1.Error) error {
 	if e.GetCode() == v1.Code_CODE_OK {
 		return nil
@@ -108,5 +133,5 @@ func FromProto(peer string, e *v1.Error) error {
 	if peer != "" {
 		msg = peer + ": " + msg
 	}
-	return &Error{Class: e.GetCode(), Message: fmt.Sprintf("%s (%s)", msg, e.GetCode())}
+	return &Error{Class: e.GetCode(), Message: fmt.Sprintf("%s (%s)", msg, e.GetCode()), Reason: Reason(e.GetReason())}
 }

@@ -19,6 +19,15 @@
 //     class c. errors.Is matches a sentinel declared with it by identity
 //     (errors.Is(err, vmm.ErrNotMapped)), and it matches its class too.
 //
+// A class can be too coarse for a caller: CODE_INVALID_ARGUMENT for a create
+// without a geometry asks the engine to send one, for a bad block id to fix
+// its call. Such errors carry a Reason (reason.go, the module's one list,
+// generated for Python by `make generate`): NewReason(c, r, "pkg: what")
+// declares a sentinel of class c and reason r, ReasonOf finds the reason of
+// the error that gives the code, ToProto and FromProto carry it in
+// v1.Error.reason, and errors.Is matches a peer's reply against the
+// sentinel. Nobody branches on a message.
+//
 // A struct error that names a page, a rank or a request wraps one of these
 // with %w (or implements Coder when its class comes from its cause), and Of
 // finds the first in the chain. Errors of no class map by their cause:
@@ -31,4 +40,8 @@
 //	errors.Is(err, codes.Sentinel(v1.Code_CODE_NOT_FOUND)) // true
 //	rep.Error = codes.ToProto(err)                       // on the wire
 //	err = codes.FromProto("10.0.0.1:5600", rep.Error)    // at the peer: same class
+//
+//	var ErrGeometryRequired = codes.NewReason(v1.Code_CODE_INVALID_ARGUMENT,
+//		codes.ReasonGeometryRequired, "localapi: geometry is required")
+//	codes.ReasonOf(fmt.Errorf("%w: create", ErrGeometryRequired)) // GEOMETRY_REQUIRED
 package codes

@@ -38,8 +38,9 @@ var (
 	ErrUnsafeDir = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "unixsock: unsafe socket directory")
 	// ErrInvalidPath: no socket path can be made of the arguments (relative
 	// directory, empty engine id, a directory too long for sun_path), or
-	// the path holds a file that is not a socket (CODE_INVALID_ARGUMENT).
-	ErrInvalidPath = codes.New(v1.Code_CODE_INVALID_ARGUMENT, "unixsock: invalid socket path")
+	// the path holds a file that is not a socket (CODE_INVALID_ARGUMENT,
+	// reason SOCKET_PATH_INVALID).
+	ErrInvalidPath = codes.NewReason(v1.Code_CODE_INVALID_ARGUMENT, codes.ReasonSocketPathInvalid, "unixsock: invalid socket path")
 )
 
 // Path returns the socket path of engine engineID in dir:

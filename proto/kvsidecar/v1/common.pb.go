@@ -342,8 +342,16 @@ func (Attention) EnumDescriptor() ([]byte, []int) {
 type Error struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Code  Code                   `protobuf:"varint,1,opt,name=code,proto3,enum=kvsidecar.v1.Code" json:"code,omitempty"`
-	// Human-readable message naming the offending value and the rule.
-	Message       string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	// Human-readable message naming the offending value and the rule. It is
+	// for people: no peer branches on it.
+	Message string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	// Stable UPPER_SNAKE identifier of why the call failed, finer than code
+	// (as google.rpc.ErrorInfo.reason), e.g. "GEOMETRY_REQUIRED". Empty when
+	// the code says all a caller can act on. A reason belongs to one code.
+	// The values are the Reason constants of internal/codes (generated for
+	// Python into kvsidecar/reasons.py); a receiver that does not know a
+	// reason acts on the code.
+	Reason        string `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -388,6 +396,13 @@ func (x *Error) GetCode() Code {
 func (x *Error) GetMessage() string {
 	if x != nil {
 		return x.Message
+	}
+	return ""
+}
+
+func (x *Error) GetReason() string {
+	if x != nil {
+		return x.Reason
 	}
 	return ""
 }
@@ -503,10 +518,11 @@ var File_kvsidecar_v1_common_proto protoreflect.FileDescriptor
 
 const file_kvsidecar_v1_common_proto_rawDesc = "" +
 	"\n" +
-	"\x19kvsidecar/v1/common.proto\x12\fkvsidecar.v1\"I\n" +
+	"\x19kvsidecar/v1/common.proto\x12\fkvsidecar.v1\"a\n" +
 	"\x05Error\x12&\n" +
 	"\x04code\x18\x01 \x01(\x0e2\x12.kvsidecar.v1.CodeR\x04code\x12\x18\n" +
-	"\amessage\x18\x02 \x01(\tR\amessage\"\xb0\x02\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\x12\x16\n" +
+	"\x06reason\x18\x03 \x01(\tR\x06reason\"\xb0\x02\n" +
 	"\rModelGeometry\x12\x14\n" +
 	"\x05model\x18\x01 \x01(\tR\x05model\x12\x1d\n" +
 	"\n" +

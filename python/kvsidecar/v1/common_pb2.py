@@ -13,7 +13,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvsidecar/v1/common.proto\x12\x0ckvsidecar.v1\":\n\x05\x45rror\x12 \n\x04\x63ode\x18\x01 \x01(\x0e\x32\x12.kvsidecar.v1.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe4\x01\n\rModelGeometry\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\"\n\x05\x64type\x18\x05 \x01(\x0e\x32\x13.kvsidecar.v1.DType\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12$\n\x06layout\x18\x07 \x01(\x0e\x32\x14.kvsidecar.v1.Layout\x12*\n\tattention\x18\x08 \x01(\x0e\x32\x17.kvsidecar.v1.Attention*?\n\x0bWireVersion\x12\x1c\n\x18WIRE_VERSION_UNSPECIFIED\x10\x00\x12\x12\n\x0eWIRE_VERSION_1\x10\x01*\xc9\x02\n\x04\x43ode\x12\x0b\n\x07\x43ODE_OK\x10\x00\x12\x19\n\x15\x43ODE_INVALID_ARGUMENT\x10\x01\x12\x12\n\x0e\x43ODE_NOT_FOUND\x10\x02\x12\x15\n\x11\x43ODE_OUT_OF_RANGE\x10\x03\x12\x1a\n\x16\x43ODE_CAPABILITY_DENIED\x10\x04\x12\x16\n\x12\x43ODE_LEASE_EXPIRED\x10\x05\x12\x14\n\x10\x43ODE_TP_MISMATCH\x10\x06\x12\x1b\n\x17\x43ODE_INCOMPATIBLE_MODEL\x10\x07\x12\r\n\tCODE_BUSY\x10\x08\x12\x10\n\x0c\x43ODE_ABORTED\x10\t\x12\x11\n\rCODE_INTERNAL\x10\n\x12\x10\n\x0c\x43ODE_TIMEOUT\x10\x0b\x12\x14\n\x10\x43ODE_UNAVAILABLE\x10\x0c\x12\x17\n\x13\x43ODE_ALREADY_EXISTS\x10\r\x12\x12\n\x0e\x43ODE_DATA_LOSS\x10\x0e*\x80\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x12\n\x0e\x44TYPE_FP8_E4M3\x10\x04\x12\x12\n\x0e\x44TYPE_FP8_E5M2\x10\x05*0\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x0e\n\nLAYOUT_HND\x10\x01*L\n\tAttention\x12\x19\n\x15\x41TTENTION_UNSPECIFIED\x10\x00\x12\x11\n\rATTENTION_GQA\x10\x01\x12\x11\n\rATTENTION_MLA\x10\x02\x42?Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvsidecar/v1/common.proto\x12\x0ckvsidecar.v1\"J\n\x05\x45rror\x12 \n\x04\x63ode\x18\x01 \x01(\x0e\x32\x12.kvsidecar.v1.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xe4\x01\n\rModelGeometry\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\"\n\x05\x64type\x18\x05 \x01(\x0e\x32\x13.kvsidecar.v1.DType\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12$\n\x06layout\x18\x07 \x01(\x0e\x32\x14.kvsidecar.v1.Layout\x12*\n\tattention\x18\x08 \x01(\x0e\x32\x17.kvsidecar.v1.Attention*?\n\x0bWireVersion\x12\x1c\n\x18WIRE_VERSION_UNSPECIFIED\x10\x00\x12\x12\n\x0eWIRE_VERSION_1\x10\x01*\xc9\x02\n\x04\x43ode\x12\x0b\n\x07\x43ODE_OK\x10\x00\x12\x19\n\x15\x43ODE_INVALID_ARGUMENT\x10\x01\x12\x12\n\x0e\x43ODE_NOT_FOUND\x10\x02\x12\x15\n\x11\x43ODE_OUT_OF_RANGE\x10\x03\x12\x1a\n\x16\x43ODE_CAPABILITY_DENIED\x10\x04\x12\x16\n\x12\x43ODE_LEASE_EXPIRED\x10\x05\x12\x14\n\x10\x43ODE_TP_MISMATCH\x10\x06\x12\x1b\n\x17\x43ODE_INCOMPATIBLE_MODEL\x10\x07\x12\r\n\tCODE_BUSY\x10\x08\x12\x10\n\x0c\x43ODE_ABORTED\x10\t\x12\x11\n\rCODE_INTERNAL\x10\n\x12\x10\n\x0c\x43ODE_TIMEOUT\x10\x0b\x12\x14\n\x10\x43ODE_UNAVAILABLE\x10\x0c\x12\x17\n\x13\x43ODE_ALREADY_EXISTS\x10\r\x12\x12\n\x0e\x43ODE_DATA_LOSS\x10\x0e*\x80\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x12\n\x0e\x44TYPE_FP8_E4M3\x10\x04\x12\x12\n\x0e\x44TYPE_FP8_E5M2\x10\x05*0\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x0e\n\nLAYOUT_HND\x10\x01*L\n\tAttention\x12\x19\n\x15\x41TTENTION_UNSPECIFIED\x10\x00\x12\x11\n\rATTENTION_GQA\x10\x01\x12\x11\n\rATTENTION_MLA\x10\x02\x42?Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1b\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvsidecar.v1.common_pb2', globals())
@@ -21,18 +21,18 @@ if _descriptor._USE_C_DESCRIPTORS == False:
 
   DESCRIPTOR._options = None
   DESCRIPTOR._serialized_options = b'Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1'
-  _WIREVERSION._serialized_start=334
-  _WIREVERSION._serialized_end=397
-  _CODE._serialized_start=400
-  _CODE._serialized_end=729
-  _DTYPE._serialized_start=732
-  _DTYPE._serialized_end=860
-  _LAYOUT._serialized_start=862
-  _LAYOUT._serialized_end=910
-  _ATTENTION._serialized_start=912
-  _ATTENTION._serialized_end=988
+  _WIREVERSION._serialized_start=350
+  _WIREVERSION._serialized_end=413
+  _CODE._serialized_start=416
+  _CODE._serialized_end=745
+  _DTYPE._serialized_start=748
+  _DTYPE._serialized_end=876
+  _LAYOUT._serialized_start=878
+  _LAYOUT._serialized_end=926
+  _ATTENTION._serialized_start=928
+  _ATTENTION._serialized_end=1004
   _ERROR._serialized_start=43
-  _ERROR._serialized_end=101
-  _MODELGEOMETRY._serialized_start=104
-  _MODELGEOMETRY._serialized_end=332
+  _ERROR._serialized_end=117
+  _MODELGEOMETRY._serialized_start=120
+  _MODELGEOMETRY._serialized_end=348
 # @@protoc_insertion_point(module_scope)
