@@ -24,7 +24,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 
 from kvsidecar import devserve  # noqa: E402
-from kvsidecar.local import LocalClient, merge_exports, params_from_json, params_to_json, req_meta  # noqa: E402
+from kvsidecar.local import LocalClient  # noqa: E402
+from kvsidecar.params import merge_exports, params_from_json, params_to_json, req_meta  # noqa: E402
 from kvsidecar.v1 import local_pb2, params_pb2  # noqa: E402
 
 # llama-3.2-1b: 16 layers (32 regions, K and V of each), 8 KV heads of 64

@@ -4,12 +4,29 @@ One ``kvsidecar serve`` process runs beside each tensor-parallel rank of an
 inference engine and moves finished requests' KV from prefill to decode
 ranks over QUIC. This package is what an engine written in Python uses:
 
-- :mod:`kvsidecar.local`: a client of the sidecar's local API (unix socket,
-  size-delimited protobuf frames, shared pages passed as file descriptors).
-- :mod:`kvsidecar.vllm`: ``KVSidecarConnector``, a vLLM v1 KV connector that
-  stages vLLM's KV blocks through the sidecar's pages.
+Modules by concern (the Go package each mirrors, where there is one):
+
+- :mod:`kvsidecar.local`: the local API client (``localapi.Client``), over
+  :mod:`kvsidecar.framing` (size-delimited frames and passed descriptors:
+  ``internal/wire``, ``internal/fdpass``) and :mod:`kvsidecar.hostmap` (the
+  engine's mapping of host pages and the block-offset rule:
+  ``internal/kvgeom.Packing``).
+- :mod:`kvsidecar.paths`: the socket path rule (``localapi.SocketPath``).
+- :mod:`kvsidecar.params`: ``kv_transfer_params`` JSON, the merge of the
+  prefill ranks' exports (``connector.MergeExports``), ``ReqMeta``.
+- :mod:`kvsidecar.rankset`: the sidecars of one engine instance, one client
+  per rank: attach, allocate, free and finish on every rank, redial.
+- :mod:`kvsidecar.staging`: copies between an engine's KV tensors and sidecar
+  blocks through vLLM's KV layouts (the one module that imports torch).
+- :mod:`kvsidecar.vllm`: ``KVSidecarConnector``, the vLLM v1 KV connector
+  (its halves in :mod:`kvsidecar.vllm_scheduler` and
+  :mod:`kvsidecar.vllm_worker`, their settings and step metadata in
+  :mod:`kvsidecar.vllm_meta`).
 - :mod:`kvsidecar.errors`: typed errors carrying the wire code.
 - :mod:`kvsidecar.v1`: the generated protobuf modules (``make generate``).
+- For trials and tests on one machine: :mod:`kvsidecar.devserve` (``kvsidecar
+  serve`` processes), :mod:`kvsidecar.devvllm` (vLLM engines and a tiny model)
+  and :mod:`kvsidecar.pdproxy` (a prefill/decode proxy).
 
 The engine contract (call order, block ids, layouts, kv_transfer_params) is
 ``docs/engine-integration.md`` in the repository.

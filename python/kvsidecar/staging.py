@@ -141,56 +141,62 @@ class Staging:
         self.info = info
         self.layout = layout
         self.num_blocks = num_blocks
-        self.per_page = info.page_size // info.block_len
-        self.pages = info.region_len // info.page_size
+        self.packing = client.packing
+        self.packing.check()
         self._regions: dict[int, Any] = {}
         #: Bytes copied each way since start (prefill: vLLM -> sidecar;
         #: decode: sidecar -> vLLM).
         self.copied_bytes = 0
 
     def region(self, r: int) -> Any:
-        """Region r as a uint8 tensor [pages, blocks_per_page, block_len]
-        over this process's mapping (no copy)."""
+        """Region r as a uint8 tensor over this process's mapping (no copy):
+        [pages, blocks_per_page, block_len], or [blocks, block_len] when the
+        packing has no pages."""
         t = self._regions.get(r)
         if t is None:
             flat = self.torch.frombuffer(self.client.region(r), dtype=self.torch.uint8)
-            t = flat.as_strided((self.pages, self.per_page, self.info.block_len),
-                                (self.info.page_size, self.info.block_len, 1))
+            bl, ps, per = self.packing.block_len, self.packing.page_size, self.packing.blocks_per_page
+            if per:
+                t = flat.as_strided((self.info.region_len // ps, per, bl), (ps, bl, 1))
+            else:
+                t = flat.as_strided((self.info.region_len // bl, bl), (bl, 1))
             self._regions[r] = t
         return t
 
-    def _index(self, ids: list[int]) -> tuple[Any, Any]:
+    def _index(self, ids: list[int]) -> tuple[Any, ...]:
+        """The index of blocks ``ids`` into :meth:`region`'s tensors."""
         for b in ids:
             if not self.client.is_mapped(b):
                 raise errors.InvalidArgument(f"KVSidecarConnector: sidecar block {b} is not mapped here (not allocated)")
-        t = self.torch
-        return (t.tensor([b // self.per_page for b in ids], dtype=t.long),
-                t.tensor([b % self.per_page for b in ids], dtype=t.long))
+        t, per = self.torch, self.packing.blocks_per_page
+        if not per:
+            return (t.tensor(ids, dtype=t.long),)
+        return (t.tensor([b // per for b in ids], dtype=t.long), t.tensor([b % per for b in ids], dtype=t.long))
 
     def save(self, layer: int, kv: Any, vllm_ids: list[int], sidecar_ids: list[int]) -> None:
         """vLLM blocks ``vllm_ids`` of one layer -> sidecar blocks
         ``sidecar_ids`` (regions 2l and 2l+1), HND."""
         t = self.torch
-        pi, si = self._index(sidecar_ids)
+        at = self._index(sidecar_ids)
         vidx = t.tensor(vllm_ids, dtype=t.long, device=kv.device)
         n = len(vllm_ids)
         for kvi, view in enumerate(self.layout.kv_views(kv, self.num_blocks)):
             src = view.index_select(0, vidx)  # [n, ratio, H, Nk, D]
             blob = src.permute(0, 2, 1, 3, 4).contiguous().cpu().view(t.uint8).reshape(n, -1)
             self._check_len(blob)
-            self.region(2 * layer + kvi)[pi, si] = blob
+            self.region(2 * layer + kvi)[at] = blob
             self.copied_bytes += blob.numel()
 
     def load(self, layer: int, kv: Any, vllm_ids: list[int], sidecar_ids: list[int]) -> None:
         """Sidecar blocks ``sidecar_ids`` (regions 2l and 2l+1) -> vLLM
         blocks ``vllm_ids`` of one layer."""
         t = self.torch
-        pi, si = self._index(sidecar_ids)
+        at = self._index(sidecar_ids)
         vidx = t.tensor(vllm_ids, dtype=t.long, device=kv.device)
         n = len(vllm_ids)
         for kvi, view in enumerate(self.layout.kv_views(kv, self.num_blocks)):
             _, ratio, h, nk, d = view.shape
-            blob = self.region(2 * layer + kvi)[pi, si]  # [n, block_len], a copy
+            blob = self.region(2 * layer + kvi)[at]  # [n, block_len], a copy
             self._check_len(blob)
             data = blob.view(kv.dtype).reshape(n, h, ratio, nk, d).permute(0, 2, 1, 3, 4)
             view.index_copy_(0, vidx, data.to(kv.device))

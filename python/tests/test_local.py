@@ -11,7 +11,9 @@ import threading
 import pytest
 
 from kvsidecar import errors
-from kvsidecar.local import LocalClient, local_socket_path, params_from_json, params_to_json
+from kvsidecar.local import LocalClient
+from kvsidecar.params import params_from_json, params_to_json
+from kvsidecar.paths import local_socket_path
 from kvsidecar.v1 import common_pb2, local_pb2, params_pb2
 
 # 2 layers, 8 KV heads of 64 bf16 elements, 16-token blocks: 16 KiB per block
@@ -67,7 +69,7 @@ def test_attach_alloc_write_free(cluster):
 
         ids = a.alloc(400)  # pages 0..3; page 3 is mapped by this call
         assert len(set(ids)) == 400 and 0 not in ids, "block 0 is the null block, never allocated"
-        assert a.block_offset(ids[-1]) // info.page_size == 3
+        assert a.packing.offset(ids[-1]) // info.page_size == 3
         for r in range(info.num_regions):
             for k in (0, 399):
                 a.block(r, ids[k])[:] = pattern(1, r, ids[k], info.block_len)
@@ -78,7 +80,7 @@ def test_attach_alloc_write_free(cluster):
         for r in range(info.num_regions):
             for k in (0, 399):
                 assert bytes(b.block(r, ids[k])) == pattern(1, r, ids[k], info.block_len)
-        assert a.block_offset(129) == (2 << 20) + 1 * info.block_len
+        assert a.packing.offset(129) == (2 << 20) + 1 * info.block_len
         assert a.stats().blocks_used == 400
         assert a.available() == 1024 - 1 - 400
 
@@ -371,7 +373,7 @@ def test_unreachable_socket(tmp_path):
 
 
 def test_merge_exports_and_req_meta():
-    from kvsidecar.local import merge_exports, req_meta
+    from kvsidecar.params import merge_exports, req_meta
 
     with pytest.raises(errors.InvalidArgument, match="at least one part"):
         merge_exports([])

@@ -60,7 +60,7 @@ def test_prefill_tp2_to_decode_tp4_every_byte(p2d4):
     # Prefill rank 1's pool is skewed by 5 blocks, so the two ranks stage
     # every request in different sidecar block ids (each rank's export
     # carries its own).
-    skew = pre.sched._scheduler.clients()[1].alloc(5)
+    skew = pre.sched._scheduler.ranks.clients()[1].alloc(5)
     # One request prefilled at once, one in chunks of 100 tokens (the
     # cached-request path of the scheduler output); both end mid-block.
     reqs = {"r-short": (37, 11, None), "r-long": (517, 12, 100)}
@@ -91,7 +91,7 @@ def test_prefill_tp2_to_decode_tp4_every_byte(p2d4):
     # the prefill's when its lease was notified.
     for s in dec_sc:
         assert stats(s)["blocks_used"] == 0
-    pre.sched._scheduler.clients()[1].free(skew)
+    pre.sched._scheduler.ranks.clients()[1].free(skew)
     for s in pre_sc:
         wait_for(f"{s.name} freed its exports", lambda s=s: stats(s) == {"blocks_used": 0, "leases_held": 0, "loads_in_flight": 0})
 

@@ -1,0 +1,133 @@
+"""KVSidecarConnector's settings (from vLLM's config objects) and the step
+metadata its scheduler side sends every worker (see :mod:`kvsidecar.vllm`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvsidecar import errors
+from kvsidecar.paths import default_socket_dir, local_socket_path
+from kvsidecar.rankset import dtype_code
+from kvsidecar.v1 import common_pb2
+
+__all__ = ["ConnectorConfig", "KVSidecarConnectorMetadata", "LoadSpec", "SaveSpec", "log", "role_name"]
+
+# A child of vLLM's "vllm" logger, so vLLM's handler, format and
+# VLLM_LOGGING_LEVEL apply to the connector's lines too.
+log = logging.getLogger("vllm.kvsidecar")
+
+
+@dataclasses.dataclass
+class LoadSpec:
+    """One request a decode worker loads (scheduler -> worker).
+
+    Attributes:
+        req_id: the decode request id.
+        block_ids: vLLM block ids to fill, in token order: the blocks after
+            the local prefix hit, at most as many as the remote blocks left
+            after that hit (a further block vLLM allocated is computed
+            locally and not part of the load).
+        params: the request's kv_transfer_params (JSON form).
+        notify_only: nothing to read (a full local prefix hit, or a request
+            aborted before it was scheduled): the prefill ranks are only
+            notified so they free their blocks; vLLM is not told anything.
+        hit_blocks: leading remote blocks the decode holds already (its
+            local prefix hit): remote block ``hit_blocks + i`` lands in
+            ``block_ids[i]``.
+    """
+
+    req_id: str
+    block_ids: list[int]
+    params: dict[str, Any]
+    notify_only: bool = False
+    hit_blocks: int = 0
+
+
+@dataclasses.dataclass
+class SaveSpec:
+    """One request whose prompt KV a prefill worker copies into its rank's
+    sidecar blocks in this step (scheduler -> worker).
+
+    Attributes:
+        req_id: the prefill request id.
+        block_ids: vLLM block ids holding the prompt, in token order.
+        staging: per TP rank, the sidecar block ids to copy them into (same
+            length as ``block_ids``).
+    """
+
+    req_id: str
+    block_ids: list[int]
+    staging: list[list[int]]
+
+
+@dataclasses.dataclass
+class KVSidecarConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler side tells every worker for one step."""
+
+    loads: list[LoadSpec] = dataclasses.field(default_factory=list)
+    saves: list[SaveSpec] = dataclasses.field(default_factory=list)
+    aborts: list[str] = dataclasses.field(default_factory=list)
+
+
+def role_name(role: Any) -> str:
+    return getattr(role, "name", str(role))
+
+
+class ConnectorConfig:
+    """The connector's settings, from vLLM's config objects."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any = None) -> None:
+        kt = vllm_config.kv_transfer_config
+        # vLLM's blocks per layer tensor (KVCacheConfig.num_blocks; the
+        # scheduler's and the workers' copies agree).
+        self.num_vllm_blocks: int = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+        extra = dict(getattr(kt, "kv_connector_extra_config", None) or {})
+        self.engine_id: str = extra.get("engine_id") or getattr(kt, "engine_id", None) or ""
+        if not self.engine_id:
+            raise errors.InvalidArgument(
+                "KVSidecarConnector: kv_transfer_config.engine_id (or kv_connector_extra_config.engine_id) is "
+                "required: it must equal every sidecar's --engine-id"
+            )
+        self.socket_dir: str = extra.get("socket_dir") or default_socket_dir()
+        self.timeout: float = float(extra.get("call_timeout_seconds", 30.0))
+        self.num_blocks: int = int(extra.get("num_blocks", 0))
+        self.tp_rank_override: int | None = int(extra["tp_rank"]) if "tp_rank" in extra else None
+        role = getattr(kt, "kv_role", None) or "kv_both"
+        if role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise errors.InvalidArgument(
+                f"KVSidecarConnector: kv_role {role!r} must be kv_producer, kv_consumer or kv_both"
+            )
+        self.producer = role in ("kv_producer", "kv_both")
+        self.consumer = role in ("kv_consumer", "kv_both")
+        self.tp_size: int = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.block_size: int = int(vllm_config.cache_config.block_size)
+        self.vllm_config = vllm_config
+
+    def socket(self, rank: int) -> str:
+        return local_socket_path(self.socket_dir, self.engine_id, rank)
+
+    def geometry(self, dtype: Any | None = None) -> common_pb2.ModelGeometry:
+        """The model's KV geometry from vLLM's model config (for a sidecar
+        started without --model or explicit geometry flags). The KV dtype
+        is ``dtype`` (the KV tensors'), else cache_config.cache_dtype, else
+        the model's dtype."""
+        mc, pc = self.vllm_config.model_config, self.vllm_config.parallel_config
+        if dtype is None:
+            cd = str(getattr(self.vllm_config.cache_config, "cache_dtype", "auto"))
+            dtype = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}.get(cd)
+        return common_pb2.ModelGeometry(
+            model=str(getattr(mc, "model", "")),
+            num_layers=int(mc.get_num_layers(pc)),
+            num_kv_heads=int(mc.get_total_num_kv_heads()),
+            head_dim=int(mc.get_head_size()),
+            dtype=dtype_code(dtype if dtype is not None else mc.dtype),
+            block_size=self.block_size,
+            layout=common_pb2.LAYOUT_HND,
+            attention=common_pb2.ATTENTION_GQA,
+        )
+
+

@@ -1,0 +1,176 @@
+"""The scheduler-process half of KVSidecarConnector (see :mod:`kvsidecar.vllm`):
+which requests load or export, the sidecar blocks of each export on every
+rank, and RequestFinished with the ranks' exports merged."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvsidecar import errors
+from kvsidecar.params import params_to_json
+from kvsidecar.rankset import RankSet
+from kvsidecar.v1 import local_pb2, params_pb2
+from kvsidecar.vllm_meta import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, SaveSpec, log, role_name
+
+__all__ = ["SchedulerSide"]
+
+# vLLM's RequestStatus (vllm/v1/request.py) by name -> why the sidecar is told
+# the request finished. FINISHED_LENGTH_CAPPED is the prefill's max_tokens=1
+# stop: the only status that keeps the KV for a decode.
+_FINISH_STATUS = {
+    "FINISHED_LENGTH_CAPPED": local_pb2.FINISH_STATUS_LENGTH,
+    "FINISHED_STOPPED": local_pb2.FINISH_STATUS_STOP,
+    "FINISHED_ABORTED": local_pb2.FINISH_STATUS_ABORTED,
+    "FINISHED_IGNORED": local_pb2.FINISH_STATUS_ERROR,
+    "FINISHED_ERROR": local_pb2.FINISH_STATUS_ERROR,
+}
+
+
+class SchedulerSide:
+    """The scheduler-process half."""
+
+    def __init__(self, cfg: ConnectorConfig) -> None:
+        self.cfg = cfg
+        self.ranks = RankSet(cfg.socket, cfg.tp_size, cfg.geometry, cfg.num_blocks, cfg.timeout)
+        # Decode: prefix hit tokens noted by get_num_new_matched_tokens.
+        self._hit_tokens: dict[str, int] = {}
+        self._loads: list[LoadSpec] = []
+        self._aborts: list[str] = []
+        self._loading: set[str] = set()
+        # Prefill: requests to export -> prompt length, vLLM block ids so far,
+        # tokens computed so far, and the staging blocks once allocated.
+        self._exports: dict[str, _Export] = {}
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if not (self.cfg.consumer and params.get("do_remote_prefill")):
+            return 0, False
+        self._hit_tokens[request.request_id] = num_computed_tokens
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        return count, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if self.cfg.producer and params.get("do_remote_decode") and rid not in self._exports:
+            self._exports[rid] = _Export(prompt_len=len(request.prompt_token_ids or ()))
+        if not (self.cfg.consumer and params.get("do_remote_prefill")):
+            return
+        spec = dict(params)
+        # Consumed: a second update_state_after_alloc (after the load) must
+        # not load again.
+        params["do_remote_prefill"] = False
+        if num_external_tokens <= 0:
+            self._loads.append(LoadSpec(rid, [], spec, notify_only=True))
+            return
+        remote = list(spec.get("remote_block_ids") or ())
+        hit_blocks = self._hit_tokens.pop(rid, 0) // self.cfg.block_size
+        # vLLM allocates the blocks after the local prefix hit (the unhashed
+        # ones); the first len(remote) - hit of them take the remote blocks
+        # after the hit, in order. A further block (vLLM can allocate one
+        # more than the prompt fills) is computed locally.
+        local = list(blocks.get_unhashed_block_ids())
+        want = max(len(remote) - hit_blocks, 0)
+        if len(local) < want:
+            log.warning(
+                "request %s: %d local blocks for %d remote blocks after a hit of %d; loading the first %d",
+                rid, len(local), len(remote), hit_blocks, len(local),
+            )
+            want = len(local)
+        self._loads.append(LoadSpec(rid, local[:want], spec, hit_blocks=min(hit_blocks, len(remote))))
+        self._loading.add(rid)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVSidecarConnectorMetadata:
+        saves = self._saves(scheduler_output) if self._exports else []
+        meta = KVSidecarConnectorMetadata(loads=self._loads, saves=saves, aborts=self._aborts)
+        self._loads, self._aborts = [], []
+        return meta
+
+    def _saves(self, so: Any) -> list[SaveSpec]:
+        bs = self.cfg.block_size
+        for nr in getattr(so, "scheduled_new_reqs", ()):
+            exp = self._exports.get(nr.req_id)
+            if exp is not None:
+                exp.blocks = list(nr.block_ids[0])
+                exp.computed = nr.num_computed_tokens
+        cr = getattr(so, "scheduled_cached_reqs", None)
+        if cr is not None:
+            resumed = getattr(cr, "resumed_req_ids", set()) or set()
+            for i, rid in enumerate(cr.req_ids):
+                exp = self._exports.get(rid)
+                if exp is None:
+                    continue
+                new = cr.new_block_ids[i]
+                if new is not None:
+                    exp.blocks = list(new[0]) if rid in resumed else exp.blocks + list(new[0])
+                exp.computed = cr.num_computed_tokens[i]
+        out = []
+        for rid, exp in self._exports.items():
+            n = so.num_scheduled_tokens.get(rid, 0)
+            if exp.staging is not None or n == 0 or exp.computed + n < exp.prompt_len:
+                continue
+            nblocks = -(-exp.prompt_len // bs)
+            vblocks = exp.blocks[:nblocks]
+            if len(vblocks) < nblocks:
+                log.error("request %s: %d vLLM blocks for a prompt of %d tokens; not exported", rid, len(vblocks),
+                          exp.prompt_len)
+                exp.staging = []
+                continue
+            try:
+                staging = self.ranks.alloc(nblocks)
+            except errors.KVSidecarError as e:
+                log.warning("request %s: sidecar blocks for the export refused (%s); it will not be exported", rid, e)
+                exp.staging = []
+                continue
+            exp.staging = staging
+            out.append(SaveSpec(rid, vblocks, staging))
+        return out
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._hit_tokens.pop(rid, None)
+        exp = self._exports.pop(rid, None)
+        if exp is not None and exp.staging:
+            return False, self._finish_export(request, exp)
+        if rid in self._loading:
+            # Aborted while loading: vLLM keeps the blocks of a request in
+            # WAITING_FOR_REMOTE_KVS until a worker reports it in
+            # finished_recving (Scheduler.finish_requests); the workers
+            # abort the load and report it.
+            self._loading.discard(rid)
+            self._aborts.append(rid)
+            return False, None
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if self.cfg.consumer and params.get("do_remote_prefill"):
+            # Finished before it was scheduled: notify the prefill so it
+            # frees its blocks now, not at lease expiry.
+            self._loads.append(LoadSpec(rid, [], dict(params), notify_only=True))
+            params["do_remote_prefill"] = False
+        return False, None
+
+    def _finish_export(self, request: Any, exp: _Export) -> dict[str, Any] | None:
+        status = _FINISH_STATUS.get(role_name(request.status), local_pb2.FINISH_STATUS_ERROR)
+        assert exp.staging is not None
+        merged = self.ranks.finish(request.request_id, exp.staging, status,
+                                   params_pb2.KVTransferParams(do_remote_decode=True))
+        return params_to_json(merged) if merged is not None else None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            self._loading.discard(rid)
+
+    def shutdown(self) -> None:
+        self.ranks.close()
+
+
+@dataclasses.dataclass
+class _Export:
+    prompt_len: int
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0
+    staging: list[list[int]] | None = None
+
+

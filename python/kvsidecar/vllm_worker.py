@@ -1,0 +1,321 @@
+"""The worker-process half of KVSidecarConnector (see :mod:`kvsidecar.vllm`):
+one TP rank's KV tensors, its sidecar connection, the loads it started and
+the staging copies."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from kvsidecar import errors
+from kvsidecar.local import LocalClient
+from kvsidecar.params import params_from_json, req_meta
+from kvsidecar.rankset import attach_rank
+from kvsidecar.staging import LayerLayout, Staging, layer_layout
+from kvsidecar.v1 import common_pb2
+from kvsidecar.vllm_meta import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, log
+
+__all__ = ["WorkerSide"]
+
+
+@dataclasses.dataclass
+class _Load:
+    spec: LoadSpec
+    staging: list[int]
+    aborted: bool = False
+
+
+def _vllm_layout(cfg: ConnectorConfig) -> LayerLayout:
+    """The layout of vLLM's KV tensors in this worker: its attention
+    backend (``get_current_attn_backends``, vllm 0.32.0
+    ``vllm/distributed/kv_transfer/kv_connector/utils.py``) and the layout
+    the engine resolved (``CacheConfig.get_resolved_kv_cache_layout``)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    vc = cfg.vllm_config
+    names = sorted({b.get_name() for b in get_current_attn_backends(vc)})
+    if len(names) != 1:
+        raise errors.Unsupported(f"KVSidecarConnector: one attention backend per model is staged, vLLM runs {names}")
+    layout = vc.cache_config.get_resolved_kv_cache_layout().name
+    head_size = int(vc.model_config.get_head_size())
+    return layer_layout(names[0], layout, head_size, str(getattr(vc.cache_config, "cache_dtype", "auto")))
+
+
+_LAYER_INDEX = re.compile(r"\d+")
+
+
+def _layer_index(name: str) -> int:
+    # vLLM names attention layers "model.layers.<i>.self_attn.attn"; the
+    # first integer in the name is the layer (vllm's extract_layer_index).
+    m = _LAYER_INDEX.search(name)
+    if m is None:
+        raise errors.InvalidArgument(f"KVSidecarConnector: KV cache layer name {name!r} holds no layer index")
+    return int(m.group())
+
+
+class WorkerSide:
+    """The half in each worker process: one TP rank's KV."""
+
+    def __init__(self, cfg: ConnectorConfig) -> None:
+        self.cfg = cfg
+        if cfg.tp_rank_override is not None:
+            self.rank = cfg.tp_rank_override
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # type: ignore[import-not-found]
+
+            self.rank = int(get_tensor_model_parallel_rank())
+        self.client: LocalClient | None = None
+        self.staging: Staging | None = None
+        self.layout: LayerLayout | None = None
+        #: How vLLM's KV tensors are laid out (replaced by tests that run
+        #: the worker without a vLLM model).
+        self.layout_of = _vllm_layout
+        self.layers: dict[str, int] = {}
+        self.kv: list[Any] = []
+        self._loads: dict[str, _Load] = {}
+        self._silent: set[str] = set()
+        self._recving: set[str] = set()
+        self._sending: set[str] = set()
+        self._invalid: set[int] = set()
+        # Layers of this step's saves copied so far (by save_kv_layer).
+        self._saved: set[int] = set()
+        #: Layer copies made by save_kv_layer and by wait_for_save (the
+        #: layers whose save_kv_layer vLLM did not call).
+        self.layer_saves = {"save_kv_layer": 0, "wait_for_save": 0}
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        names = sorted(kv_caches, key=_layer_index)
+        self.layout = self.layout_of(self.cfg)
+        self.layers = {n: i for i, n in enumerate(names)}
+        self.kv = [kv_caches[n] for n in names]
+        for n in names:
+            # Raises naming the shape when a tensor is not the layout's.
+            self.layout.kv_views(kv_caches[n], self.cfg.num_vllm_blocks)
+        self._connect()
+
+    def _connect(self) -> LocalClient:
+        """Dials and attaches to this rank's sidecar and checks vLLM's KV
+        tensors against its cache."""
+        first = self.kv[0]
+        c = LocalClient(self.cfg.socket(self.rank), timeout=self.cfg.timeout)
+        try:
+            info = attach_rank(c, self.rank, self.cfg.tp_size, self.cfg.geometry(first.dtype), self.cfg.num_blocks)
+            k, _ = self.layout.kv_views(first, self.cfg.num_vllm_blocks)
+            _, ratio, heads, nk, hd = k.shape
+            layers = info.num_regions // 2
+            elem = first.element_size()
+            if len(self.kv) != layers or ratio * nk != info.geometry.block_size or heads != info.heads_per_rank \
+                    or hd != info.geometry.head_dim or ratio * nk * heads * hd * elem != info.block_len:
+                raise errors.IncompatibleModel(
+                    f"KVSidecarConnector: vLLM's KV cache ({len(self.kv)} layers of {tuple(first.shape)}, "
+                    f"{first.dtype}, {self.layout.describe()}) does not match sidecar rank {self.rank} "
+                    f"({layers} layers, {info.heads_per_rank} heads of {info.geometry.head_dim}, block_size "
+                    f"{info.geometry.block_size}, block_len {info.block_len} bytes)"
+                )
+        except Exception:
+            c.close()
+            raise
+        self.client = c
+        self.staging = Staging(c, info, self.layout, self.cfg.num_vllm_blocks)
+        return c
+
+    def _client(self) -> LocalClient | None:
+        """The connection, dialled again after it was lost; None while the
+        sidecar cannot be reached."""
+        if self.client is None:
+            try:
+                self._connect()
+                log.info("rank %d: connected to the sidecar again", self.rank)
+            except errors.KVSidecarError as e:
+                log.error("rank %d: sidecar unreachable: %s", self.rank, e)
+                return None
+        return self.client
+
+    def _lost(self, err: Exception) -> None:
+        """The connection broke (the sidecar exited or restarted): every load
+        in flight fails (its blocks are recomputed) and the next step dials
+        again. The sidecar released this session's blocks when it saw the
+        connection close."""
+        log.error("rank %d: sidecar connection lost, %d loads fail: %s", self.rank, len(self._loads), err)
+        for rid, ld in self._loads.items():
+            if rid in self._silent:
+                continue
+            if ld.aborted:
+                self._recving.add(rid)
+            else:
+                self._fail(ld.spec, err)
+        self._loads.clear()
+        self._silent.clear()
+        if self.client is not None:
+            self.client.close()
+        self.client, self.staging = None, None
+
+    # -- decode --------------------------------------------------------------
+
+    def start_load_kv(self, meta: KVSidecarConnectorMetadata) -> None:
+        assert self.kv, "register_kv_caches first"
+        self._client()
+        for rid in meta.aborts:
+            self._abort(rid)
+        for spec in meta.loads:
+            self._start(spec)
+
+    def _start(self, spec: LoadSpec) -> None:
+        c = self._client()
+        rid = spec.req_id
+        if c is None:
+            self._fail(spec, "the sidecar is unreachable")
+            return
+        try:
+            params = params_from_json(spec.params)
+        except errors.KVSidecarError as e:
+            self._fail(spec, e)
+            return
+        staging: list[int] = []
+        try:
+            if spec.block_ids:
+                staging = c.alloc(len(spec.block_ids))
+            c.start_load(req_meta(rid, staging, params, remote_hit_blocks=spec.hit_blocks))
+        except errors.BrokenConnection as e:
+            self._fail(spec, e)
+            self._lost(e)
+            return
+        except errors.KVSidecarError as e:
+            if staging:
+                c.free(staging)
+            self._fail(spec, e)
+            return
+        if spec.notify_only:
+            self._silent.add(rid)
+        self._loads[rid] = _Load(spec, staging)
+
+    def _fail(self, spec: LoadSpec, err: Exception | str) -> None:
+        """A load that cannot complete: its blocks are reported for
+        recompute and the request as received (vLLM requires both)."""
+        if spec.notify_only:
+            log.warning("request %s: notifying the prefill failed: %s", spec.req_id, err)
+            return
+        log.warning("request %s: load failed, %d blocks to recompute: %s", spec.req_id, len(spec.block_ids), err)
+        self._invalid.update(spec.block_ids)
+        self._recving.add(spec.req_id)
+
+    def _abort(self, rid: str) -> None:
+        ld = self._loads.get(rid)
+        if ld is None:
+            return  # finished (and reported) already, or never started here
+        ld.aborted = True
+        try:
+            self.client.abort(rid)
+        except errors.BrokenConnection as e:
+            self._lost(e)
+        except errors.KVSidecarError as e:
+            log.error("request %s: abort failed: %s", rid, e)
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        c = self.client
+        if c is not None:
+            try:
+                f = c.get_finished()
+                for rid in f.done_recving:
+                    self._done(rid, None)
+                for fl in f.failed:
+                    self._done(fl.request_id, fl)
+            except errors.BrokenConnection as e:
+                self._lost(e)
+        sending, recving = self._sending, self._recving
+        self._sending, self._recving = set(), set()
+        return (sending or None), (recving or None)
+
+    def _done(self, rid: str, failed: Any) -> None:
+        ld = self._loads.pop(rid, None)
+        if ld is None:
+            return
+        silent = rid in self._silent
+        self._silent.discard(rid)
+        try:
+            if failed is None and not ld.aborted and not silent:
+                for layer, kv in enumerate(self.kv):
+                    self.staging.load(layer, kv, ld.spec.block_ids, ld.staging)
+        finally:
+            if ld.staging:
+                self.client.free(ld.staging)
+        if silent:
+            if failed is not None:
+                log.info("request %s: prefill notification failed: %s", rid, failed.error.message)
+            return
+        if ld.aborted:
+            self._recving.add(rid)
+            return
+        if failed is not None:
+            # The sidecar names the staging blocks not fully received (all
+            # of the request's, today); their vLLM blocks are recomputed.
+            bad = set(failed.block_ids)
+            vblocks = [v for v, s in zip(ld.spec.block_ids, ld.staging) if s in bad] or ld.spec.block_ids
+            why = f"{common_pb2.Code.Name(failed.error.code)}: {failed.error.message}"
+            self._fail(dataclasses.replace(ld.spec, block_ids=vblocks), why)
+            return
+        self._recving.add(rid)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    # -- prefill -------------------------------------------------------------
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, meta: KVSidecarConnectorMetadata) -> None:
+        """Copies one layer of the step's saves, after vLLM's forward wrote
+        it (vLLM 0.32.0 calls it on the way out of each attention layer,
+        ``maybe_transfer_kv_layer``; the step's start_load_kv may come after
+        the forward, so the saves are read from the bound metadata)."""
+        layer = self.layers.get(layer_name)
+        if not meta.saves or layer is None or layer in self._saved:
+            return
+        if not self._saved:
+            self._sync()  # the scheduler allocated the staging blocks
+        for sv in meta.saves:
+            self.staging.save(layer, kv_layer, sv.block_ids, sv.staging[self.rank])
+        self._saved.add(layer)
+        self.layer_saves["save_kv_layer"] += 1
+
+    def wait_for_save(self, meta: KVSidecarConnectorMetadata) -> None:
+        """Copies the layers of the step's saves that save_kv_layer did not."""
+        try:
+            if not meta.saves:
+                return
+            if not self._saved:
+                self._sync()
+            for layer, kv in enumerate(self.kv):
+                if layer in self._saved:
+                    continue
+                for sv in meta.saves:
+                    self.staging.save(layer, kv, sv.block_ids, sv.staging[self.rank])
+                self.layer_saves["wait_for_save"] += 1
+        finally:
+            self._saved = set()
+
+    def _sync(self) -> None:
+        """Maps the step's staging blocks here. A connection lost since the
+        last step (the sidecar restarted, and the scheduler allocated on the
+        new one) is dialled again once; an export that cannot be written is
+        an error, never a silent export of wrong bytes."""
+        try:
+            c = self._client()
+            if c is None:
+                raise errors.Unavailable(f"KVSidecarConnector rank {self.rank}: the sidecar is unreachable")
+            c.sync()
+        except errors.BrokenConnection as e:
+            self._lost(e)
+            c = self._client()
+            if c is None:
+                raise errors.Unavailable(f"KVSidecarConnector rank {self.rank}: the sidecar is unreachable") from e
+            c.sync()
+
+    def shutdown(self) -> None:
+        copied = self.staging.copied_bytes if self.staging is not None else 0
+        log.info("rank %d: shutting down; staged %d bytes, layer copies %s", self.rank, copied, self.layer_saves)
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
