@@ -48,15 +48,17 @@ bench-once: ## run each benchmark once so they keep compiling and running
 fuzz-short: ## run every fuzz target for FUZZTIME each; fails only on a written failing input
 	FUZZTIME=$(FUZZTIME) GO=$(GO) .ci/fuzz-short
 
-lint: ## gofmt and go vet
+lint: venv ## gofmt and go vet (with and without cgo); ruff and mypy over python/ (pinned in .venv)
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
 	CGO_ENABLED=0 $(GO) vet $(PKGS)
+	cd python && $(PYTHON) -m ruff check .
+	cd python && $(PYTHON) -m mypy
 
-generate: ## regenerate proto/kvsidecar/v1/*.pb.go and python/kvsidecar/v1/*_pb2.py (needs protoc: apt-get install protobuf-compiler)
+generate: ## regenerate proto/kvsidecar/v1/*.pb.go and python/kvsidecar/v1/*_pb2.py(i) (needs protoc: apt-get install protobuf-compiler)
 	@command -v $(PROTOC) >/dev/null || { echo "protoc not found: apt-get install protobuf-compiler"; exit 1; }
 	$(PROTOC) --proto_path=proto --plugin=protoc-gen-go="$$($(GO) tool -n protoc-gen-go)" \
-	  --go_out=proto --go_opt=paths=source_relative --python_out=python proto/kvsidecar/v1/*.proto
+	  --go_out=proto --go_opt=paths=source_relative --python_out=python --pyi_out=python proto/kvsidecar/v1/*.proto
 
 verify: generate ## generated code (Go and Python) and go.mod are up to date; builds without cgo
 	git diff --exit-code -- proto python/kvsidecar/v1 go.mod go.sum

@@ -347,7 +347,7 @@ def start_engines(engines: Sequence[Engine]) -> None:
     def wait(e: Engine) -> None:
         try:
             e.wait_ready()
-        except BaseException as x:  # noqa: BLE001 - reported below
+        except BaseException as x:
             errs.append(x)
 
     ts = [threading.Thread(target=wait, args=(e,)) for e in engines]

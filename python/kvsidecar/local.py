@@ -187,7 +187,7 @@ class LocalClient:
         except errors.BrokenConnection as e:
             self._broken = e.message
             raise
-        except (socket.timeout, TimeoutError) as e:
+        except TimeoutError as e:
             raise self._fail(f"no reply within {t}s (call timeout)", errors.Timeout) from e
         except OSError as e:
             raise self._fail(f"{e.strerror or e}") from e
@@ -282,7 +282,7 @@ class LocalClient:
         tp_rank: int = 0,
         tp_size: int = 1,
         num_blocks: int = 0,
-        ownership: int = group_pb2.OWNERSHIP_UNSPECIFIED,
+        ownership: group_pb2.Ownership = group_pb2.OWNERSHIP_UNSPECIFIED,
         timeout: float | None = None,
     ) -> local_pb2.KVCacheInfo:
         """Creates the rank's KV cache, or attaches to the existing one, then
@@ -424,7 +424,7 @@ class LocalClient:
         self,
         request_id: str,
         block_ids: Sequence[int],
-        status: int,
+        status: local_pb2.FinishStatus,
         params: params_pb2.KVTransferParams | None = None,
         *,
         timeout: float | None = None,

@@ -64,7 +64,7 @@ class PDProxy:
             def log_message(self, fmt: str, *args: Any) -> None:
                 return
 
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 if self.path.rstrip("/") != "/v1/completions":
                     self._reply(404, {"error": f"pdproxy serves /v1/completions, not {self.path}"})
                     return

@@ -31,7 +31,7 @@ log = logging.getLogger("kvsidecar.rankset")
 #: name may differ).
 GEOMETRY_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
 
-_DTYPES = {
+_DTYPES: dict[str, common_pb2.DType] = {
     "bfloat16": common_pb2.DTYPE_BFLOAT16,
     "float16": common_pb2.DTYPE_FLOAT16,
     "half": common_pb2.DTYPE_FLOAT16,
@@ -42,7 +42,7 @@ _DTYPES = {
 }
 
 
-def dtype_code(dtype: object) -> int:
+def dtype_code(dtype: object) -> common_pb2.DType:
     """The wire ``DType`` of a KV dtype given by name or as a torch dtype
     (``torch.bfloat16``, ``"float16"``, ...).
 
@@ -156,7 +156,7 @@ class RankSet:
     def free(self, per_rank: Sequence[Sequence[int]], clients: Sequence[LocalClient] | None = None) -> None:
         """Frees ``per_rank[r]`` on rank r; a rank whose connection is broken
         is skipped (its sidecar frees the session's blocks itself)."""
-        for c, ids in zip(clients if clients is not None else self.clients(), per_rank):
+        for c, ids in zip(clients if clients is not None else self.clients(), per_rank, strict=False):
             if not ids:
                 continue
             try:
@@ -164,7 +164,7 @@ class RankSet:
             except errors.KVSidecarError as e:
                 log.warning("freeing %d blocks on %s failed: %s", len(ids), c.path, e)
 
-    def finish(self, request_id: str, per_rank: Sequence[Sequence[int]], status: int,
+    def finish(self, request_id: str, per_rank: Sequence[Sequence[int]], status: local_pb2.FinishStatus,
                keep: params_pb2.KVTransferParams) -> params_pb2.KVTransferParams | None:
         """RequestFinished on every rank with that rank's blocks; returns the
         ranks' exports merged (:func:`kvsidecar.params.merge_exports`), or

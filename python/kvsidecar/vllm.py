@@ -146,7 +146,12 @@ class KVSidecarConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Aborts, then starts this step's loads on this rank's sidecar."""
         assert self._worker is not None
-        self._worker.start_load_kv(self._get_connector_metadata())
+        self._worker.start_load_kv(self._meta())
+
+    def _meta(self) -> KVSidecarConnectorMetadata:
+        md = self._get_connector_metadata()
+        assert isinstance(md, KVSidecarConnectorMetadata), f"metadata of another connector: {type(md)}"
+        return md
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing: loads complete between steps (reported by get_finished)."""
@@ -155,13 +160,13 @@ class KVSidecarConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Copies this layer's KV of the step's exports into the sidecar."""
         assert self._worker is not None
-        self._worker.save_kv_layer(layer_name, kv_layer, self._get_connector_metadata())
+        self._worker.save_kv_layer(layer_name, kv_layer, self._meta())
 
     def wait_for_save(self) -> None:
         """Copies the layers save_kv_layer did not see; returns when every
         export of the step is in the sidecar's blocks."""
         assert self._worker is not None
-        self._worker.wait_for_save(self._get_connector_metadata())
+        self._worker.wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Polls the sidecar: loads that finished are copied into vLLM's

@@ -98,7 +98,7 @@ class SchedulerSide:
                 exp.computed = nr.num_computed_tokens
         cr = getattr(so, "scheduled_cached_reqs", None)
         if cr is not None:
-            resumed = getattr(cr, "resumed_req_ids", set()) or set()
+            resumed: set[str] = getattr(cr, "resumed_req_ids", set()) or set()
             for i, rid in enumerate(cr.req_ids):
                 exp = self._exports.get(rid)
                 if exp is None:

@@ -62,7 +62,7 @@ class WorkerSide:
         if cfg.tp_rank_override is not None:
             self.rank = cfg.tp_rank_override
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # type: ignore[import-not-found]
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self.rank = int(get_tensor_model_parallel_rank())
         self.client: LocalClient | None = None
@@ -98,10 +98,12 @@ class WorkerSide:
         """Dials and attaches to this rank's sidecar and checks vLLM's KV
         tensors against its cache."""
         first = self.kv[0]
+        layout = self.layout
+        assert layout is not None, "register_kv_caches first"
         c = LocalClient(self.cfg.socket(self.rank), timeout=self.cfg.timeout)
         try:
             info = attach_rank(c, self.rank, self.cfg.tp_size, self.cfg.geometry(first.dtype), self.cfg.num_blocks)
-            k, _ = self.layout.kv_views(first, self.cfg.num_vllm_blocks)
+            k, _ = layout.kv_views(first, self.cfg.num_vllm_blocks)
             _, ratio, heads, nk, hd = k.shape
             layers = info.num_regions // 2
             elem = first.element_size()
@@ -109,7 +111,7 @@ class WorkerSide:
                     or hd != info.geometry.head_dim or ratio * nk * heads * hd * elem != info.block_len:
                 raise errors.IncompatibleModel(
                     f"KVSidecarConnector: vLLM's KV cache ({len(self.kv)} layers of {tuple(first.shape)}, "
-                    f"{first.dtype}, {self.layout.describe()}) does not match sidecar rank {self.rank} "
+                    f"{first.dtype}, {layout.describe()}) does not match sidecar rank {self.rank} "
                     f"({layers} layers, {info.heads_per_rank} heads of {info.geometry.head_dim}, block_size "
                     f"{info.geometry.block_size}, block_len {info.block_len} bytes)"
                 )
@@ -117,7 +119,7 @@ class WorkerSide:
             c.close()
             raise
         self.client = c
-        self.staging = Staging(c, info, self.layout, self.cfg.num_vllm_blocks)
+        self.staging = Staging(c, info, layout, self.cfg.num_vllm_blocks)
         return c
 
     def _client(self) -> LocalClient | None:
@@ -205,6 +207,8 @@ class WorkerSide:
         if ld is None:
             return  # finished (and reported) already, or never started here
         ld.aborted = True
+        if self.client is None:
+            return  # the connection was lost: the sidecar aborted the session's loads
         try:
             self.client.abort(rid)
         except errors.BrokenConnection as e:
@@ -233,13 +237,15 @@ class WorkerSide:
             return
         silent = rid in self._silent
         self._silent.discard(rid)
+        c, st = self.client, self.staging
+        assert c is not None and st is not None, "a result arrives only on a live connection"
         try:
             if failed is None and not ld.aborted and not silent:
                 for layer, kv in enumerate(self.kv):
-                    self.staging.load(layer, kv, ld.spec.block_ids, ld.staging)
+                    st.load(layer, kv, ld.spec.block_ids, ld.staging)
         finally:
             if ld.staging:
-                self.client.free(ld.staging)
+                c.free(ld.staging)
         if silent:
             if failed is not None:
                 log.info("request %s: prefill notification failed: %s", rid, failed.error.message)
@@ -251,7 +257,7 @@ class WorkerSide:
             # The sidecar names the staging blocks not fully received (all
             # of the request's, today); their vLLM blocks are recomputed.
             bad = set(failed.block_ids)
-            vblocks = [v for v, s in zip(ld.spec.block_ids, ld.staging) if s in bad] or ld.spec.block_ids
+            vblocks = [v for v, s in zip(ld.spec.block_ids, ld.staging, strict=True) if s in bad] or ld.spec.block_ids
             why = f"{common_pb2.Code.Name(failed.error.code)}: {failed.error.message}"
             self._fail(dataclasses.replace(ld.spec, block_ids=vblocks), why)
             return
@@ -273,8 +279,10 @@ class WorkerSide:
             return
         if not self._saved:
             self._sync()  # the scheduler allocated the staging blocks
+        st = self.staging
+        assert st is not None, "_sync connected"
         for sv in meta.saves:
-            self.staging.save(layer, kv_layer, sv.block_ids, sv.staging[self.rank])
+            st.save(layer, kv_layer, sv.block_ids, sv.staging[self.rank])
         self._saved.add(layer)
         self.layer_saves["save_kv_layer"] += 1
 
@@ -285,11 +293,13 @@ class WorkerSide:
                 return
             if not self._saved:
                 self._sync()
+            st = self.staging
+            assert st is not None, "_sync connected"
             for layer, kv in enumerate(self.kv):
                 if layer in self._saved:
                     continue
                 for sv in meta.saves:
-                    self.staging.save(layer, kv, sv.block_ids, sv.staging[self.rank])
+                    st.save(layer, kv, sv.block_ids, sv.staging[self.rank])
                 self.layer_saves["wait_for_save"] += 1
         finally:
             self._saved = set()

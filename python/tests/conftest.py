@@ -31,7 +31,7 @@ def stats(sidecar: devserve.Sidecar) -> dict[str, int]:
     return {"blocks_used": s.blocks_used, "leases_held": s.leases_held, "loads_in_flight": s.loads_in_flight}
 
 
-def wait_for(what: str, cond, timeout: float = 30.0) -> None:  # noqa: ANN001
+def wait_for(what: str, cond, timeout: float = 30.0) -> None:
     """Polls ``cond`` until it holds, failing after ``timeout`` seconds
     times KVSIDECAR_TIME_SCALE."""
     # wallclock: real sidecar and engine processes settle on their own time;
@@ -77,7 +77,7 @@ def cluster(binary: str, request: pytest.FixtureRequest) -> Iterator[devserve.Cl
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)
-def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201
+def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     setattr(item, "rep_" + rep.when, rep)

@@ -298,7 +298,8 @@ class Engine:
         self.finished_req_ids.add(rid)
         return params, blocks
 
-    def start_decode(self, rid: str, prompt_len: int, params: dict[str, Any], hit_blocks: list[int] | None = None) -> tuple[Request, list[int]]:
+    def start_decode(self, rid: str, prompt_len: int, params: dict[str, Any],
+                     hit_blocks: list[int] | None = None) -> tuple[Request, list[int]]:
         """Schedules a decode request whose KV comes from a remote prefill;
         ``hit_blocks`` are vLLM blocks already holding its first tokens
         (a local prefix cache hit). Returns the request and all its blocks."""

@@ -27,7 +27,7 @@ class Upstream:
             def log_message(self, *a: object) -> None:
                 return
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 up.got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 data = json.dumps(body).encode()
                 self.send_response(status)
