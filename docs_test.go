@@ -27,11 +27,15 @@ var (
 	// the last cell lists the tests.
 	rowRe = regexp.MustCompile("^\\| `([a-z0-9-]+)` \\|.*\\| ([^|]+) \\|$")
 	// cellTestRe matches one entry of the tests cell: an optional
-	// backquoted file and a test, fuzz or benchmark name.
-	cellTestRe = regexp.MustCompile("^(?:`([^`]+)` )?((?:Test|Fuzz|Benchmark)\\w+)$")
-	// tagRe matches the tag a test carries in its doc comment.
-	tagRe  = regexp.MustCompile(`^// fault-matrix: (\S+)$`)
-	funcRe = regexp.MustCompile(`^func (\w+)\(`)
+	// backquoted file and a Go test, fuzz or benchmark name, or a pytest
+	// test function.
+	cellTestRe = regexp.MustCompile("^(?:`([^`]+)` )?((?:Test|Fuzz|Benchmark)\\w+|test_\\w+)$")
+	// tagRe matches the tag a Go test carries in its doc comment; pyTagRe
+	// the comment line above a pytest function (or its decorators).
+	tagRe    = regexp.MustCompile(`^// fault-matrix: (\S+)$`)
+	funcRe   = regexp.MustCompile(`^func (\w+)\(`)
+	pyTagRe  = regexp.MustCompile(`^# fault-matrix: (\S+)$`)
+	pyFuncRe = regexp.MustCompile(`^def (test_\w+)\(`)
 )
 
 // parseMatrix reads the rows of the fault matrix.
@@ -61,44 +65,58 @@ func parseMatrix(t *testing.T, path string) []matrixRow {
 	return rows
 }
 
-// matrixTags returns, for every row name, the tests ("file.go TestName")
-// whose doc comment carries `// fault-matrix: <row>`, from every _test.go
-// file under root.
+// matrixTags returns, for every row name, the tests ("file.go TestName",
+// "file.py test_name") whose doc comment carries `// fault-matrix: <row>`
+// (Go, every _test.go file under root) or whose comment line above carries
+// `# fault-matrix: <row>` (pytest, every test_*.py file under root).
 func matrixTags(t *testing.T, root string) map[string][]string {
 	t.Helper()
 	tags := map[string][]string{}
-	walkFiles(t, root, "_test.go", func(path string, b []byte) {
+	collect(t, root, "_test.go", tagRe, funcRe, "//", tags)
+	collect(t, root, ".py", pyTagRe, pyFuncRe, "@", tags)
+	return tags
+}
+
+// collect adds to tags the tests of files under root ending in suffix:
+// lines matching tag name rows, and the next line matching fn names the
+// test; lines starting with skip (comments, decorators) may sit between.
+func collect(t *testing.T, root, suffix string, tag, fn *regexp.Regexp, skip string, tags map[string][]string) {
+	t.Helper()
+	walkFiles(t, root, suffix, func(path string, b []byte) {
+		if suffix == ".py" && !strings.HasPrefix(filepath.Base(path), "test_") {
+			return
+		}
 		var pending []string
 		for i, line := range strings.Split(string(b), "\n") {
-			if m := tagRe.FindStringSubmatch(line); m != nil {
+			if m := tag.FindStringSubmatch(line); m != nil {
 				pending = append(pending, m[1])
 				continue
 			}
-			if strings.HasPrefix(line, "//") {
+			if strings.HasPrefix(line, skip) || strings.HasPrefix(line, "#") && suffix == ".py" {
 				continue
 			}
-			if m := funcRe.FindStringSubmatch(line); m != nil {
+			if m := fn.FindStringSubmatch(line); m != nil {
 				for _, row := range pending {
 					tags[row] = append(tags[row], filepath.ToSlash(path)+" "+m[1])
 				}
 			} else if len(pending) > 0 {
-				t.Errorf("%s:%d: a fault-matrix tag must sit in the doc comment of a func", path, i+1)
+				t.Errorf("%s:%d: a fault-matrix tag must sit right above a test function", path, i+1)
 			}
 			pending = nil
 		}
 	})
-	return tags
 }
 
 // walkFiles calls fn with the path and contents of every file under root
-// whose name ends in suffix, outside .git and testdata directories.
+// whose name ends in suffix, outside hidden directories (.git, .venv) and
+// testdata.
 func walkFiles(t *testing.T, root, suffix string, fn func(path string, b []byte)) {
 	t.Helper()
 	err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
 		}
-		if d.IsDir() && (d.Name() == ".git" || d.Name() == "testdata") {
+		if d.IsDir() && path != root && (strings.HasPrefix(d.Name(), ".") || d.Name() == "testdata") {
 			return filepath.SkipDir
 		}
 		if d.IsDir() || !strings.HasSuffix(path, suffix) {

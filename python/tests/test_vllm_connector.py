@@ -7,7 +7,6 @@ import signal
 
 import pytest
 import torch
-
 from conftest import stats, wait_for
 from engine_loop import BLOCK_SIZE, LAYERS, Engine, RequestStatus, pattern
 
@@ -93,7 +92,8 @@ def test_prefill_tp2_to_decode_tp4_every_byte(p2d4):
         assert stats(s)["blocks_used"] == 0
     pre.sched._scheduler.ranks.clients()[1].free(skew)
     for s in pre_sc:
-        wait_for(f"{s.name} freed its exports", lambda s=s: stats(s) == {"blocks_used": 0, "leases_held": 0, "loads_in_flight": 0})
+        wait_for(f"{s.name} freed its exports",
+                 lambda s=s: stats(s) == {"blocks_used": 0, "leases_held": 0, "loads_in_flight": 0})
 
 
 @pytest.mark.parametrize("pre_backend, pre_ratio, dec_backend", [
@@ -123,7 +123,7 @@ def test_every_layout(cluster, pre_backend, pre_ratio, dec_backend):
 
 
 def test_partial_prefix_hit_reads_only_the_tail(p2d4):
-    pre_sc, dec_sc, pre, dec = p2d4
+    _pre_sc, dec_sc, pre, dec = p2d4
     n, seed, hit = 10 * BLOCK_SIZE, 21, 4
     params, pblocks = pre.prefill("r-hit", n, seed)
     # The decode already holds the first 4 blocks (computed locally); mark
@@ -145,6 +145,7 @@ def test_partial_prefix_hit_reads_only_the_tail(p2d4):
         assert s.metric("kvsidecar_transfer_bytes_total") == per_rank, s.name
 
 
+# fault-matrix: vllm-client-abort-mid-load
 def test_aborted_requests_free_their_blocks(cluster):
     pre_sc = start(cluster, "prefill-a", 2, "prefill", 1024, "--lease-ttl", "2s")
     dec_sc = start(cluster, "decode-a", 4, "decode", 1024)
@@ -187,12 +188,13 @@ def test_aborted_requests_free_their_blocks(cluster):
         dec.close()
 
 
+# fault-matrix: vllm-prefill-sidecar-killed
 def test_prefill_killed_mid_read_fails_only_that_request(cluster):
     # Prefill A serves a large request, prefill B a small one; both load at
     # once into decode TP 4. A's rank 1 (serving decode ranks 2 and 3) is
     # killed once it has served bytes.
     a_sc = start(cluster, "prefill-a", 2, "prefill", 1024)
-    b_sc = start(cluster, "prefill-b", 2, "prefill", 256)
+    start(cluster, "prefill-b", 2, "prefill", 256)
     dec_sc = start(cluster, "decode-a", 4, "decode", 2048, "--progress-timeout", "2s")
     a = Engine("prefill-a", "kv_producer", 2, cluster.socket_dir, num_blocks=700)
     b = Engine("prefill-b", "kv_producer", 2, cluster.socket_dir, num_blocks=64)
@@ -223,6 +225,7 @@ def test_prefill_killed_mid_read_fails_only_that_request(cluster):
         dec.close()
 
 
+# fault-matrix: vllm-sidecar-restart
 def test_sidecar_restarts(p2d4, cluster):
     pre_sc, dec_sc, pre, dec = p2d4
     from engine_loop import empty_output

@@ -23,8 +23,8 @@ import signal
 import threading
 
 import pytest
-
 from conftest import stats, wait_for
+
 from kvsidecar import devserve, devvllm
 from kvsidecar.devserve import time_scale
 from kvsidecar.pdproxy import PDProxy
@@ -216,7 +216,7 @@ def _start_decode(lab: Lab, prompt: list[int]) -> tuple[dict, threading.Thread, 
         try:
             out["completion"] = lab.d1.complete(prompt, max_tokens=MAX_TOKENS,
                                                 kv_transfer_params=p.kv_transfer_params)
-        except Exception as e:  # noqa: BLE001 - reported by the test
+        except Exception as e:
             out["error"] = e
 
     t = threading.Thread(target=run)
@@ -225,6 +225,7 @@ def _start_decode(lab: Lab, prompt: list[int]) -> tuple[dict, threading.Thread, 
     return p.kv_transfer_params, t, out
 
 
+# fault-matrix: vllm-prefill-sidecar-killed
 def test_prefill_sidecar_killed_while_decode_loads_is_recomputed(lab: Lab):
     prompt = random.Random(5).choices(range(3, 2000), k=10 * BLOCK + 7)
     want = lab.reference(prompt)
@@ -253,6 +254,7 @@ def test_prefill_sidecar_killed_while_decode_loads_is_recomputed(lab: Lab):
     assert read_bytes(lab.d1_sc) - before == 3 * BLOCK * lab.model.kv_bytes_per_token(), "loaded, not recomputed"
 
 
+# fault-matrix: vllm-client-abort-mid-load
 def test_client_abort_while_loading_leaves_nothing_behind(lab: Lab):
     prompt = random.Random(7).choices(range(3, 2000), k=8 * BLOCK)
     conn = None
