@@ -1,0 +1,169 @@
+"""KVSidecarConnector's scheduler side against a fake rank set, fed vLLM
+0.32.0's own request, block and scheduler-output objects: which blocks an
+export saves through chunked prefill, preemption and resumption, what a
+decode loads after a local prefix hit, and what a refused allocation or an
+abort leaves. (The rank set itself runs against real sidecars in
+test_vllm_connector.py and test_vllm_engines.py.)"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from vllm import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.request import Request, RequestStatus
+
+from kvsidecar import errors
+from kvsidecar.v1 import local_pb2, params_pb2
+from kvsidecar.vllm import KVConnectorRole, KVSidecarConnector
+
+BS = 32
+
+
+class FakeRankSet:
+    """Stands in for kvsidecar.rankset.RankSet (two ranks): allocates from
+    a counter per rank, records every call, refuses alloc when told."""
+
+    def __init__(self) -> None:
+        self.next = [100, 200]
+        self.allocs: list[int] = []
+        self.finished: list[tuple[str, list[list[int]], int]] = []
+        self.refuse: errors.KVSidecarError | None = None
+
+    def alloc(self, n: int) -> list[list[int]]:
+        if self.refuse is not None:
+            raise self.refuse
+        self.allocs.append(n)
+        out = []
+        for r in range(2):
+            out.append(list(range(self.next[r], self.next[r] + n)))
+            self.next[r] += n
+        return out
+
+    def finish(self, request_id: str, per_rank: Any, status: int, keep: Any) -> params_pb2.KVTransferParams | None:
+        self.finished.append((request_id, [list(x) for x in per_rank], status))
+        if status != local_pb2.FINISH_STATUS_LENGTH:
+            return None
+        return params_pb2.KVTransferParams(do_remote_prefill=True, remote_request_id=request_id, tp_size=2,
+                                           remote_block_ids=per_rank[0])
+
+    def close(self) -> None:
+        return
+
+
+def connector(role: str) -> tuple[KVSidecarConnector, FakeRankSet]:
+    cfg = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(engine_id="e", kv_role=role, kv_connector_extra_config={"socket_dir": "/x"}),
+        parallel_config=SimpleNamespace(tensor_parallel_size=2), cache_config=SimpleNamespace(block_size=BS))
+    c = KVSidecarConnector(cfg, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=512))
+    fake = FakeRankSet()
+    assert c._scheduler is not None
+    c._scheduler.ranks = fake  # type: ignore[assignment]
+    return c, fake
+
+
+def request(rid: str, n: int, params: dict[str, Any]) -> Request:
+    return Request(request_id=rid, prompt_token_ids=list(range(3, 3 + n)), pooling_params=None,
+                   sampling_params=SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}))
+
+
+def new_req(r: Request, blocks: list[int], computed: int = 0) -> NewRequestData:
+    return NewRequestData(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids, mm_features=[],
+                          sampling_params=r.sampling_params, pooling_params=None, block_ids=(blocks,),
+                          num_computed_tokens=computed, lora_request=None)
+
+
+def output(new: list[NewRequestData] = (), cached: CachedRequestData | None = None,  # type: ignore[assignment]
+           scheduled: dict[str, int] | None = None, preempted: set[str] | None = None) -> SchedulerOutput:
+    so = SchedulerOutput.make_empty()
+    so.scheduled_new_reqs = list(new)
+    if cached is not None:
+        so.scheduled_cached_reqs = cached
+    so.num_scheduled_tokens = dict(scheduled or {})
+    so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
+    so.preempted_req_ids = preempted
+    return so
+
+
+def cached(rid: str, new_blocks: list[int] | None, computed: int, resumed: bool = False) -> CachedRequestData:
+    c = CachedRequestData.make_empty()
+    c.req_ids = [rid]
+    c.resumed_req_ids = {rid} if resumed else set()
+    c.new_block_ids = [(new_blocks,) if new_blocks is not None else None]
+    c.num_computed_tokens = [computed]
+    c.num_output_tokens = [0]
+    return c
+
+
+def test_chunked_prefill_saves_every_block_once_the_prompt_completes():
+    c, fake = connector("kv_producer")
+    r = request("p1", 100, {"do_remote_decode": True})
+    assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+    c.update_state_after_alloc(r, KVCacheBlocks(([KVCacheBlock(5), KVCacheBlock(6)],)), 0)
+    m = c.build_connector_meta(output([new_req(r, [5, 6])], scheduled={"p1": 64}))
+    assert m.saves == [] and fake.allocs == [], "nothing is saved before the prompt's last chunk"
+    m = c.build_connector_meta(output(cached=cached("p1", [7, 8], 64), scheduled={"p1": 36}))
+    assert [(s.req_id, s.block_ids, s.staging) for s in m.saves] == [("p1", [5, 6, 7, 8], [[100, 101, 102, 103],
+                                                                                          [200, 201, 202, 203]])]
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = c.request_finished(r, [5, 6, 7, 8])
+    assert delay is False, "vLLM's blocks are never held: the sidecar keeps its own copy"
+    assert params is not None and params["remote_block_ids"] == [100, 101, 102, 103]
+    assert fake.finished == [("p1", [[100, 101, 102, 103], [200, 201, 202, 203]], local_pb2.FINISH_STATUS_LENGTH)]
+
+
+def test_a_preempted_and_resumed_prefill_saves_its_new_blocks():
+    c, fake = connector("kv_producer")
+    r = request("p2", 70, {"do_remote_decode": True})
+    c.update_state_after_alloc(r, KVCacheBlocks(([KVCacheBlock(1), KVCacheBlock(2)],)), 0)
+    c.build_connector_meta(output([new_req(r, [1, 2])], scheduled={"p2": 64}))
+    # Preempted: vLLM frees its blocks and calls handle_preemptions on the
+    # workers with this step's metadata (a no-op here: the saves are
+    # synchronous, nothing of this request was being written).
+    m = c.build_connector_meta(output(scheduled={}, preempted={"p2"}))
+    assert m.saves == []
+    worker, _ = connector("kv_producer")
+    worker.handle_preemptions(m)
+    # Resumed from scratch in new blocks: the whole list replaces the old.
+    m = c.build_connector_meta(output(cached=cached("p2", [9, 10, 11], 0, resumed=True), scheduled={"p2": 70}))
+    assert [(s.block_ids, s.staging[0]) for s in m.saves] == [([9, 10, 11], [100, 101, 102])]
+    assert fake.allocs == [3]
+
+
+def test_a_refused_allocation_exports_nothing():
+    c, fake = connector("kv_producer")
+    fake.refuse = errors.Busy("over the memory limit")
+    r = request("p3", 40, {"do_remote_decode": True})
+    c.update_state_after_alloc(r, KVCacheBlocks(([KVCacheBlock(3), KVCacheBlock(4)],)), 0)
+    m = c.build_connector_meta(output([new_req(r, [3, 4])], scheduled={"p3": 40}))
+    assert m.saves == []
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert c.request_finished(r, [3, 4]) == (False, None)
+    assert fake.finished == [], "RequestFinished is not called for an export that has no blocks"
+
+
+@pytest.mark.parametrize("hit", [0, 2])
+def test_decode_loads_the_blocks_after_its_local_hit_and_an_abort_is_passed_on(hit):
+    c, _ = connector("kv_consumer")
+    params = {"do_remote_prefill": True, "remote_block_ids": [11, 12, 13, 14], "tp_size": 2}
+    r = request("d1", 4 * BS - 5, params)
+    n, is_async = c.get_num_new_matched_tokens(r, hit * BS)
+    assert (n, is_async) == (4 * BS - 5 - hit * BS, True)
+    hashed = [KVCacheBlock(50 + i) for i in range(hit)]
+    for i, b in enumerate(hashed):
+        b.set_block_hash(f"h{i}".encode(), BS)  # type: ignore[arg-type]
+    fresh = [KVCacheBlock(60 + i) for i in range(4 - hit)]
+    c.update_state_after_alloc(r, KVCacheBlocks((hashed + fresh,)), n)
+    m = c.build_connector_meta(output())
+    assert [(ld.req_id, ld.block_ids, ld.hit_blocks) for ld in m.loads] == [("d1", [60 + i for i in range(4 - hit)],
+                                                                               hit)]
+    assert m.loads[0].params["remote_block_ids"] == [11, 12, 13, 14]
+    # The client aborts while the load runs: the workers abort it next step.
+    r.status = RequestStatus.FINISHED_ABORTED
+    assert c.request_finished(r, []) == (False, None)
+    m = c.build_connector_meta(output())
+    assert m.aborts == ["d1"] and m.loads == []
