@@ -55,14 +55,19 @@ lint: venv ## gofmt and go vet (with and without cgo); ruff and mypy over python
 	cd python && $(PYTHON) -m ruff check .
 	cd python && $(PYTHON) -m mypy
 
-generate: ## regenerate proto/kvsidecar/v1/*.pb.go and python/kvsidecar/v1/*_pb2.py(i) (needs protoc: apt-get install protobuf-compiler)
+# The files `make generate` writes beside the protobuf code: Go's limits and
+# error reasons for the Python client (internal/pygen).
+PYGEN_OUT := python/kvsidecar/limits.py python/kvsidecar/reasons.py
+
+generate: ## regenerate proto/kvsidecar/v1/*.pb.go, python/kvsidecar/v1/*_pb2.py(i) (needs protoc: apt-get install protobuf-compiler), and python/kvsidecar/{limits,reasons}.py from Go
 	@command -v $(PROTOC) >/dev/null || { echo "protoc not found: apt-get install protobuf-compiler"; exit 1; }
 	$(PROTOC) --proto_path=proto --plugin=protoc-gen-go="$$($(GO) tool -n protoc-gen-go)" \
 	  --go_out=proto --go_opt=paths=source_relative --python_out=python --pyi_out=python proto/kvsidecar/v1/*.proto
+	$(GO) run ./internal/pygen -out python/kvsidecar
 
 verify: generate ## generated code (Go and Python) and go.mod are up to date; builds without cgo
-	git diff --exit-code -- proto python/kvsidecar/v1 go.mod go.sum
-	@out=$$(git ls-files --others --exclude-standard -- proto python/kvsidecar/v1); \
+	git diff --exit-code -- proto python/kvsidecar/v1 $(PYGEN_OUT) go.mod go.sum
+	@out=$$(git ls-files --others --exclude-standard -- proto python/kvsidecar/v1 $(PYGEN_OUT)); \
 	  if [ -n "$$out" ]; then echo "generated files not checked in:"; echo "$$out"; exit 1; fi
 	$(GO) mod tidy -diff
 	CGO_ENABLED=0 $(GO) build ./...

@@ -64,6 +64,7 @@ var layerOf = map[string]string{
 	"cmd/kvsidecar/internal/trace":          layerProgram,
 	"cmd/kvsidecar/internal/trace/mooncake": layerProgram,
 	"examples/goengine":                     layerProgram,
+	"internal/pygen":                        layerProgram,
 
 	"e2e":               layerTest,
 	"internal/testutil": layerTest,

@@ -21,9 +21,10 @@ import (
 // bytes on Linux, including the terminating NUL (unix(7)).
 const MaxPath = 107
 
-// hashLen is the number of hex digits of the engine id's SHA-256 appended to
-// a sanitized or shortened engine id so distinct ids keep distinct paths.
-const hashLen = 12
+// HashDigits is the number of hex digits of the engine id's SHA-256
+// appended to a sanitized or shortened engine id so distinct ids keep
+// distinct paths.
+const HashDigits = 12
 
 // probeTimeout bounds the connect that tells a live socket from a stale one.
 const probeTimeout = time.Second
@@ -76,7 +77,7 @@ func Path(dir, engineID, suffix string) (string, error) {
 		return prefix + string(id) + suffix, nil
 	}
 	sum := sha256.Sum256([]byte(engineID))
-	tag := "-" + hex.EncodeToString(sum[:])[:hashLen]
+	tag := "-" + hex.EncodeToString(sum[:])[:HashDigits]
 	keep := room - len(tag)
 	if keep < 1 {
 		return "", fmt.Errorf("%w: socket dir %q is %d bytes: too long for a unix socket path of at most %d bytes",
