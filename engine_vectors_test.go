@@ -88,7 +88,7 @@ func blockOffsetVectors(t *testing.T) []any {
 		{"7-byte blocks in 64-byte pages", 7, 64},
 		{"MLA latent (576 bf16 x 16 tokens) in 2 MiB pages", 18432, 2 << 20},
 		{"a 3 x 4 KiB block in 64 KiB pages", 12288, 64 << 10},
-		{"a block of 1 TiB pages", 1 << 40, 1 << 40},
+		{"a block per 2 MiB page", 2 << 20, 2 << 20},
 		{"refused: block_len 0", 0, 4096},
 		{"refused: block_len 0, page size 0", 0, 0},
 		{"refused: block_len > page_size", 8192, 4096},
@@ -290,6 +290,8 @@ func mergeVectors(t *testing.T) []any {
 				p.RankExports[0].ChecksumHeads = 1
 			}),
 			with(p1, func(p *v1.KVTransferParams) { p.RemoteRankAddrs = []string{"10.0.0.1:5600", "[fd00::2]:5601"} })}},
+		{"a signed port reads as Go's strconv.Atoi reads it", []*v1.KVTransferParams{
+			with(p0, func(p *v1.KVTransferParams) { p.RemoteRankAddrs = []string{"h:+5600", "h:05601"} }), p1}},
 
 		{"refused: no part", nil},
 		{"refused: another request", []*v1.KVTransferParams{p0, with(p1, func(p *v1.KVTransferParams) { p.RemoteRequestId = "cmpl-2" })}},
@@ -321,6 +323,9 @@ func mergeVectors(t *testing.T) []any {
 		{"a rank address of port 0", func(p *v1.KVTransferParams) { p.RemoteRankAddrs = []string{"10.0.0.1:5600", "h:0"} }},
 		{"a rank address of port 65536", func(p *v1.KVTransferParams) { p.RemoteRankAddrs = []string{"h:65536", "h:1"} }},
 		{"a rank address of a named port", func(p *v1.KVTransferParams) { p.RemoteRankAddrs = []string{"h:http", "h:1"} }},
+		{"a rank address of too many colons", func(p *v1.KVTransferParams) { p.RemoteRankAddrs = []string{"h:1", "a:b:2"} }},
+		{"a bracketed rank address without a port", func(p *v1.KVTransferParams) { p.RemoteRankAddrs = []string{"h:1", "[fd00::2]"} }},
+		{"a rank address with a stray bracket", func(p *v1.KVTransferParams) { p.RemoteRankAddrs = []string{"h]:1", "h:2"} }},
 		{"no remote_host", func(p *v1.KVTransferParams) { p.RemoteHost = "" }},
 		{"remote_port 0", func(p *v1.KVTransferParams) { p.RemotePort = 0 }},
 		{"remote_port leaves no room for rank 1", func(p *v1.KVTransferParams) { p.RemotePort = 65535 }},
