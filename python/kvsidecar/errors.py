@@ -3,10 +3,12 @@
 Every error the client raises is a :class:`KVSidecarError` carrying ``code``,
 a value of the wire enum ``kvsidecar.v1.Code`` (``common.proto``). An error
 reply from the sidecar becomes the subclass of its code, so callers branch
-with ``except Busy:`` or on ``err.code``; ``err.message`` is the sidecar's
-text, which names the offending value and the rule. Errors the client
+with ``except Busy:`` or on ``err.code``, and where one code is too coarse on
+``err.reason`` (``v1.Error.reason``, one of :mod:`kvsidecar.reasons`, generated
+from Go's). ``err.message`` is the sidecar's text, which names the offending
+value and the rule for people: no code branches on it. Errors the client
 detects itself (a bad argument, a broken connection, a deadline) use the
-same classes and codes.
+same classes, codes and reasons.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ __all__ = [
     "Busy",
     "CapabilityDenied",
     "DataLoss",
+    "GeometryError",
     "IncompatibleModel",
     "Internal",
     "InvalidArgument",
@@ -27,11 +30,13 @@ __all__ = [
     "LeaseExpired",
     "NotFound",
     "OutOfRange",
+    "ParamsError",
     "TPMismatch",
     "Timeout",
     "Unavailable",
     "Unsupported",
     "error_for_code",
+    "from_proto",
 ]
 
 
@@ -40,15 +45,19 @@ class KVSidecarError(Exception):
 
     Attributes:
         code: the wire code (``kvsidecar.v1.Code`` value, an int).
-        message: the text without the code suffix.
+        message: the text without the code suffix, for people.
+        reason: why, finer than the code: a :mod:`kvsidecar.reasons` value
+            (e.g. ``GEOMETRY_REQUIRED``), or ``""`` when the code says all.
+            A reason this client does not know is kept as it came.
     """
 
     #: The code of the class; instances may carry another (an unknown code).
     CODE: int = common_pb2.CODE_INTERNAL
 
-    def __init__(self, message: str, code: int | None = None) -> None:
+    def __init__(self, message: str, code: int | None = None, *, reason: str = "") -> None:
         self.code = self.CODE if code is None else code
         self.message = message
+        self.reason = reason
         super().__init__(f"{message} ({self.code_name})")
 
     @property
@@ -64,6 +73,34 @@ class InvalidArgument(KVSidecarError):
     """A malformed message or a value that breaks a documented rule."""
 
     CODE = common_pb2.CODE_INVALID_ARGUMENT
+
+
+class ParamsError(InvalidArgument):
+    """``kv_transfer_params`` that break a rule (Go: ``connector.ParamsError``;
+    in a merge, ``connector.PartError``). ``reason`` is always set.
+
+    Attributes:
+        field: the JSON field name (``tp_size``) or its path
+            (``rank_exports[1].tp_rank``).
+        part: the index of the refused part of a merge; None outside one,
+            or when no part is to blame.
+    """
+
+    def __init__(self, message: str, *, field: str, reason: str, part: int | None = None) -> None:
+        super().__init__(message, reason=reason)
+        self.field, self.part = field, part
+
+
+class GeometryError(InvalidArgument):
+    """A geometry value that breaks a rule (Go: ``internal/kvgeom.Error``).
+
+    Attributes:
+        fields: the wire field names involved, e.g. ``("block_len", "page_size")``.
+    """
+
+    def __init__(self, message: str, *, fields: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.fields = fields
 
 
 class NotFound(KVSidecarError):
@@ -176,10 +213,17 @@ _BY_CODE: dict[int, type[KVSidecarError]] = {
 }
 
 
-def error_for_code(code: int, message: str) -> KVSidecarError:
-    """Returns the typed error of wire code ``code`` (a :class:`KVSidecarError`
-    carrying the code for a code this client does not know)."""
+def error_for_code(code: int, message: str, reason: str = "") -> KVSidecarError:
+    """Returns the typed error of wire code ``code`` carrying ``reason`` (a
+    :class:`KVSidecarError` carrying the code for a code this client does not
+    know)."""
     cls = _BY_CODE.get(code)
     if cls is None:
-        return KVSidecarError(message, code)
-    return cls(message)
+        return KVSidecarError(message, code, reason=reason)
+    return cls(message, reason=reason)
+
+
+def from_proto(e: common_pb2.Error, who: str = "kvsidecar") -> KVSidecarError:
+    """The typed error of a reply's ``v1.Error`` (not ``CODE_OK``): its code's
+    class, its reason, and its message prefixed by ``who`` said it."""
+    return error_for_code(e.code, f"{who}: {e.message}", e.reason)

@@ -210,7 +210,7 @@ class LocalClient:
             rep = self._exchange(req, timeout)
             self._apply(rep)
         if rep.HasField("error") and rep.error.code != common_pb2.CODE_OK:
-            raise errors.error_for_code(rep.error.code, f"kvsidecar: {rep.error.message}")
+            raise errors.from_proto(rep.error)
         return rep
 
     # -- mappings ------------------------------------------------------------
@@ -320,7 +320,7 @@ class LocalClient:
             rep = self._exchange(req, timeout)
             if rep.HasField("error") and rep.error.code != common_pb2.CODE_OK:
                 self._drop_fds(rep)
-                raise errors.error_for_code(rep.error.code, f"kvsidecar: {rep.error.message}")
+                raise errors.from_proto(rep.error)
             try:
                 self._reserve(rep.cache)
             except errors.KVSidecarError:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from kvsidecar import errors
+from kvsidecar import errors, reasons
 from kvsidecar.local import LocalClient
 from kvsidecar.params import merge_exports
 from kvsidecar.v1 import common_pb2, local_pb2, params_pb2
@@ -71,7 +71,7 @@ def attach_rank(client: LocalClient, rank: int, tp_size: int, geometry: common_p
     try:
         info = client.attach(tp_rank=rank, tp_size=tp_size, num_blocks=num_blocks)
     except errors.InvalidArgument as e:
-        if "geometry is required" not in e.message:
+        if e.reason != reasons.GEOMETRY_REQUIRED:
             raise
         info = client.attach(geometry=geometry, tp_rank=rank, tp_size=tp_size, num_blocks=num_blocks)
     have = info.geometry
