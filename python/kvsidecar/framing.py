@@ -16,15 +16,14 @@ import socket
 import time
 
 from kvsidecar import errors
+from kvsidecar.limits import MAX_FDS_PER_SENDMSG, MAX_QUEUED_FDS
 
-__all__ = ["MAX_FDS_PER_RECV", "MAX_QUEUED_FDS", "FrameSocket", "varint"]
+__all__ = ["MAX_FDS_PER_RECV", "FrameSocket", "varint"]
 
-#: Descriptors queued for frames not yet read; a peer that sends more is cut
-#: off (the Go client's limit, internal/fdpass.MaxQueued).
-MAX_QUEUED_FDS = 1 << 16
-#: Descriptors one recvmsg takes at most; the sidecar sends at most 250 per
-#: sendmsg (SCM_MAX_FD is 253).
-MAX_FDS_PER_RECV = 256
+#: Descriptors one recvmsg takes at most: what one sendmsg of the sidecar
+#: carries (:data:`kvsidecar.limits.MAX_FDS_PER_SENDMSG`; the kernel stops a
+#: read at the end of a message that brought descriptors), and spare room.
+MAX_FDS_PER_RECV = MAX_FDS_PER_SENDMSG + 6
 _RECV_BYTES = 1 << 16
 # A varint of a 64-bit length is at most 10 bytes.
 _MAX_VARINT_BYTES = 10

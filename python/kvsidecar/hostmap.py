@@ -48,14 +48,20 @@ class Packing:
     page_size: int
 
     def check(self) -> None:
-        """Raises InvalidArgument naming block_len (and page_size) with both
-        values and the rule when this Packing holds no blocks."""
+        """Returns when this Packing holds blocks.
+
+        Raises:
+            GeometryError: block_len not > 0 (fields ``("block_len",)``), or
+                larger than a page (``("block_len", "page_size")``), with
+                both values and the rule, as Go's ``Packing.Check``.
+        """
         if self.block_len <= 0:
-            raise errors.InvalidArgument(f"block_len={self.block_len} must be > 0")
+            raise errors.GeometryError(f"block_len={self.block_len} must be > 0", fields=("block_len",))
         if self.page_size != 0 and self.block_len > self.page_size:
-            raise errors.InvalidArgument(
+            raise errors.GeometryError(
                 f"block_len={self.block_len} exceeds the page size (page_size={self.page_size}): "
-                "blocks never straddle a page"
+                "blocks never straddle a page",
+                fields=("block_len", "page_size"),
             )
 
     @property

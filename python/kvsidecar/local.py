@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from google.protobuf.message import DecodeError, Message
 
-from kvsidecar import errors
+from kvsidecar import errors, limits
 from kvsidecar.framing import FrameSocket
 from kvsidecar.hostmap import HostMapping, Packing
 from kvsidecar.v1 import common_pb2, group_pb2, local_pb2, params_pb2
@@ -56,13 +56,15 @@ __all__ = [
     "LocalClient",
 ]
 
-#: Bounds one request frame; the sidecar's default limit (1 MiB: about
-#: 200,000 block ids). A larger request is refused here before it is sent.
-DEFAULT_MAX_REQUEST_BYTES = 1 << 20
-#: Bounds one reply frame (64 MiB), as the Go client does.
-DEFAULT_MAX_REPLY_BYTES = 64 << 20
-#: Seconds one call may take, from sending the request to the whole reply.
-DEFAULT_CALL_TIMEOUT_SECONDS = 30.0
+#: Bounds one request frame: the sidecar's default limit
+#: (:data:`kvsidecar.limits.MAX_REQUEST_BYTES`). A larger request is refused
+#: here before it is sent.
+DEFAULT_MAX_REQUEST_BYTES = limits.MAX_REQUEST_BYTES
+#: Bounds one reply frame, as the Go client does (:mod:`kvsidecar.limits`).
+DEFAULT_MAX_REPLY_BYTES = limits.DEFAULT_MAX_REPLY_BYTES
+#: Seconds one call may take, from sending the request to the whole reply:
+#: the sidecar's own bound on a call (:mod:`kvsidecar.limits`).
+DEFAULT_CALL_TIMEOUT_SECONDS = limits.DEFAULT_CALL_TIMEOUT_SECONDS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,15 +4,18 @@ params (Go: ``connector.MergeExports``), and the StartLoad request."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
-from google.protobuf import json_format
+from google.protobuf import json_format, message_factory
+from google.protobuf.descriptor import Descriptor
 
-from kvsidecar import errors
+from kvsidecar import errors, reasons
+from kvsidecar.limits import MAX_TP_SIZE
 from kvsidecar.v1 import params_pb2
 
-__all__ = ["merge_exports", "params_from_json", "params_to_json", "req_meta"]
+__all__ = ["merge_exports", "params_from_json", "params_to_json", "req_meta", "validate_remote_prefill"]
 
 
 def params_to_json(p: params_pb2.KVTransferParams) -> dict[str, Any]:
@@ -29,35 +32,164 @@ def params_from_json(d: dict[str, Any]) -> params_pb2.KVTransferParams:
     (vLLM adds its own) are ignored.
 
     Raises:
-        InvalidArgument: a known field with a value of the wrong type.
+        ParamsError: a known field with a value of the wrong type (reason
+            ``PARAMS_UNDECODABLE``, naming the innermost such field, as Go's
+            ``UnmarshalKVTransferParams``).
     """
     p = params_pb2.KVTransferParams()
     try:
         json_format.ParseDict(d, p, ignore_unknown_fields=True)
     except json_format.ParseError as e:
-        raise errors.InvalidArgument(f"kv_transfer_params: {e}") from e
+        field = _undecodable_field(p.DESCRIPTOR, d) or "kv_transfer_params"
+        raise errors.ParamsError(f"kv_transfer_params: {field}: cannot be decoded: {e}", field=field,
+                                 reason=reasons.PARAMS_UNDECODABLE) from e
     return p
+
+
+def _undecodable_field(md: Descriptor, d: object) -> str:
+    # The first field, in key order, whose value alone does not decode;
+    # inside a message (or a list of them) the innermost. "" when none does
+    # alone. It reads the JSON, not the parser's message.
+    if not isinstance(d, dict):
+        return ""
+    for k in sorted(d):
+        fd = md.fields_by_camelcase_name.get(k) or md.fields_by_name.get(k)
+        if fd is None:
+            continue
+        try:
+            json_format.ParseDict({k: d[k]}, message_factory.GetMessageClass(md)(), ignore_unknown_fields=True)
+            continue
+        except json_format.ParseError:
+            pass
+        if fd.message_type is not None:
+            elems = d[k] if isinstance(d[k], list) else [d[k]]
+            for e in elems:
+                if f := _undecodable_field(fd.message_type, e):
+                    return f
+        return fd.name
+    return ""
+
+
+def _check_host_port(a: str) -> str:
+    # Go's net.SplitHostPort and the port rule of connector.checkHostPort:
+    # "" when a is host:port, otherwise what is wrong.
+    i = a.rfind(":")
+    if i < 0:
+        return "must be host:port"
+    j = k = 0
+    if a.startswith("["):
+        end = a.find("]")
+        if end < 0 or end + 1 != i:
+            return "must be host:port"
+        host, j, k = a[1:end], 1, end + 1
+    else:
+        host = a[:i]
+        if ":" in host:
+            return "must be host:port"
+    if "[" in a[j:] or "]" in a[k:]:
+        return "must be host:port"
+    if host == "":
+        return "host must not be empty"
+    port = a[i + 1 :]
+    if not _ATOI.fullmatch(port) or not 1 <= int(port) <= 65535:
+        return "port must be in [1, 65535]"
+    return ""
+
+
+# What Go's strconv.Atoi takes: an optional sign and decimal digits.
+_ATOI = re.compile(r"[+-]?[0-9]+")
+
+
+def validate_remote_prefill(p: params_pb2.KVTransferParams) -> None:
+    """Checks the params a decode rank needs to pull KV (Go:
+    ``connector.ValidateRemotePrefill``, the same rules in the same order):
+    ``tp_size`` present and in [1, :data:`~kvsidecar.limits.MAX_TP_SIZE`];
+    ``remote_engine_id`` and ``remote_request_id`` set;
+    ``remote_rank_addrs`` either empty (then ``remote_host`` and
+    ``remote_port`` locate rank 0, rank r at ``remote_port + r``) or exactly
+    ``tp_size`` host:port entries; ``lease_expires_unix_ms`` not negative;
+    ``rank_exports`` entries of ranks below ``tp_size``, each with an
+    ``export_id``, a ``capability`` and no ``block_ids`` or one per remote
+    block, no rank twice.
+
+    Raises:
+        ParamsError: the first rule broken, naming the field and the reason
+            (:mod:`kvsidecar.reasons`: ``PARAMS_MISSING``,
+            ``PARAMS_OUT_OF_RANGE``, ``PARAMS_COUNT_MISMATCH``,
+            ``PARAMS_BAD_ADDRESS``, ``PARAMS_RANK_REPEATED``).
+    """
+
+    def bad(field: str, reason: str, rule: str) -> errors.ParamsError:
+        return errors.ParamsError(f"kv_transfer_params: {field}: {rule}", field=field, reason=reason)
+
+    if not p.HasField("tp_size"):
+        raise bad("tp_size", reasons.PARAMS_MISSING, "missing; the prefill TP size is required and never defaulted to 1")
+    tp = p.tp_size
+    if not 1 <= tp <= MAX_TP_SIZE:
+        raise bad("tp_size", reasons.PARAMS_OUT_OF_RANGE, f"{tp} must be in [1, {MAX_TP_SIZE}]")
+    if not p.remote_engine_id:
+        raise bad("remote_engine_id", reasons.PARAMS_MISSING, "missing")
+    if not p.remote_request_id:
+        raise bad("remote_request_id", reasons.PARAMS_MISSING, "missing")
+    if p.remote_rank_addrs:
+        if len(p.remote_rank_addrs) != tp:
+            raise bad("remote_rank_addrs", reasons.PARAMS_COUNT_MISMATCH,
+                      f"{len(p.remote_rank_addrs)} entries: must have exactly tp_size={tp}, one per prefill rank")
+        for i, a in enumerate(p.remote_rank_addrs):
+            if why := _check_host_port(a):
+                raise bad(f"remote_rank_addrs[{i}]", reasons.PARAMS_BAD_ADDRESS, f"{a!r}: {why}")
+    else:
+        if not p.remote_host:
+            raise bad("remote_host", reasons.PARAMS_MISSING, "missing while remote_rank_addrs is empty")
+        if p.remote_port < 1 or p.remote_port + tp - 1 > 65535:
+            raise bad("remote_port", reasons.PARAMS_OUT_OF_RANGE,
+                      f"{p.remote_port} must be in [1, {65536 - tp}] so that ranks 0..{tp - 1} fit at remote_port+rank")
+    if p.lease_expires_unix_ms < 0:
+        raise bad("lease_expires_unix_ms", reasons.PARAMS_OUT_OF_RANGE, f"{p.lease_expires_unix_ms} must not be negative")
+    seen: dict[int, int] = {}
+    for i, e in enumerate(p.rank_exports):
+        f = f"rank_exports[{i}]."
+        if e.tp_rank >= tp:
+            raise bad(f + "tp_rank", reasons.PARAMS_OUT_OF_RANGE, f"{e.tp_rank} must be below tp_size={tp}")
+        if e.export_id == 0:
+            raise bad(f + "export_id", reasons.PARAMS_MISSING, "missing (0)")
+        if not e.capability:
+            raise bad(f + "capability", reasons.PARAMS_MISSING, "missing")
+        if e.block_ids and len(e.block_ids) != len(p.remote_block_ids):
+            raise bad(f + "block_ids", reasons.PARAMS_COUNT_MISMATCH,
+                      f"{len(e.block_ids)} entries: must be empty or one per remote block ({len(p.remote_block_ids)})")
+        if e.tp_rank in seen:
+            raise bad(f + "tp_rank", reasons.PARAMS_RANK_REPEATED,
+                      f"{e.tp_rank}: rank_exports[{seen[e.tp_rank]}] names the same rank")
+        seen[e.tp_rank] = i
 
 
 def merge_exports(parts: Sequence[params_pb2.KVTransferParams]) -> params_pb2.KVTransferParams:
     """The decode's ``kv_transfer_params`` from every prefill rank's
-    RequestFinished reply (Go: ``connector.MergeExports``, same rule).
+    RequestFinished reply (Go: ``connector.MergeExports``, same rule; the
+    cases of testdata/engine_vectors.json hold both to it).
 
     Each rank's reply names that rank's export (``rank_exports``, one
-    entry); the merged params are rank 0's with every rank's entry, an
-    entry's ``block_ids`` kept only when they differ from
-    ``remote_block_ids``, and the earliest lease expiry. A sidecar whose
-    params carry no ``rank_exports`` (every rank serves
-    ``remote_block_ids``) gets rank 0's part (the first) unchanged.
+    entry). The merged params are the base's (the part that exports rank 0,
+    or else the first part: its ``remote_block_ids``, addresses and
+    incarnation) with every rank's entry, sorted by rank, an entry's
+    ``block_ids`` kept only when they differ from the base's
+    ``remote_block_ids``, and the earliest lease expiry of the parts (0,
+    no lease, does not count), also when no part carries ``rank_exports``.
+    Every part must pass :func:`validate_remote_prefill`. Parts are not
+    modified.
 
     Raises:
-        InvalidArgument: no part; parts naming another request, engine or
-            TP size, another number of blocks, or the same rank twice.
+        ParamsError: no part (reason ``MERGE_NO_PARTS``, ``part`` None); a
+            part (``part``, its index) that breaks a rule of
+            :func:`validate_remote_prefill` (its reason), names another
+            request, engine, TP size or number of blocks
+            (``MERGE_PARTS_DIFFER``), or exports a rank an earlier part
+            exported (``PARAMS_RANK_REPEATED``).
     """
     if not parts:
-        raise errors.InvalidArgument("merge_exports: needs at least one part")
-    if not any(p.rank_exports for p in parts):
-        return parts[0]
+        raise errors.ParamsError("merge_exports: needs at least one part", field="kv_transfer_params",
+                                 reason=reasons.MERGE_NO_PARTS)
     base = next((p for p in parts if any(e.tp_rank == 0 for e in p.rank_exports)), parts[0])
     out = params_pb2.KVTransferParams()
     out.CopyFrom(base)
@@ -65,19 +197,25 @@ def merge_exports(parts: Sequence[params_pb2.KVTransferParams]) -> params_pb2.KV
     seen: dict[int, int] = {}
     exports = []
     for i, p in enumerate(parts):
+        try:
+            validate_remote_prefill(p)
+        except errors.ParamsError as pe:
+            raise errors.ParamsError(f"merge_exports: part {i}: {pe.message}", field=pe.field, reason=pe.reason,
+                                     part=i) from pe
         for field, v, w in (("remote_request_id", p.remote_request_id, base.remote_request_id),
                             ("remote_engine_id", p.remote_engine_id, base.remote_engine_id),
                             ("tp_size", p.tp_size, base.tp_size),
                             ("remote_block_ids", len(p.remote_block_ids), len(base.remote_block_ids))):
             if v != w:
-                raise errors.InvalidArgument(f"merge_exports: part {i}: {field}={v!r} differs from {w!r}")
+                raise errors.ParamsError(f"merge_exports: part {i}: {field}={v!r} differs from {w!r}", field=field,
+                                         reason=reasons.MERGE_PARTS_DIFFER, part=i)
         if p.lease_expires_unix_ms and (not out.lease_expires_unix_ms or p.lease_expires_unix_ms < out.lease_expires_unix_ms):
             out.lease_expires_unix_ms = p.lease_expires_unix_ms
         for e in p.rank_exports:
             if e.tp_rank in seen:
-                raise errors.InvalidArgument(
-                    f"merge_exports: part {i}: rank_exports: rank {e.tp_rank}: part {seen[e.tp_rank]} exports the same rank"
-                )
+                raise errors.ParamsError(
+                    f"merge_exports: part {i}: rank_exports: rank {e.tp_rank}: part {seen[e.tp_rank]} exports the same rank",
+                    field="rank_exports", reason=reasons.PARAMS_RANK_REPEATED, part=i)
             seen[e.tp_rank] = i
             m = type(e)()
             m.CopyFrom(e)

@@ -7,14 +7,13 @@ from __future__ import annotations
 import hashlib
 import os
 
-from kvsidecar import errors
+from kvsidecar import errors, reasons
+from kvsidecar.limits import MAX_SOCKET_PATH_BYTES, MAX_TP_SIZE, SOCKET_ID_HASH_DIGITS
 
-__all__ = ["MAX_SOCKET_PATH_BYTES", "MAX_TP_SIZE", "default_socket_dir", "local_socket_path"]
+__all__ = ["default_socket_dir", "local_socket_path"]
 
-#: The largest tp_size anywhere (tp_size in kv_transfer_params, TP groups).
-MAX_TP_SIZE = 1024
-#: Bytes of a unix socket path: sun_path is 108 bytes with its NUL.
-MAX_SOCKET_PATH_BYTES = 107
+# The bytes an engine id may keep in a socket path.
+_ALLOWED = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
 def default_socket_dir() -> str:
@@ -41,32 +40,37 @@ def local_socket_path(socket_dir: str, engine_id: str, tp_rank: int) -> str:
     serve`` listens on (Go: ``localapi.SocketPath``, same rule).
 
     ``<id>`` is ``engine_id`` when it holds only ``[A-Za-z0-9._-]`` and the
-    path fits in 107 bytes; otherwise every other byte of its UTF-8 form
-    becomes ``_``, it is cut to fit, and ``-`` plus the first 12 hex digits
-    of its SHA-256 are appended, so distinct ids keep distinct paths.
+    path fits in :data:`~kvsidecar.limits.MAX_SOCKET_PATH_BYTES` (107)
+    bytes; otherwise every other byte of its UTF-8 form becomes ``_``, it is
+    cut to fit, and ``-`` plus the first 12 hex digits of its SHA-256 are
+    appended, so distinct ids keep distinct paths. testdata/engine_vectors.json
+    holds the cases both languages are tested against.
 
     Raises:
-        InvalidArgument: ``socket_dir`` not absolute or too long, an empty
-            engine id, ``tp_rank`` outside [0, 1024).
+        InvalidArgument: ``tp_rank`` outside [0, :data:`~kvsidecar.limits.MAX_TP_SIZE`)
+            (no reason); with reason ``SOCKET_PATH_INVALID``: ``socket_dir``
+            not absolute or too long, an empty engine id.
     """
-    if not os.path.isabs(socket_dir):
-        raise errors.InvalidArgument(f"socket dir {socket_dir!r} must be an absolute path")
-    if not engine_id:
-        raise errors.InvalidArgument("engine id is empty")
     if not 0 <= tp_rank < MAX_TP_SIZE:
         raise errors.InvalidArgument(f"tp_rank {tp_rank} must be in [0, {MAX_TP_SIZE})")
+
+    def invalid(why: str) -> errors.InvalidArgument:
+        return errors.InvalidArgument(f"invalid socket path: {why}", reason=reasons.SOCKET_PATH_INVALID)
+
+    if not os.path.isabs(socket_dir):
+        raise invalid(f"socket dir {socket_dir!r} must be an absolute path")
+    if not engine_id:
+        raise invalid("engine id is empty")
     prefix = _clean_dir(os.fsencode(socket_dir)) + b"/kvsidecar-"
     suffix = b"-tp%d-api.sock" % tp_rank
     room = MAX_SOCKET_PATH_BYTES - len(prefix) - len(suffix)
     raw = engine_id.encode("utf-8", "surrogateescape")
-    ok = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-"
-    ident = bytes(c if c in ok else ord("_") for c in raw)
+    ident = bytes(c if c in _ALLOWED else ord("_") for c in raw)
     if ident == raw and len(ident) <= room:
         return os.fsdecode(prefix + ident + suffix)
-    tag = b"-" + hashlib.sha256(raw).hexdigest()[:12].encode()
+    tag = b"-" + hashlib.sha256(raw).hexdigest()[:SOCKET_ID_HASH_DIGITS].encode()
     keep = room - len(tag)
     if keep < 1:
-        raise errors.InvalidArgument(
-            f"socket dir {socket_dir!r} is too long for a unix socket path of at most {MAX_SOCKET_PATH_BYTES} bytes"
-        )
+        raise invalid(f"socket dir {socket_dir!r} is too long for a unix socket path of at most "
+                      f"{MAX_SOCKET_PATH_BYTES} bytes")
     return os.fsdecode(prefix + ident[:keep] + tag + suffix)
