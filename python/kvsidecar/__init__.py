@@ -22,8 +22,11 @@ Modules by concern (the Go package each mirrors, where there is one):
   (its halves in :mod:`kvsidecar.vllm_scheduler` and
   :mod:`kvsidecar.vllm_worker`, their settings and step metadata in
   :mod:`kvsidecar.vllm_meta`).
-- :mod:`kvsidecar.errors`: typed errors carrying the wire code.
+- :mod:`kvsidecar.errors`: typed errors carrying the wire code and reason.
 - :mod:`kvsidecar.v1`: the generated protobuf modules (``make generate``).
+- :mod:`kvsidecar.limits` and :mod:`kvsidecar.reasons`: the sidecar's limits
+  and every error reason, generated from their Go constants (``make
+  generate``, ``internal/pygen``).
 - For trials and tests on one machine: :mod:`kvsidecar.devserve` (``kvsidecar
   serve`` processes), :mod:`kvsidecar.devvllm` (vLLM engines and a tiny model)
   and :mod:`kvsidecar.pdproxy` (a prefill/decode proxy).
