@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from kvsidecar import errors, reasons
+from kvsidecar.limits import DEFAULT_CALL_TIMEOUT_SECONDS
 from kvsidecar.local import LocalClient
 from kvsidecar.params import merge_exports
 from kvsidecar.v1 import common_pb2, local_pb2, params_pb2
@@ -102,7 +103,8 @@ class RankSet:
     """
 
     def __init__(self, socket_of: Callable[[int], str], tp_size: int,
-                 geometry: Callable[[], common_pb2.ModelGeometry], num_blocks: int = 0, timeout: float = 30.0) -> None:
+                 geometry: Callable[[], common_pb2.ModelGeometry], num_blocks: int = 0,
+                 timeout: float = DEFAULT_CALL_TIMEOUT_SECONDS) -> None:
         self.socket_of, self.tp_size, self.geometry = socket_of, tp_size, geometry
         self.num_blocks, self.timeout = num_blocks, timeout
         self._clients: list[LocalClient] | None = None

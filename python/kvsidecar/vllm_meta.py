@@ -10,6 +10,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvsidecar import errors
+from kvsidecar.limits import DEFAULT_CALL_TIMEOUT_SECONDS
 from kvsidecar.paths import default_socket_dir, local_socket_path
 from kvsidecar.rankset import dtype_code
 from kvsidecar.v1 import common_pb2
@@ -93,7 +94,7 @@ class ConnectorConfig:
                 "required: it must equal every sidecar's --engine-id"
             )
         self.socket_dir: str = extra.get("socket_dir") or default_socket_dir()
-        self.timeout: float = float(extra.get("call_timeout_seconds", 30.0))
+        self.timeout: float = float(extra.get("call_timeout_seconds", DEFAULT_CALL_TIMEOUT_SECONDS))
         self.num_blocks: int = int(extra.get("num_blocks", 0))
         self.tp_rank_override: int | None = int(extra["tp_rank"]) if "tp_rank" in extra else None
         role = getattr(kt, "kv_role", None) or "kv_both"
