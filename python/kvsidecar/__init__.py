@@ -2,7 +2,7 @@
 
 One ``kvsidecar serve`` process runs beside each tensor-parallel rank of an
 inference engine and moves finished requests' KV from prefill to decode
-ranks over QUIC. This package is what an engine written in Python uses:
+ranks over QUIC. This package is what an engine written in Python uses.
 
 Modules by concern (the Go package each mirrors, where there is one):
 
@@ -10,7 +10,8 @@ Modules by concern (the Go package each mirrors, where there is one):
   :mod:`kvsidecar.framing` (size-delimited frames and passed descriptors:
   ``internal/wire``, ``internal/fdpass``) and :mod:`kvsidecar.hostmap` (the
   engine's mapping of host pages and the block-offset rule:
-  ``internal/kvgeom.Packing``).
+  ``internal/kvgeom.Packing``); :mod:`kvsidecar.devicemap` is what it hands
+  an engine whose sidecar's pages are device memory.
 - :mod:`kvsidecar.paths`: the socket path rule (``localapi.SocketPath``).
 - :mod:`kvsidecar.params`: ``kv_transfer_params`` JSON, the merge of the
   prefill ranks' exports (``connector.MergeExports``), ``ReqMeta``.

@@ -81,7 +81,7 @@ class TinyModel:
     Attributes:
         path: the directory (``config.json``, ``model.safetensors``).
         layers, kv_heads, head_dim, vocab_size: from its config.
-        dtype: ``float32`` or ``bfloat16`` (weights and KV).
+        dtype: the weights' and KV's dtype name (``float32``).
     """
 
     path: str
@@ -105,43 +105,44 @@ class TinyModel:
 
 def make_tiny_llama(directory: str, *, layers: int = 4, attention_heads: int = 8, kv_heads: int = 4,
                     head_dim: int = 64, hidden: int = 512, intermediate: int = 1024, vocab_size: int = 2048,
-                    dtype: str = "float32", seed: int = 1234) -> TinyModel:
-    """Writes a Llama-architecture model with random weights from ``seed``
-    into ``directory`` (about 13 MB in float32 with the defaults).
+                    seed: int = 1234) -> TinyModel:
+    """Writes a Llama-architecture model with float32 random weights from
+    ``seed`` into ``directory`` (about 13 MB with the defaults).
 
     The weights are drawn so that greedy decoding is decisive (the logits
     spread by several units), so two engines that compute the same KV
     agree token for token even when their floating-point sums differ in the
-    last bits. float32 is the default for the same reason: an engine's
-    output must not depend on TP size or batch shape. Requires torch and
-    safetensors (both in the project's environment).
+    last bits; float32 for the same reason: an engine's output must not
+    depend on TP size or batch shape. Uses numpy and safetensors (both in
+    the project's environment).
     """
-    import torch
-    from safetensors.torch import save_file
+    import numpy as np
+    from safetensors.numpy import save_file
 
-    td = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     os.makedirs(directory, exist_ok=True)
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
         "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": attention_heads,
         "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab_size,
-        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": dtype,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float32",
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
     }
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
-    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
 
     def normal(*shape: int, std: float) -> Any:
-        return (torch.randn(*shape, generator=g) * std).to(td)
+        return (rng.standard_normal(shape) * std).astype(np.float32)
 
-    ones = torch.ones(hidden, dtype=td)
-    w = {"model.embed_tokens.weight": normal(vocab_size, hidden, std=1.0), "model.norm.weight": ones,
+    def ones() -> Any:
+        return np.ones(hidden, dtype=np.float32)
+
+    w = {"model.embed_tokens.weight": normal(vocab_size, hidden, std=1.0), "model.norm.weight": ones(),
          "lm_head.weight": normal(vocab_size, hidden, std=0.05)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = ones.clone()
-        w[p + "post_attention_layernorm.weight"] = ones.clone()
+        w[p + "input_layernorm.weight"] = ones()
+        w[p + "post_attention_layernorm.weight"] = ones()
         w[p + "self_attn.q_proj.weight"] = normal(attention_heads * head_dim, hidden, std=0.05)
         w[p + "self_attn.k_proj.weight"] = normal(kv_heads * head_dim, hidden, std=0.05)
         w[p + "self_attn.v_proj.weight"] = normal(kv_heads * head_dim, hidden, std=0.05)
@@ -150,7 +151,7 @@ def make_tiny_llama(directory: str, *, layers: int = 4, attention_heads: int = 8
         w[p + "mlp.up_proj.weight"] = normal(intermediate, hidden, std=0.05)
         w[p + "mlp.down_proj.weight"] = normal(hidden, intermediate, std=0.05)
     save_file(w, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-    return TinyModel(directory, layers, kv_heads, head_dim, vocab_size, dtype)
+    return TinyModel(directory, layers, kv_heads, head_dim, vocab_size, "float32")
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:

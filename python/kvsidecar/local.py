@@ -34,7 +34,6 @@ The smallest use::
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import threading
@@ -44,6 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 from google.protobuf.message import DecodeError, Message
 
 from kvsidecar import errors, limits
+from kvsidecar.devicemap import DeviceMappingDelta
 from kvsidecar.framing import FrameSocket
 from kvsidecar.hostmap import HostMapping, Packing
 from kvsidecar.v1 import common_pb2, group_pb2, local_pb2, params_pb2
@@ -52,7 +52,6 @@ __all__ = [
     "DEFAULT_CALL_TIMEOUT_SECONDS",
     "DEFAULT_MAX_REPLY_BYTES",
     "DEFAULT_MAX_REQUEST_BYTES",
-    "DeviceMappingDelta",
     "LocalClient",
 ]
 
@@ -65,27 +64,6 @@ DEFAULT_MAX_REPLY_BYTES = limits.DEFAULT_MAX_REPLY_BYTES
 #: Seconds one call may take, from sending the request to the whole reply:
 #: the sidecar's own bound on a call (:mod:`kvsidecar.limits`).
 DEFAULT_CALL_TIMEOUT_SECONDS = limits.DEFAULT_CALL_TIMEOUT_SECONDS
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceMappingDelta:
-    """What a ``device_handler`` gets when the sidecar's pages are device
-    memory (CUDA POSIX file descriptors, one per page).
-
-    Attributes:
-        mappings: ``(mapping, fd)`` pairs: bytes ``[fd_offset, fd_offset +
-            len)`` of the allocation behind ``fd`` back bytes
-            ``[region_offset, region_offset + len)`` of region
-            ``mapping.region``; import ``fd`` with
-            ``cuMemImportFromShareableHandle`` (handle type
-            ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``) and map it there.
-            The fds are closed by the client when the handler returns.
-        unmapped_pages: page indices (of every region) the engine must unmap
-            before it touches them again.
-    """
-
-    mappings: tuple[tuple[local_pb2.PageMapping, int], ...]
-    unmapped_pages: tuple[int, ...]
 
 
 class LocalClient:

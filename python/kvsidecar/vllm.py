@@ -53,16 +53,13 @@ its blocks in ``get_block_ids_with_load_errors`` (vLLM recomputes them).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from kvsidecar.vllm_meta import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, SaveSpec, role_name
 from kvsidecar.vllm_scheduler import SchedulerSide
 from kvsidecar.vllm_worker import WorkerSide
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
 
 __all__ = ["KVConnectorRole", "KVSidecarConnector", "KVSidecarConnectorMetadata", "LoadSpec", "SaveSpec"]
 
@@ -136,7 +133,7 @@ class KVSidecarConnector(KVConnectorBase_V1):
 
     # -- worker side ---------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Attaches to this rank's sidecar and checks vLLM's KV tensors
         (``[2, num_blocks, block_size, heads, head_size]`` per layer)
         against its geometry."""
@@ -157,7 +154,7 @@ class KVSidecarConnector(KVConnectorBase_V1):
         """Nothing: loads complete between steps (reported by get_finished)."""
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Copies this layer's KV of the step's exports into the sidecar."""
         assert self._worker is not None
         self._worker.save_kv_layer(layer_name, kv_layer, self._meta())
