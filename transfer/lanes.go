@@ -305,7 +305,7 @@ func (a *Agent) startLanes(p *peer) {
 		}
 		l = &peer{addr: p.addr, lane: i + 1, ready: make(chan struct{})}
 		g.lanes[i] = l
-		go func() { // a.dial calls a.wg.Done (laneTransport added it)
+		go func() { // a.dial calls a.dialer.wg.Done (laneTransport added it)
 			a.dial(l, tr)
 			if l.err != nil {
 				a.log.Warn("transfer: READ lane dial failed; READs to this peer use fewer lanes until it is redialed", "peer", p.addr, "lane", l.lane, "err", l.err)
@@ -386,19 +386,20 @@ func (p *peer) laneConns() []*quic.Conn {
 // laneTransport returns the quic.Transport that dials READ lane i (one
 // UDP socket per lane index, shared by every peer), opening it on first
 // use with Config.LanePacketConn, or on the IP of the agent's own socket.
-// On success it adds the dial about to start to the agent's goroutines
-// (a.dial calls a.wg.Done), so that Close waits for it.
+// On success it adds the dial about to start to the dialer's goroutines
+// (a.dial calls a.dialer.wg.Done), so that Close waits for it.
 func (a *Agent) laneTransport(i int) (*quic.Transport, error) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if a.closed {
+	d := &a.dialer
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
 		return nil, errClosed()
 	}
-	if a.laneTrs == nil {
-		a.laneTrs = make([]*quic.Transport, a.cfg.ReadLanes-1)
+	if d.laneTrs == nil {
+		d.laneTrs = make([]*quic.Transport, a.cfg.ReadLanes-1)
 	}
-	if tr := a.laneTrs[i-1]; tr != nil {
-		a.wg.Add(1)
+	if tr := d.laneTrs[i-1]; tr != nil {
+		d.wg.Add(1)
 		return tr, nil
 	}
 	var (
@@ -418,17 +419,18 @@ func (a *Agent) laneTransport(i int) (*quic.Transport, error) {
 		return nil, fmt.Errorf("transfer: READ lane %d: open its UDP socket: %w", i, err)
 	}
 	tr := &quic.Transport{Conn: pc}
-	a.laneTrs[i-1] = tr
-	a.wg.Add(1)
+	d.laneTrs[i-1] = tr
+	d.wg.Add(1)
 	return tr, nil
 }
 
 // closeLaneTransports closes the READ lanes' transports and sockets; the
 // agent is closed, so none is opened after.
 func (a *Agent) closeLaneTransports() error {
-	a.mu.Lock()
-	trs := a.laneTrs
-	a.mu.Unlock()
+	d := &a.dialer
+	d.mu.Lock()
+	trs := d.laneTrs
+	d.mu.Unlock()
 	var errs []error
 	for _, tr := range trs {
 		if tr == nil {

@@ -37,22 +37,65 @@ type servedConn struct {
 	prepared int // descriptors of all lists in dlists
 }
 
+// server is the serving half of an Agent: the listener and every
+// connection being served, each with its own byte budget and prepared
+// lists (servedConn). What it serves is checked against the Agent's
+// registered regions and authorized through its Config. Its lock is its
+// own (the dialing half never takes it); its goroutines, the accept loop,
+// one per served connection and those serving its streams, are in wg.
+type server struct {
+	ln *quic.EarlyListener // nil: the agent does not serve
+
+	mu     sync.Mutex
+	closed bool // the agent is closing: no connection is added
+	conns  map[*quic.Conn]struct{}
+
+	wg sync.WaitGroup
+}
+
+// add records conn as served and adds its goroutine to wg, unless the
+// server is closed.
+func (s *server) add(conn *quic.Conn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false
+	}
+	s.conns[conn] = struct{}{}
+	s.wg.Add(1)
+	return true
+}
+
+func (s *server) remove(conn *quic.Conn) {
+	s.mu.Lock()
+	delete(s.conns, conn)
+	s.mu.Unlock()
+}
+
+// shut marks the server closed, so no connection is added from now on, and
+// returns the connections to close.
+func (s *server) shut() []*quic.Conn {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.closed = true
+	conns := make([]*quic.Conn, 0, len(s.conns))
+	for c := range s.conns {
+		conns = append(conns, c)
+	}
+	return conns
+}
+
 func (a *Agent) acceptLoop() {
-	defer a.wg.Done()
+	defer a.server.wg.Done()
 	for {
-		conn, err := a.ln.Accept(a.ctx)
+		conn, err := a.server.ln.Accept(a.ctx)
 		if err != nil {
 			return
 		}
-		a.mu.Lock()
-		if a.closed {
-			a.mu.Unlock()
+		if !a.server.add(conn) {
 			_ = conn.CloseWithError(0, "agent closing")
 			return
 		}
-		a.servConns[conn] = struct{}{}
-		a.wg.Add(1)
-		a.mu.Unlock()
 		sc := &servedConn{conn: conn, peer: conn.RemoteAddr().String(),
 			budget: newBudget(a.cfg.MaxInflightPerPeer), dlists: make(map[uint64][]span), turn: make(chan struct{})}
 		go a.serveConn(sc)
@@ -60,13 +103,11 @@ func (a *Agent) acceptLoop() {
 }
 
 func (a *Agent) serveConn(sc *servedConn) {
-	defer a.wg.Done()
+	defer a.server.wg.Done()
 	var wg sync.WaitGroup
 	defer func() {
 		wg.Wait()
-		a.mu.Lock()
-		delete(a.servConns, sc.conn)
-		a.mu.Unlock()
+		a.server.remove(sc.conn)
 	}()
 	// Datagrams carry only the dialer's keep-alive probes: discard them.
 	wg.Go(func() {

@@ -1,0 +1,495 @@
+package transfer
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+	"time"
+
+	"github.com/quic-go/quic-go"
+
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+)
+
+// dialer is the dialing half of an Agent: the connections it dials, one
+// cached connection per peer address (lane 0, with its READ lanes), and
+// what it keeps per address beyond one connection: the dials counted, the
+// connection that last ended refused or could not be dialed, the in-flight
+// byte budget of transfers to it; and the READ lanes' sockets. The calls on
+// those connections (client.go) go through withConn (redial.go). Its lock
+// is its own (the serving half never takes it); its goroutines, a dial,
+// and a dialed connection's watcher with its probe, are in wg.
+type dialer struct {
+	tls      *tls.Config // Config.ClientTLS for TLS 1.3 and ALPN; nil: the agent does not dial
+	sessions tls.ClientSessionCache
+
+	mu     sync.Mutex
+	closed bool // the agent is closing: no peer is added, no goroutine started
+	peers  map[string]*peer
+	dials  map[string]int
+	// failedDials[addr] is the last connection to addr that ended refused
+	// or could not be dialed, and the calls it answers (see peerFor).
+	failedDials map[string]failedDial
+	budgets     map[string]*budget // of transfers dialed to addr (budgetFor)
+	laneTrs     []*quic.Transport  // READ lane i's transport at i-1, opened on first use
+
+	wg sync.WaitGroup
+}
+
+// init makes d the dialing half of an agent with ClientTLS ct (nil: one
+// that cannot dial).
+func (d *dialer) init(ct *tls.Config) {
+	d.peers, d.dials = make(map[string]*peer), make(map[string]int)
+	d.failedDials, d.budgets = make(map[string]failedDial), make(map[string]*budget)
+	if ct == nil {
+		return
+	}
+	d.tls = ct.Clone()
+	d.tls.MinVersion = tls.VersionTLS13
+	d.tls.NextProtos = []string{ALPN}
+	d.sessions = d.tls.ClientSessionCache
+	if d.sessions == nil {
+		d.sessions = tls.NewLRUClientSessionCache(256)
+	}
+}
+
+// cached returns the cached connection to addr (or the dial in progress),
+// nil when there is none.
+func (d *dialer) cached(addr string) *peer {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.peers[addr]
+}
+
+// shut marks the dialer closed, so no dial starts from now on, and returns
+// the connections to close: every dialed one, READ lanes included.
+func (d *dialer) shut() []*quic.Conn {
+	d.mu.Lock()
+	d.closed = true
+	var up []*peer
+	for _, p := range d.peers {
+		select {
+		case <-p.ready:
+			if p.conn != nil {
+				up = append(up, p)
+			}
+		default:
+		}
+	}
+	d.mu.Unlock()
+	var conns []*quic.Conn
+	for _, p := range up {
+		conns = append(conns, p.conn)
+		conns = append(conns, p.laneConns()...) // lanes lock p.lanes.mu, then d.mu
+	}
+	return conns
+}
+
+// peer is one dialed connection (or a dial in progress).
+type peer struct {
+	addr     string
+	ready    chan struct{} // closed when the dial finished
+	conn     *quic.Conn    // set before ready is closed, nil on error
+	err      error
+	notifMu  sync.Mutex // serializes notifications so they arrive in order
+	attempt0 bool       // dialed with a session ticket available
+	gone     sync.Once  // OnPeerGone runs once per connection
+	lane     int        // 0: the cached connection; i > 0: READ lane i of one
+	lanes    laneGroup  // lane 0's READ lanes 1..K-1
+}
+
+// PeerInfo describes the current connection to a remote agent.
+type PeerInfo struct {
+	// Addr is the remote address as dialed.
+	Addr string
+	// Dials counts connections dialed to Addr since the agent started.
+	Dials int
+	// Used0RTT is true when the server accepted this connection's 0-RTT data.
+	Used0RTT bool
+	// LocalAddr and RemoteAddr are the connection's UDP endpoints.
+	LocalAddr, RemoteAddr net.Addr
+	// ReadLanes is the number of connections to Addr with a completed
+	// handshake that a large READ is striped over now, lane 0 included:
+	// 1 when Config.ReadLanes is 1 or no other lane is up.
+	ReadLanes int
+}
+
+// failedDial records a connection to an address that ended refused (a TLS
+// alert, a close with a code) or was never had (the dial failed): err, the
+// error of the call that met it, answers every call numbered up to call.
+type failedDial struct {
+	call uint64
+	err  error
+}
+
+// noteFailedDial records that the connection to addr ended refused or could
+// not be had, with err: the calls already started (they raced the one that
+// met the refusal, as a connector's metadata exchange and READ to a new
+// peer do) get err instead of dialing again; calls started from now on
+// dial anew, once each.
+func (a *Agent) noteFailedDial(addr string, err error) {
+	d := &a.dialer
+	d.mu.Lock()
+	d.failedDials[addr] = failedDial{call: a.calls.Load(), err: err}
+	d.mu.Unlock()
+}
+
+// peerFor returns a usable connection to addr for call (its number from
+// Agent.calls), dialing (with 0-RTT when a session ticket is cached) if
+// there is none, unless a connection to addr ended refused or failed to
+// dial after call started: then that error.
+func (a *Agent) peerFor(ctx context.Context, addr string, call uint64) (*peer, error) {
+	d := &a.dialer
+	if d.tls == nil {
+		return nil, fmt.Errorf("%w: transfer: Config.ClientTLS is nil, this agent cannot dial %s", ErrInvalidArgument, addr)
+	}
+	for {
+		d.mu.Lock()
+		if d.closed {
+			d.mu.Unlock()
+			return nil, errClosed()
+		}
+		p := d.peers[addr]
+		if f, ok := d.failedDials[addr]; p == nil && ok && call <= f.call {
+			d.mu.Unlock()
+			return nil, f.err
+		}
+		if p == nil {
+			p = &peer{addr: addr, ready: make(chan struct{})}
+			d.peers[addr] = p
+			if d.dials[addr] > 0 {
+				a.m.reconnects.Inc()
+			}
+			d.dials[addr]++
+			// The dial belongs to the agent, not to this caller: a caller
+			// that gives up leaves it running for the others waiting on p.
+			d.wg.Add(1)
+			d.mu.Unlock()
+			go a.dial(p, a.tr)
+		} else {
+			d.mu.Unlock()
+		}
+		select {
+		case <-p.ready:
+		case <-ctx.Done():
+			return nil, context.Cause(ctx)
+		}
+		if p.err == nil && p.conn.Context().Err() == nil {
+			return p, nil
+		}
+		if p.err != nil {
+			a.dropPeer(p)
+			a.noteFailedDial(addr, p.err)
+			return nil, p.err
+		}
+		// The connection died and its watcher may not have said so yet:
+		// tell OnPeerGone before a new connection to addr is used, so what
+		// was learned on the old one (agent metadata) is dropped first.
+		a.peerGone(p)
+	}
+}
+
+// peerGone drops p's connection, which has ended, from the cache and tells
+// OnPeerGone, once per connection, whoever notices first: the watcher, a
+// caller finding it dead, or the redial rule.
+func (a *Agent) peerGone(p *peer) {
+	a.dropPeer(p)
+	a.closeLanes(p)
+	p.gone.Do(func() {
+		if a.isClosed() {
+			return
+		}
+		cause := context.Cause(p.conn.Context())
+		a.log.Info("transfer: peer connection lost", "peer", p.addr, "err", cause)
+		if a.cfg.OnPeerGone != nil {
+			a.cfg.OnPeerGone(p.addr, cause)
+		}
+	})
+}
+
+func (a *Agent) dropPeer(p *peer) {
+	d := &a.dialer
+	d.mu.Lock()
+	if d.peers[p.addr] == p {
+		delete(d.peers, p.addr)
+	}
+	d.mu.Unlock()
+}
+
+// dial connects p from tr and closes p.ready. It runs on the agent's goroutine
+// under the agent's context bounded by Config.HandshakeTimeout (address
+// resolution included), never under a caller's: every caller waiting on p
+// shares its outcome, whichever of them gives up first. The caller added
+// it to the dialer's goroutines.
+func (a *Agent) dial(p *peer, tr *quic.Transport) {
+	defer a.dialer.wg.Done()
+	defer close(p.ready)
+	ctx, cancel := context.WithTimeoutCause(a.ctx, a.cfg.HandshakeTimeout,
+		fmt.Errorf("transfer: dial %s: no handshake within Config.HandshakeTimeout %v: %w", p.addr, a.cfg.HandshakeTimeout, context.DeadlineExceeded))
+	defer cancel()
+	udp, err := resolveUDP(ctx, p.addr)
+	if err != nil {
+		if a.isClosed() {
+			err = errClosed()
+		}
+		p.err = err
+		return
+	}
+	if ap := a.cfg.AllowedPeers; ap != nil {
+		if err := ap.check(p.addr, udp.AddrPort()); err != nil {
+			a.log.Warn("transfer: refused to dial a peer outside the allowed peers", "peer", p.addr, "resolved", udp.String(), "allowed", ap.String())
+			p.err = err
+			return
+		}
+	}
+	tc := a.dialer.tls.Clone()
+	// Session tickets are kept per peer address, not per host name, so
+	// agents sharing an IP do not try each other's tickets.
+	key := p.addr
+	if p.lane > 0 {
+		// A READ lane keeps its own ticket: the lanes dial at once, and
+		// one ticket resumed by concurrent dials is written by quic-go
+		// while crypto/tls reads it (quic-go v0.65 crypto_setup.go
+		// QUICResumeSession sets SessionState.EarlyData; the race
+		// detector reports it).
+		key = fmt.Sprintf("%s#lane%d", p.addr, p.lane)
+	}
+	tc.ClientSessionCache = keyedCache{a.dialer.sessions, key}
+	if tc.ServerName == "" {
+		// Verify the name dialled: an IP address against the certificate's
+		// IP SANs, a DNS name against its DNS SANs (what serve checks its
+		// own certificate against at start).
+		tc.ServerName, _, _ = net.SplitHostPort(p.addr)
+	}
+	a.dialingTLS(tc, p.addr)
+	var conn *quic.Conn
+	if p.lane == 0 {
+		a.m.dials.Inc()
+		conn, err = tr.DialEarly(ctx, udp, tc, a.qconf)
+	} else {
+		// A READ lane carries nothing before its handshake completes, so
+		// it never sends 0-RTT: no stream of it can meet a rejection.
+		conn, err = tr.Dial(ctx, udp, tc, a.qconf)
+	}
+	if err != nil {
+		if a.isClosed() {
+			err = errClosed()
+		} else if ctx.Err() != nil {
+			err = context.Cause(ctx)
+		}
+		p.err = fmt.Errorf("%w: transfer: dial %s: %w", ErrUnavailable, p.addr, err)
+		return
+	}
+	p.conn = conn
+	d := &a.dialer
+	d.mu.Lock()
+	closed := d.closed
+	if !closed {
+		d.wg.Add(1)
+	}
+	d.mu.Unlock()
+	if closed {
+		_ = conn.CloseWithError(0, "agent closing")
+		p.conn, p.err = nil, errClosed()
+		return
+	}
+	go a.watch(p)
+}
+
+// resolveUDP resolves a peer's host:port with net.DefaultResolver under
+// ctx, so a slow name server cannot hold a dial past its deadline. Like
+// net.ResolveUDPAddr it prefers an IPv4 address. Errors: ErrInvalidArgument
+// for a malformed address or a name that does not exist, ErrUnavailable when
+// the lookup fails otherwise (context.Cause(ctx) when it ran out of time).
+func resolveUDP(ctx context.Context, addr string) (*net.UDPAddr, error) {
+	host, port, err := net.SplitHostPort(addr)
+	if err == nil && host == "" {
+		err = errors.New("no host")
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%w: transfer: peer address %q: %w", ErrInvalidArgument, addr, err)
+	}
+	pn, err := net.DefaultResolver.LookupPort(ctx, "udp", port)
+	if err != nil {
+		return nil, fmt.Errorf("%w: transfer: peer address %q: port: %w", ErrInvalidArgument, addr, err)
+	}
+	if ip, err := netip.ParseAddr(host); err == nil {
+		return net.UDPAddrFromAddrPort(netip.AddrPortFrom(ip, uint16(pn))), nil
+	}
+	ips, err := net.DefaultResolver.LookupNetIP(ctx, "ip", host)
+	if err != nil {
+		var de *net.DNSError
+		if errors.As(err, &de) && de.IsNotFound {
+			return nil, fmt.Errorf("%w: transfer: peer address %q: %w", ErrInvalidArgument, addr, err)
+		}
+		if ctx.Err() != nil {
+			err = context.Cause(ctx)
+		}
+		return nil, fmt.Errorf("%w: transfer: resolve peer address %q: %w", ErrUnavailable, addr, err)
+	}
+	if len(ips) == 0 {
+		return nil, fmt.Errorf("%w: transfer: peer address %q: host has no address", ErrInvalidArgument, addr)
+	}
+	best := ips[0]
+	for _, ip := range ips {
+		if ip.Unmap().Is4() {
+			best = ip
+			break
+		}
+	}
+	return net.UDPAddrFromAddrPort(netip.AddrPortFrom(best.Unmap(), uint16(pn))), nil
+}
+
+// watch follows one dialed connection: it records whether 0-RTT was
+// accepted, re-enables streams after a 0-RTT rejection, probes it while it
+// lasts, and reports the peer gone when lane 0 ends.
+func (a *Agent) watch(p *peer) {
+	defer a.dialer.wg.Done()
+	conn := p.conn
+	select {
+	case <-conn.HandshakeComplete():
+		_, _ = conn.NextConnection(conn.Context())
+		if conn.ConnectionState().Used0RTT {
+			a.m.zeroRTT.Inc()
+		}
+	case <-conn.Context().Done():
+	}
+	a.probe(conn)
+	if p.lane == 0 {
+		a.peerGone(p)
+	}
+}
+
+// probeBytes is the payload of a keep-alive probe. quic-go answers a packet
+// of a connection it does not know with a stateless reset only when the
+// packet is larger than 42 bytes (protocol.MinStatelessResetSize, quic-go
+// v0.65), and its keep-alive PINGs are about 25: a probe carries enough to
+// draw the reset, whatever the header sizes.
+const probeBytes = 48
+
+// probe sends a QUIC datagram of probeBytes on conn every KeepAlivePeriod
+// until conn ends, so an idle connection to a peer that restarted on its
+// address learns of it from the new process's stateless reset within one
+// period. The serving agent discards the probes (serveConn).
+func (a *Agent) probe(conn *quic.Conn) {
+	if !conn.ConnectionState().SupportsDatagrams.Remote {
+		<-conn.Context().Done() // a peer without datagrams: quic-go's PINGs only
+		return
+	}
+	t := time.NewTicker(a.cfg.KeepAlivePeriod)
+	defer t.Stop()
+	payload := make([]byte, probeBytes)
+	for {
+		select {
+		case <-conn.Context().Done():
+			return
+		case <-t.C:
+			_ = conn.SendDatagram(payload) // fails only once conn ended
+		}
+	}
+}
+
+// PeerInfo waits for the current connection to addr to finish its handshake
+// and describes it. It returns an error of class ErrNotFound when there is no
+// connection to addr, or context.Cause(ctx).
+func (a *Agent) PeerInfo(ctx context.Context, addr string) (PeerInfo, error) {
+	d := &a.dialer
+	d.mu.Lock()
+	p, dials := d.peers[addr], d.dials[addr]
+	d.mu.Unlock()
+	if p == nil {
+		return PeerInfo{Addr: addr, Dials: dials}, errorf(v1.Code_CODE_NOT_FOUND, "no connection to %s", addr)
+	}
+	select {
+	case <-p.ready:
+	case <-ctx.Done():
+		return PeerInfo{}, context.Cause(ctx)
+	}
+	if p.err != nil {
+		return PeerInfo{Addr: addr, Dials: dials}, p.err
+	}
+	select {
+	case <-p.conn.HandshakeComplete():
+	case <-p.conn.Context().Done():
+	case <-ctx.Done():
+		return PeerInfo{}, context.Cause(ctx)
+	}
+	lanes := 1
+	for _, c := range p.laneConns() {
+		if c.Context().Err() == nil && handshakeDone(c) {
+			lanes++
+		}
+	}
+	return PeerInfo{
+		Addr: addr, Dials: dials, Used0RTT: p.conn.ConnectionState().Used0RTT,
+		LocalAddr: p.conn.LocalAddr(), RemoteAddr: p.conn.RemoteAddr(), ReadLanes: lanes,
+	}, nil
+}
+
+// DialCount is the number of connections dialed to addr so far.
+func (a *Agent) DialCount(addr string) int {
+	d := &a.dialer
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.dials[addr]
+}
+
+// Alive reports whether the agent holds a connection to addr that is up
+// (a dial in progress counts as up). A later call to addr on a dead one
+// dials again.
+func (a *Agent) Alive(addr string) bool {
+	p := a.dialer.cached(addr)
+	if p == nil {
+		return false
+	}
+	select {
+	case <-p.ready:
+		return p.err == nil && p.conn.Context().Err() == nil
+	default:
+		return true
+	}
+}
+
+// Disconnect closes the connection to addr, if any, without closing the
+// agent; the next call to addr dials again (with 0-RTT). OnPeerGone has
+// been called for it when Disconnect returns.
+func (a *Agent) Disconnect(addr string) {
+	p := a.dialer.cached(addr)
+	if p == nil {
+		return
+	}
+	<-p.ready
+	if p.conn != nil {
+		_ = p.conn.CloseWithError(0, "disconnect")
+		<-p.conn.Context().Done()
+		a.peerGone(p) // before returning, as the doc says, not when the watcher gets to it
+		return
+	}
+	a.dropPeer(p)
+}
+
+// budgetFor returns the in-flight byte budget of dialed transfers to addr.
+func (a *Agent) budgetFor(addr string) *budget {
+	d := &a.dialer
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	b := d.budgets[addr]
+	if b == nil {
+		b = newBudget(a.cfg.MaxInflightPerPeer)
+		d.budgets[addr] = b
+	}
+	return b
+}
+
+// keyedCache stores session tickets under the peer address.
+type keyedCache struct {
+	c   tls.ClientSessionCache
+	key string
+}
+
+func (k keyedCache) Get(string) (*tls.ClientSessionState, bool) { return k.c.Get(k.key) }
+func (k keyedCache) Put(_ string, cs *tls.ClientSessionState)   { k.c.Put(k.key, cs) }
