@@ -191,9 +191,8 @@ type Rank struct {
 	incarnation uint64
 	capKey      *transfer.CapabilityKey
 	agent       *transfer.Agent
-	hsServer    atomic.Pointer[handshake.Server]
+	hsServer    *handshake.Server
 	hs          *handshake.Client
-	hsGone      atomic.Pointer[handshake.Client] // hs, for the agent's OnPeerGone
 	leases      *leaseTable
 	pinned      sync.Map // *transfer.Access -> *lease, READs being served
 	m           *metrics
@@ -283,18 +282,18 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 	tc.OnHeartbeat = r.onHeartbeat
 	tc.OnHandshake = r.onHandshake
 	tc.CheckExpect = r.checkExpect
-	tc.OnPeerGone = func(addr string, err error) {
-		if hs := r.hsGone.Load(); hs != nil {
-			hs.Forget(addr)
-		}
-	}
+	// The agent dials only for calls made through r.hs, by a load or a
+	// heartbeat, all after r.hs is set: a connection is lost after that.
+	tc.OnPeerGone = func(addr string, err error) { r.hs.Forget(addr) }
 	if tc.Registerer == nil {
 		tc.Registerer = c.Registerer
 	}
 	if tc.Logger == nil {
 		tc.Logger = c.Logger
 	}
-	// Everything a served request reaches exists before the agent listens.
+	// Everything a served request reaches exists before the agent starts
+	// serving: the lease table now, the handshake server and client, which
+	// need the agent's address and the agent, below.
 	r.leases = newLeaseTable(c.LeaseTTL, c.TPRank, r.leaseReleased)
 	r.ctx, r.cancel = context.WithCancelCause(context.WithoutCancel(ctx))
 	fail := func(err error) (*Rank, error) {
@@ -305,7 +304,7 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 		}
 		return nil, err
 	}
-	if r.agent, err = transfer.New(&tc); err != nil {
+	if r.agent, err = transfer.NewUnstarted(&tc); err != nil {
 		return fail(fmt.Errorf("connector: %w", err))
 	}
 	if r.cfg.AdvertiseAddr == "" {
@@ -319,16 +318,16 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 		r.local.Regions = append(r.local.Regions, handshake.Region{Base: ri.Base, Len: ri.Len, BlockLen: ri.BlockLen,
 			DevID: uint32(ri.DevID), Layer: uint32(ri.Layer), Kind: ri.Kind, PageSize: ri.PageSize})
 	}
-	srv, err := handshake.NewServer(r.local)
-	if err != nil {
+	if r.hsServer, err = handshake.NewServer(r.local); err != nil {
 		return fail(err)
 	}
-	r.hsServer.Store(srv)
 	if r.hs, err = handshake.NewClient(&handshake.Config{Caller: r.agent, Local: r.local, Mode: c.HandshakeMode,
 		Logger: c.Logger, Registerer: c.Registerer}); err != nil {
 		return fail(err)
 	}
-	r.hsGone.Store(r.hs)
+	if err := r.agent.Start(); err != nil {
+		return fail(fmt.Errorf("connector: %w", err))
+	}
 	r.wg.Go(r.heartbeatLoop)
 	c.Logger.Info("rank started", "engine_id", c.EngineID, "tp_rank", c.TPRank, "tp_size", c.TPSize,
 		"addr", r.cfg.AdvertiseAddr, "incarnation", r.incarnation, "regions", len(r.regions), "capability_key_id", r.capKey.ID())
@@ -361,11 +360,7 @@ func (m poolMemory) CopyOut(off uint64, dst []byte) error    { return m.p.CopyOu
 func (m poolMemory) CopyIn(off uint64, src []byte) error     { return m.p.CopyIn(m.region, off, src) }
 
 func (r *Rank) onHandshake(ctx context.Context, req *v1.HandshakeRequest) *v1.HandshakeResponse {
-	srv := r.hsServer.Load()
-	if srv == nil {
-		return &v1.HandshakeResponse{Error: codes.ToProto(codes.New(v1.Code_CODE_UNAVAILABLE, "connector: rank %d is starting", r.cfg.TPRank))}
-	}
-	return srv.Handle(ctx, req)
+	return r.hsServer.Handle(ctx, req)
 }
 
 // checkExpect is the serving side's check of a READ's PeerExpect (a
@@ -373,11 +368,7 @@ func (r *Rank) onHandshake(ctx context.Context, req *v1.HandshakeRequest) *v1.Ha
 // handshake server's checks, on this rank's metadata; regions maps the
 // reader's regions onto this rank's by layer and kind.
 func (r *Rank) checkExpect(ctx context.Context, e *v1.PeerExpect) ([]int, error) {
-	srv := r.hsServer.Load()
-	if srv == nil {
-		return nil, codes.New(v1.Code_CODE_UNAVAILABLE, "connector: rank %d is starting", r.cfg.TPRank)
-	}
-	regions, err := srv.CheckExpect(ctx, e)
+	regions, err := r.hsServer.CheckExpect(ctx, e)
 	if err != nil {
 		return nil, fmt.Errorf("connector: rank %d of engine %q refused a READ: %w", r.cfg.TPRank, r.cfg.EngineID, err)
 	}

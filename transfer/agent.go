@@ -76,10 +76,12 @@ type Agent struct {
 	dialer dialer
 	server server
 
-	// mu guards closed. It is taken before dialer.mu or server.mu,
+	// mu orders the life cycle, Start and Close; it guards started,
+	// closed and server.ln. It is taken before dialer.mu or server.mu,
 	// never while holding either.
-	mu     sync.Mutex
-	closed bool
+	mu      sync.Mutex
+	started bool
+	closed  bool
 
 	calls    atomic.Uint64 // numbers the calls into withConn, in start order
 	nextXfer atomic.Uint64
@@ -108,8 +110,28 @@ func (a *Agent) BytesMoved() uint64 { return a.moved.Load() }
 
 // New starts an agent: it opens (or adopts) the UDP socket and, when
 // ServerTLS is set, starts accepting connections. It returns an error naming
-// the Config field for an invalid config.
+// the Config field for an invalid config. It is NewUnstarted, then Start.
 func New(cfg *Config) (*Agent, error) {
+	a, err := NewUnstarted(cfg)
+	if err != nil {
+		return nil, err
+	}
+	if err := a.Start(); err != nil {
+		_ = a.Close()
+		return nil, err
+	}
+	return a, nil
+}
+
+// NewUnstarted is New without the Start, as httptest.NewUnstartedServer is
+// httptest.NewServer without it: the socket is open, Addr answers and the
+// agent dials, but it accepts no connection until Start, so no serving
+// callback of Config (Authorize, Release, OnHandshake, CheckExpect,
+// OnNotification, OnHeartbeat) runs before then. Its owner can build what
+// those callbacks reach out of the agent itself (its address, a client
+// that calls through it) before any peer can reach them. Close closes an
+// agent that never started as well.
+func NewUnstarted(cfg *Config) (*Agent, error) {
 	c := cfg.withDefaults()
 	if err := c.validate(); err != nil {
 		return nil, err
@@ -147,18 +169,35 @@ func New(cfg *Config) (*Agent, error) {
 		r := r
 		a.regions = append(a.regions, &r)
 	}
-	if c.ServerTLS != nil {
-		ln, err := a.tr.ListenEarly(a.servingTLS(servingBase(c.ServerTLS)), a.qconf)
-		if err != nil {
-			a.tr.Close()
-			pc.Close()
-			return nil, fmt.Errorf("transfer: listen: %w", err)
-		}
-		a.server.ln = ln
-		a.server.wg.Add(1)
-		go a.acceptLoop()
-	}
 	return a, nil
+}
+
+// Start starts serving: with Config.ServerTLS set, the agent accepts
+// connections from now on (without it there is nothing to start). An agent
+// from New is started already. Errors: a second Start; a closed agent
+// (ErrUnavailable, wrapping net.ErrClosed); quic-go's listen error, after
+// which the agent serves nothing and is to be closed.
+func (a *Agent) Start() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	switch {
+	case a.closed:
+		return errClosed()
+	case a.started:
+		return errors.New("transfer: agent already started")
+	}
+	a.started = true
+	if a.cfg.ServerTLS == nil {
+		return nil
+	}
+	ln, err := a.tr.ListenEarly(a.servingTLS(servingBase(a.cfg.ServerTLS)), a.qconf)
+	if err != nil {
+		return fmt.Errorf("transfer: listen: %w", err)
+	}
+	a.server.ln = ln
+	a.server.wg.Add(1)
+	go a.acceptLoop()
+	return nil
 }
 
 // Addr is the agent's UDP address, e.g. 127.0.0.1:41234.

@@ -18,6 +18,10 @@
 //	res, err := a.Transfer(ctx, &transfer.Xfer{Op: transfer.OpRead, Peer: "10.0.0.2:5600",
 //		RequestID: id, Capability: capab, Local: local, Remote: remote})
 //
+// New is NewUnstarted then Start: an owner whose serving callbacks need
+// the agent itself (its address, a client calling through it) builds them
+// between the two, and no peer is served before Start.
+//
 // # Wire
 //
 // Every exchange is one bidirectional stream opened by the dialer that starts

@@ -44,7 +44,7 @@ type servedConn struct {
 // own (the dialing half never takes it); its goroutines, the accept loop,
 // one per served connection and those serving its streams, are in wg.
 type server struct {
-	ln *quic.EarlyListener // nil: the agent does not serve
+	ln *quic.EarlyListener // set by Agent.Start under Agent.mu; nil: the agent does not serve
 
 	mu     sync.Mutex
 	closed bool // the agent is closing: no connection is added
