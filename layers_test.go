@@ -49,9 +49,10 @@ var layerOf = map[string]string{
 	"internal/unixsock":  layerLeaf,
 	"internal/wire":      layerLeaf,
 
-	"vmm":         layerMemory,
-	"vmm/cuda":    layerMemory,
-	"vmm/tpgroup": layerMemory,
+	"vmm":                       layerMemory,
+	"vmm/cuda":                  layerMemory,
+	"vmm/cuda/internal/cudaabi": layerMemory,
+	"vmm/tpgroup":               layerMemory,
 
 	"handshake": layerNetwork,
 	"transfer":  layerNetwork,

@@ -3,6 +3,7 @@
 package cuda
 
 /*
+#cgo CFLAGS: -I${SRCDIR}/internal/cudaabi
 #cgo LDFLAGS: -ldl
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -13,45 +14,9 @@ package cuda
 #include <string.h>
 #include <unistd.h>
 
-// Vendored minimal CUDA driver API typedefs (no cuda.h, no toolkit). Values
-// and layouts from the CUDA Driver API reference (cuda.h 12.x): CUdeviceptr
-// is 64-bit on LP64 (the _v2 API); CUmemAllocationProp and CUmemAccessDesc
-// as in "Virtual Memory Management"; enum values:
-//   CU_MEM_ALLOCATION_TYPE_PINNED = 1, CU_MEM_LOCATION_TYPE_DEVICE = 1,
-//   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1,
-//   CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
-//   CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
-//   CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102,
-//   CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103.
-typedef int CUresult;
-typedef int CUdevice;
-typedef struct CUctx_st *CUcontext;
-typedef unsigned long long CUdeviceptr;
-typedef unsigned long long CUmemGenericAllocationHandle;
-typedef struct { int type; int id; } CUmemLocation;
-typedef struct {
-	int type;
-	int requestedHandleTypes;
-	CUmemLocation location;
-	void *win32HandleMetaData;
-	struct {
-		unsigned char compressionType;
-		unsigned char gpuDirectRDMACapable;
-		unsigned short usage;
-		unsigned char reserved[4];
-	} allocFlags;
-} CUmemAllocationProp;
-typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
-
-enum {
-	KVS_ALLOC_PINNED = 1,
-	KVS_LOC_DEVICE = 1,
-	KVS_HANDLE_POSIX_FD = 1,
-	KVS_ACCESS_RW = 3,
-	KVS_GRAN_MINIMUM = 0,
-	KVS_ATTR_VMM = 102,
-	KVS_ATTR_POSIX_FD = 103,
-};
+// The driver API's types and enum values: the vendored header this
+// package shares with the fake driver of cudatest (internal/cudaabi).
+#include "cuda_abi.h"
 
 // kvs_lib is the entry points of one loaded driver library.
 typedef struct {
@@ -121,9 +86,9 @@ static int kvs_load(const char *name, kvs_lib *l, char *path, size_t pathlen, ch
 // exportable as a POSIX file descriptor.
 static void kvs_prop(CUmemAllocationProp *p, int dev) {
 	memset(p, 0, sizeof *p);
-	p->type = KVS_ALLOC_PINNED;
-	p->requestedHandleTypes = KVS_HANDLE_POSIX_FD;
-	p->location.type = KVS_LOC_DEVICE;
+	p->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+	p->requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+	p->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
 	p->location.id = dev;
 }
 
@@ -151,7 +116,7 @@ static CUresult kvs_granularity(const kvs_lib *l, CUcontext ctx, CUdevice dev, s
 	if (r) return r;
 	CUmemAllocationProp prop;
 	kvs_prop(&prop, dev);
-	return l->cuMemGetAllocationGranularity(gran, &prop, KVS_GRAN_MINIMUM);
+	return l->cuMemGetAllocationGranularity(gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
 }
 
 // kvs_probe creates one page with the allocation properties, exports it as
@@ -168,7 +133,7 @@ static CUresult kvs_probe(const kvs_lib *l, CUcontext ctx, CUdevice dev, size_t 
 	if (r) return r;
 	int fd = -1;
 	*stage = 1;
-	r = l->cuMemExportToShareableHandle(&fd, h, KVS_HANDLE_POSIX_FD, 0);
+	r = l->cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
 	if (fd >= 0) close(fd);
 	CUresult rr = l->cuMemRelease(h);
 	if (!r && rr) *stage = 2;
@@ -213,20 +178,20 @@ static CUresult kvs_set_access(const kvs_lib *l, CUcontext ctx, CUdevice dev, CU
 	if (r) return r;
 	CUmemAccessDesc d;
 	memset(&d, 0, sizeof d);
-	d.location.type = KVS_LOC_DEVICE;
+	d.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
 	d.location.id = dev;
-	d.flags = KVS_ACCESS_RW;
+	d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
 	return l->cuMemSetAccess(ptr, size, &d, 1);
 }
 
 static CUresult kvs_export(const kvs_lib *l, CUcontext ctx, CUmemGenericAllocationHandle h, int *fd) {
 	CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuMemExportToShareableHandle(fd, h, KVS_HANDLE_POSIX_FD, 0);
+	return r ? r : l->cuMemExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
 }
 
 static CUresult kvs_import(const kvs_lib *l, CUcontext ctx, int fd, CUmemGenericAllocationHandle *h) {
 	CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuMemImportFromShareableHandle(h, (void *)(intptr_t)fd, KVS_HANDLE_POSIX_FD);
+	return r ? r : l->cuMemImportFromShareableHandle(h, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
 }
 
 static CUresult kvs_htod(const kvs_lib *l, CUcontext ctx, CUdeviceptr dst, const void *src, size_t n) {
@@ -249,6 +214,10 @@ import (
 	"unsafe"
 
 	"github.com/kvsidecar/kvsidecar/vmm"
+	// The header the C code above includes: importing its package makes
+	// a change to it rebuild this one (the go command tracks only the
+	// headers in a package's own directory).
+	_ "github.com/kvsidecar/kvsidecar/vmm/cuda/internal/cudaabi"
 )
 
 // library is one loaded driver library. Its C table is never freed: a
@@ -366,14 +335,14 @@ func (b *Backend) check() error {
 		}
 		return int(v), nil
 	}
-	vmmOK, err := attr("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", C.KVS_ATTR_VMM)
+	vmmOK, err := attr("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", C.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)
 	if err != nil {
 		return err
 	}
 	if vmmOK == 0 {
 		return fmt.Errorf("cuda: device %d does not support virtual memory management (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0): %w", b.ord, ErrNoGPU)
 	}
-	fdOK, err := attr("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED", C.KVS_ATTR_POSIX_FD)
+	fdOK, err := attr("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED", C.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)
 	if err != nil {
 		return err
 	}

@@ -12,9 +12,11 @@ import (
 	"strings"
 	"sync"
 	"testing"
+
+	"github.com/kvsidecar/kvsidecar/vmm/cuda/internal/cudaabi"
 )
 
-//go:embed testdata/fakecuda.c testdata/rules.c testdata/cuda_abi.h
+//go:embed testdata/fakecuda.c testdata/rules.c
 var sources embed.FS
 
 // Environment variables the fake reads (see testdata/fakecuda.c). The first
@@ -104,15 +106,9 @@ func gcc(out, src string, flags []string) (string, error) {
 		if err != nil {
 			return "", err
 		}
-		for _, name := range []string{"fakecuda.c", "rules.c", "cuda_abi.h"} {
-			b, err := sources.ReadFile("testdata/" + name)
-			if err == nil {
-				err = os.WriteFile(filepath.Join(dir, name), b, 0o600)
-			}
-			if err != nil {
-				_ = os.RemoveAll(dir)
-				return "", err
-			}
+		if err := writeSources(dir); err != nil {
+			_ = os.RemoveAll(dir)
+			return "", err
 		}
 		build.dir = dir
 	}
@@ -122,6 +118,25 @@ func gcc(out, src string, flags []string) (string, error) {
 		return "", fmt.Errorf("%s %s: %w\n%s", cc, strings.Join(args, " "), err, b)
 	}
 	return p, nil
+}
+
+// writeSources writes the fake's C sources into dir, and beside them the
+// header vmm/cuda calls the driver through: one statement of the ABI for
+// the code under test and the fake.
+func writeSources(dir string) error {
+	if err := os.WriteFile(filepath.Join(dir, "cuda_abi.h"), []byte(cudaabi.Header), 0o600); err != nil {
+		return err
+	}
+	for _, name := range []string{"fakecuda.c", "rules.c"} {
+		b, err := sources.ReadFile("testdata/" + name)
+		if err != nil {
+			return err
+		}
+		if err := os.WriteFile(filepath.Join(dir, name), b, 0o600); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // M wraps a test binary's m so that Run removes what was built after the

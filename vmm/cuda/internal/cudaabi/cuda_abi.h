@@ -1,9 +1,18 @@
 // cuda_abi.h: the part of the CUDA driver API's ABI (types, enum values)
-// that fakecuda.c implements and rules.c calls, as in cuda.h 12.x. vmm/cuda
-// keeps its own copy on purpose: the fake states the ABI independently of
-// the code under test, so a wrong layout there shows up as a failure here.
+// that kvsidecar uses, vendored from cuda.h 12.x so nothing needs a CUDA
+// toolkit. It is the one copy: vmm/cuda's cgo code calls the driver through
+// it, and vmm/cuda/cudatest compiles the fake driver (fakecuda.c) and its
+// rules program against it. Since both sides read the same header, the
+// layouts are checked here against the reference (LP64) at every compile,
+// so a wrong one fails both builds instead of passing both.
+//
+// Values and layouts from the CUDA Driver API reference: CUdeviceptr is
+// 64-bit (the _v2 API); CUmemAllocationProp and CUmemAccessDesc as in
+// "Virtual Memory Management"; the enum values as in cuda.h.
 #ifndef KVSIDECAR_CUDA_ABI_H
 #define KVSIDECAR_CUDA_ABI_H
+
+#include <stddef.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -49,5 +58,15 @@ enum {
 	CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102,
 	CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103,
 };
+
+_Static_assert(sizeof(CUdeviceptr) == 8, "CUdeviceptr is 64-bit (the _v2 API)");
+_Static_assert(sizeof(CUmemGenericAllocationHandle) == 8, "CUmemGenericAllocationHandle is 64-bit");
+_Static_assert(sizeof(CUmemLocation) == 8, "CUmemLocation is {type, id}");
+_Static_assert(offsetof(CUmemAllocationProp, location) == 8, "CUmemAllocationProp.location");
+_Static_assert(offsetof(CUmemAllocationProp, win32HandleMetaData) == 16, "CUmemAllocationProp.win32HandleMetaData");
+_Static_assert(offsetof(CUmemAllocationProp, allocFlags) == 24, "CUmemAllocationProp.allocFlags");
+_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp is 32 bytes");
+_Static_assert(offsetof(CUmemAccessDesc, flags) == 8, "CUmemAccessDesc.flags");
+_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc is 12 bytes");
 
 #endif
