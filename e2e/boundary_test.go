@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvsidecar/kvsidecar/internal/codes"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -92,9 +93,13 @@ func TestBoundaryExportWithdrawn(t *testing.T) {
 }
 
 // TestBoundaryEditedBlockIDsNotifyNothing: params whose block ids were
-// edited (a block of the prefill that the export does not hold; one beyond
-// its regions) fail the load, and the decode does not notify the prefill:
-// the export's lease is still held, so the params as issued load
+// edited fail the load with one code each: a block of the prefill that the
+// export does not hold is refused by the prefill before any byte
+// (CODE_CAPABILITY_DENIED naming the block), one beyond its regions is
+// found by the decode against the prefill's num_blocks
+// (CODE_INVALID_ARGUMENT naming the field). The prefill serves 0 bytes, the
+// decode blocks keep their bytes, and the decode does not notify the
+// prefill: the export's lease is still held, so the params as issued load
 // byte-exact afterwards (the edited load used to end the lease).
 //
 // fault-matrix: edited-block-ids
@@ -107,23 +112,34 @@ func TestBoundaryEditedBlockIDsNotifyNothing(t *testing.T) {
 	other, err := pre.e.Alloc(t.Context(), 1)
 	require.NoError(t, err)
 	for _, tc := range []struct {
-		name string
-		id   uint32
-		code v1.Code
+		name   string
+		id     uint32
+		code   v1.Code
+		reason string
+		msg    string
 	}{
-		{"a block the export does not hold", other[0], v1.Code_CODE_CAPABILITY_DENIED},
-		{"a block beyond the regions", 5000, v1.Code_CODE_OUT_OF_RANGE},
+		{"a block the export does not hold", other[0], v1.Code_CODE_CAPABILITY_DENIED, "",
+			"block " + strconv.Itoa(int(other[0])) + ` is not in request "req-ed"'s export`},
+		{"a block beyond the regions", 5000, v1.Code_CODE_INVALID_ARGUMENT, string(codes.ReasonParamsOutOfRange),
+			"kv_transfer_params: remote_block_ids[1]=5000: outside [1, 256) of prefill rank 0"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			edited := proto.Clone(p).(*v1.KVTransferParams)
 			edited.RemoteBlockIds[1] = tc.id
 			dst, err := dec.e.Alloc(t.Context(), 2)
 			require.NoError(t, err)
+			dec.e.fill(t, 9, dst)
 			f := dec.e.load(t, "edited", dst, edited)
 			require.NotNil(t, f, "a load of edited block ids was reported done")
-			require.Contains(t, []v1.Code{tc.code, v1.Code_CODE_INVALID_ARGUMENT}, f.GetError().GetCode(), f.GetError().GetMessage())
+			require.Equal(t, tc.code, f.GetError().GetCode(), f.GetError().GetMessage())
+			require.Equal(t, tc.reason, f.GetError().GetReason(), f.GetError().GetMessage())
+			require.Contains(t, f.GetError().GetMessage(), tc.msg)
+			require.ElementsMatch(t, dst, f.GetBlockIds(), "every local block is reported for recompute")
+			dec.e.check(t, 9, dst)
 			require.NoError(t, dec.e.Free(t.Context(), dst))
 			require.Equal(t, uint64(1), pre.Stats(t)["leases_held"], "the edited params ended no lease")
+			require.Zero(t, metricWith(t, pre.Sidecar, "kvsidecar_transfer_bytes_total", `role="server"`), "the prefill served 0 bytes")
+			require.Zero(t, metricWith(t, dec.Sidecar, "kvsidecar_transfer_bytes_total"), "the decode read 0 bytes")
 		})
 	}
 	require.Zero(t, metricWith(t, pre.Sidecar, "kvsidecar_transfer_notifications_total"), "no notification reached the prefill")
