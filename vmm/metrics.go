@@ -12,7 +12,7 @@ import (
 type metrics struct {
 	pools        *poolGauges
 	mapSeconds   *prometheus.HistogramVec // op = map | unmap
-	failures     *prometheus.CounterVec   // op = map | unmap | hook_map | hook_unmap
+	failures     *prometheus.CounterVec   // op = map | unmap | hook_map | hook_unmap | hook_free
 	allocRefused prometheus.Counter
 }
 
@@ -45,7 +45,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	for _, op := range []string{"map", "unmap"} {
 		m.mapSeconds.WithLabelValues(op)
 	}
-	for _, op := range []string{"map", "unmap", "hook_map", "hook_unmap"} {
+	for _, op := range []string{"map", "unmap", "hook_map", "hook_unmap", "hook_free"} {
 		m.failures.WithLabelValues(op)
 	}
 	// Several pools in one process share one registry's collectors.

@@ -6,8 +6,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -868,6 +870,130 @@ func TestPoolPinHoldsPages(t *testing.T) {
 		unpin() // a second call counts for nothing
 		require.NoError(t, p.WaitUnpinned(t.Context(), []int{2*32 + 7}))
 		require.NoError(t, p.UnmapPages(t.Context(), []int{2}))
+		checkInvariants(t, p)
+	})
+}
+
+// logLines records what a pool logs, one record per line.
+type logLines struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *logLines) Write(b []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, string(b))
+	return len(b), nil
+}
+
+func (l *logLines) all() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.lines)
+}
+
+// TestPoolFreeHookFailsFreesAnyway: when rank 0's free hook (the TP
+// group's free barrier) fails, or does not answer within
+// UnmapHookTimeout, Free frees the blocks anyway. While the hook runs the
+// blocks stay allocated, so nobody is handed them; it runs detached from
+// the caller's ctx, cancelled or not, and is cut off at exactly
+// UnmapHookTimeout. Then the failure is logged with its error and counted
+// (kvsidecar_vmm_failures_total{op="hook_free"}, at 0 before), the blocks
+// are free, their empty page is unmapped and the page hook told, and Free
+// returns no error: the engine's free happened. (A follower still using
+// the blocks keeps its pages mapped through its own Pin: see
+// TestPoolPinHoldsPages.)
+//
+// fault-matrix: coordinated-free-unanswered
+func TestPoolFreeHookFailsFreesAnyway(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const hookTimeout = 10 * time.Second
+		refused := errors.New("tpgroup: free on ranks [1]: blocks [33] are still read or written by 1 transfer(s)")
+		var (
+			mu     sync.Mutex
+			calls  [][]int
+			hookCh = make(chan error, 1) // the hook's error; nil: wait for its ctx
+			seen   []error               // the hook ctx's error when it returned
+		)
+		freeHook := func(ctx context.Context, ids []int) error {
+			mu.Lock()
+			calls = append(calls, slices.Clone(ids))
+			mu.Unlock()
+			err := <-hookCh
+			if err == nil {
+				<-ctx.Done()
+				err = ctx.Err()
+			}
+			mu.Lock()
+			seen = append(seen, ctx.Err())
+			mu.Unlock()
+			return err
+		}
+		be := newFailing(t)
+		hook := &recHook{}
+		reg := prometheus.NewRegistry()
+		var logs logLines
+		p := newTestPool(t, Config{Backend: be, PreallocPages: -1, PageHook: hook, FreeHook: freeHook, UnmapHookTimeout: hookTimeout,
+			Logger: slog.New(slog.NewTextHandler(&logs, nil)), Registerer: reg})
+		nr := int64(testLayout.NumRegions())
+		failures := func(hookFree int) string {
+			return fmt.Sprintf(`
+# HELP kvsidecar_vmm_failures_total Backend or page hook failures by operation.
+# TYPE kvsidecar_vmm_failures_total counter
+kvsidecar_vmm_failures_total{op="hook_free"} %d
+kvsidecar_vmm_failures_total{op="hook_map"} 0
+kvsidecar_vmm_failures_total{op="hook_unmap"} 0
+kvsidecar_vmm_failures_total{op="map"} 0
+kvsidecar_vmm_failures_total{op="unmap"} 0
+`, hookFree)
+		}
+		require.NoError(t, promtest.GatherAndCompare(reg, strings.NewReader(failures(0)), "kvsidecar_vmm_failures_total"))
+		_, err := p.Alloc(t.Context(), 31) // the rest of page 0
+		require.NoError(t, err)
+
+		// The hook refuses: the blocks are freed anyway, their page unmapped.
+		ids, err := p.Alloc(t.Context(), 5)
+		require.NoError(t, err)
+		require.Equal(t, 2*nr, be.mapped.Load(), "page 1 mapped")
+		hookCh <- refused
+		require.NoError(t, p.Free(t.Context(), ids))
+		require.Equal(t, [][]int{ids}, calls, "the hook was asked about exactly these blocks")
+		require.Equal(t, 31, p.Stats().BlocksUsed, "the blocks are free")
+		require.ErrorIs(t, p.CheckAllocated(ids[:1]), ErrNotAllocated)
+		require.Equal(t, nr, be.mapped.Load(), "page 1 unmapped")
+		require.Equal(t, []string{"map[1]", "unmap[1]"}, hook.calls, "the page hook was told of the unmap")
+		require.NoError(t, promtest.GatherAndCompare(reg, strings.NewReader(failures(1)), "kvsidecar_vmm_failures_total"))
+		warned := logs.all()
+		require.Len(t, warned, 1)
+		require.Contains(t, warned[0], "level=WARN")
+		require.Contains(t, warned[0], `msg="vmm: free hook failed; freeing anyway" blocks=5`)
+		require.Contains(t, warned[0], refused.Error())
+		checkInvariants(t, p)
+
+		// The hook never answers, and the caller already gave up: Free
+		// waits exactly UnmapHookTimeout, holding the blocks, then frees.
+		ids, err = p.Alloc(t.Context(), 5)
+		require.NoError(t, err)
+		gone, cancel := context.WithCancel(t.Context())
+		cancel()
+		start := time.Now()
+		done := make(chan error, 1)
+		go func() { done <- p.Free(gone, ids) }()
+		hookCh <- nil
+		time.Sleep(hookTimeout - time.Nanosecond)
+		synctest.Wait()
+		require.Empty(t, done, "Free returned before the hook's deadline")
+		require.NoError(t, p.CheckAllocated(ids), "the blocks stay allocated while the hook runs")
+		require.Equal(t, 31+5, p.Stats().BlocksUsed)
+		require.NoError(t, <-done)
+		require.Equal(t, hookTimeout, time.Since(start), "cut off at UnmapHookTimeout")
+		require.Equal(t, []error{nil, context.DeadlineExceeded}, seen, "the hook's ctx ignores the caller's cancel and ends at its own deadline")
+		require.Equal(t, 31, p.Stats().BlocksUsed, "freed anyway")
+		require.Equal(t, nr, be.mapped.Load(), "page 1 unmapped again")
+		require.NoError(t, promtest.GatherAndCompare(reg, strings.NewReader(failures(2)), "kvsidecar_vmm_failures_total"))
+		require.Len(t, logs.all(), 2)
+		require.Contains(t, logs.all()[1], "context deadline exceeded")
 		checkInvariants(t, p)
 	})
 }
