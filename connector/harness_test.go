@@ -262,25 +262,33 @@ func (in *instance) startLoad(t testing.TB, id string, local []uint32, p *v1.KVT
 // list; it returns the failures by rank.
 func (in *instance) wait(t testing.TB, id string) []*connector.FailedLoad {
 	t.Helper()
+	out := make([]*connector.FailedLoad, len(in.ranks))
+	for r, rank := range in.ranks {
+		_, out[r] = waitLoad(t, rank, id)
+	}
+	return out
+}
+
+// waitLoad collects what rank reports until it reported id, done or
+// failed, and returns which.
+func waitLoad(t testing.TB, rank *connector.Rank, id string) (done bool, failed *connector.FailedLoad) {
+	t.Helper()
 	// wallclock: on real UDP (without o.sim) a generous scaled bound, so a lost report fails the test instead of hanging it; virtual under synctest.
 	ctx, cancel := context.WithTimeout(t.Context(), testutil.Scaled(30*time.Second))
 	defer cancel()
-	out := make([]*connector.FailedLoad, len(in.ranks))
-	for r, rank := range in.ranks {
-		for done := false; !done; {
-			f, err := rank.WaitFinished(ctx)
-			require.NoError(t, err, "rank %d waiting for %q", r, id)
-			for _, d := range f.DoneRecving {
-				done = done || d == id
-			}
-			for i := range f.Failed {
-				if f.Failed[i].RequestID == id {
-					out[r], done = &f.Failed[i], true
-				}
+	for !done && failed == nil {
+		f, err := rank.WaitFinished(ctx)
+		require.NoError(t, err, "waiting for %q", id)
+		for _, d := range f.DoneRecving {
+			done = done || d == id
+		}
+		for i := range f.Failed {
+			if f.Failed[i].RequestID == id {
+				failed = &f.Failed[i]
 			}
 		}
 	}
-	return out
+	return done, failed
 }
 
 // waitSent collects what rank r reports until id is in done_sending and

@@ -4,15 +4,20 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/kvgen"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	"github.com/kvsidecar/kvsidecar/internal/testutil"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/transfer"
@@ -170,4 +175,204 @@ func TestCoordinatedFreeWaitsForAFollowerRead(t *testing.T) {
 	require.Equal(t, v1.Code_CODE_LEASE_EXPIRED, codes.Of(err), "%v", err)
 	require.ErrorContains(t, err, "rank 0 freed block")
 	require.Equal(t, make([]byte, len(want)), mem.buf, "no byte of the reused blocks")
+}
+
+// pauseConn stops reading datagrams once it has read after bytes, until
+// resume: a rank stalled in the middle of a transfer, which its peer sees as
+// a stream whose window stays full.
+type pauseConn struct {
+	net.PacketConn
+	after      int64
+	read       atomic.Int64
+	paused     chan struct{} // closed when it stops reading
+	resumeCh   chan struct{}
+	pauseOnce  sync.Once
+	resumeOnce sync.Once
+}
+
+func newPauseConn(pc net.PacketConn, after int64) *pauseConn {
+	return &pauseConn{PacketConn: pc, after: after, paused: make(chan struct{}), resumeCh: make(chan struct{})}
+}
+
+func (c *pauseConn) ReadFrom(b []byte) (int, net.Addr, error) {
+	if c.read.Load() >= c.after {
+		c.pauseOnce.Do(func() { close(c.paused) })
+		<-c.resumeCh
+	}
+	n, addr, err := c.PacketConn.ReadFrom(b)
+	c.read.Add(int64(n))
+	return n, addr, err
+}
+
+// resume lets the conn read again; more calls do nothing.
+func (c *pauseConn) resume() { c.resumeOnce.Do(func() { close(c.resumeCh) }) }
+
+// newFollower builds, for a test under synctest on o's network, rank 1 of
+// a coordinated TP group of 2 without the group itself: its pool maps only
+// what it is told (pages, as rank 0 would through the group), and rank 0's
+// free reaches it through connector.FollowerFree. Its transfers' progress
+// deadline is far beyond the group's, so only the free aborts them.
+func newFollower(t testing.TB, o instOpts, engine string, pc net.PacketConn, pages ...int) (*connector.Rank, *vmm.Pool) {
+	t.Helper()
+	srv, err := o.ca.ServerConfig()
+	require.NoError(t, err)
+	cli, err := o.ca.ClientConfig()
+	require.NoError(t, err)
+	layout, err := vmm.LayoutFor(gqa8, 1, 2)
+	require.NoError(t, err)
+	pool, err := vmm.NewPool(t.Context(), &vmm.Config{Layout: layout, NumBlocks: 1024, PreallocPages: -1})
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, pool.Close()) })
+	require.NoError(t, pool.MapPages(t.Context(), pages))
+	rank, err := connector.NewRank(t.Context(), &connector.Config{EngineID: engine, TPRank: 1, TPSize: 2, Geometry: gqa8, Pool: pool,
+		Ownership: v1.Ownership_OWNERSHIP_COORDINATED,
+		Transfer:  &transfer.Config{PacketConn: pc, ServerTLS: srv, ClientTLS: cli, ProgressTimeout: time.Minute},
+		// Rank 0's address: nothing listens there, and nothing is sent there.
+		RankAddrs:        []string{"10.99.0.1:9", pc.LocalAddr().String()},
+		CapabilitySecret: []byte("0123456789abcdef-" + engine)})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = rank.Close() })
+	return rank, pool
+}
+
+// pageBlocks returns n block ids of page pg of p, as wire ids.
+func pageBlocks(p *vmm.Pool, pg, n int) []uint32 {
+	per := p.Stats().BlocksPerPage
+	ids := make([]uint32, n)
+	for i := range ids {
+		ids[i] = uint32(pg*per + i)
+	}
+	return ids
+}
+
+// The group's deadline for one free in the tests below: a transfer still
+// pinning the blocks is aborted at half of it.
+const groupDeadline = 4 * time.Second
+
+// startPausedLoad starts rank's load of params into local and returns once
+// pause, the socket of one side of the READ, stopped reading midway.
+func startPausedLoad(t testing.TB, rank *connector.Rank, local []uint32, params *v1.KVTransferParams, pause *pauseConn) {
+	t.Helper()
+	require.NoError(t, rank.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "req", LocalBlockIds: local, Params: params,
+		RemoteHitBlocks: new(uint32(0))}))
+	<-pause.paused
+	synctest.Wait()
+}
+
+// requireFreeEndsAtHalf runs rank 0's free of blocks on follower r, as its
+// group would: the free waits while the transfer pinning them runs
+// (running() stays 1), then completes at exactly half the group's
+// deadline, when the transfer's abort unpinned the blocks.
+func requireFreeEndsAtHalf(t testing.TB, r *connector.Rank, blocks []uint32, running func() int, what string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), groupDeadline)
+	defer cancel()
+	start := time.Now()
+	freed := make(chan error, 1)
+	go func() { freed <- connector.FollowerFree(ctx, r, kvgeom.Ints(blocks)) }()
+	time.Sleep(groupDeadline/2 - time.Millisecond)
+	synctest.Wait()
+	require.Empty(t, freed, "the free waits for the %s", what)
+	require.Equal(t, 1, running(), "the %s still runs", what)
+	require.Zero(t, r.Stats().LeasesHeld, "no export holds the blocks")
+	require.NoError(t, <-freed)
+	require.Equal(t, groupDeadline/2, time.Since(start), "the %s was aborted at half the group's deadline, and that ended the wait", what)
+}
+
+// requireLoadAborted waits for rank's load "req" and requires it failed
+// with CODE_ABORTED, every local block to recompute, never done.
+func requireLoadAborted(t testing.TB, rank *connector.Rank, local []int) *connector.FailedLoad {
+	t.Helper()
+	done, failed := waitLoad(t, rank, "req")
+	require.False(t, done, "a transfer aborted by rank 0's free was reported done")
+	require.Equal(t, v1.Code_CODE_ABORTED, codes.Of(failed.Err), "%v", failed.Err)
+	require.Equal(t, local, failed.BlockIDs, "every local block to recompute")
+	return failed
+}
+
+// TestCoordinatedFollowerReadAbortedAtHalfTheFreeDeadline: under
+// coordinated ownership rank 0 frees blocks that rank 1 serves a READ of,
+// and the READ does not end: its reader stopped reading. Rank 1 ends its
+// export at once and waits for the READ; at half the group's deadline it
+// resets the READ's stream (CODE_ABORTED), which unpins the blocks, so the
+// free completes at exactly that moment and not at the deadline. The
+// decode reading the blocks reports the request failed with CODE_ABORTED
+// and every local block to recompute, never done.
+//
+// fault-matrix: coordinated-free-under-read
+func TestCoordinatedFollowerReadAbortedAtHalfTheFreeDeadline(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		o := simOpts(t, time.Millisecond)
+		follower, fpool := newFollower(t, o, "prefill", o.sim.Listen(t, "127.0.0.1:0"), 1)
+		var pause *pauseConn
+		o.engine, o.tp, o.geom, o.numBlocks = "decode", 2, gqa8, 512
+		o.tap = func(r int, pc net.PacketConn) net.PacketConn {
+			if r != 1 {
+				return pc
+			}
+			pause = newPauseConn(pc, 256<<10)
+			return pause
+		}
+		dec := newInstance(t, o)
+		defer pause.resume() // before the ranks close
+
+		// The engine wrote rank 1's heads into 128 blocks (4 MiB to read) of
+		// page 1, which rank 0 allocated, and finished the request.
+		const n = 128
+		ids := pageBlocks(fpool, 1, n)
+		for _, reg := range fpool.Regions() {
+			for k, b := range ids {
+				buf, err := fpool.HostBytes(reg.Index, reg.BlockOffset(int(b)), reg.BlockLen)
+				require.NoError(t, err)
+				kvgen.FillBlock(buf, dec.shape(t, 1), 8, reg.Index, k*16)
+			}
+		}
+		p, err := follower.RequestFinished(t.Context(), "req", ids, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
+		require.NoError(t, err)
+		params := roundTrip(t, p)
+
+		// Decode rank 1 reads from prefill rank 1, and stops reading midway.
+		local, err := dec.pools[1].Alloc(t.Context(), n)
+		require.NoError(t, err)
+		startPausedLoad(t, dec.ranks[1], kvgeom.Wire(local), params, pause)
+		serving := func() int { return follower.Stats().ReadsServing }
+		require.Equal(t, 1, serving(), "rank 1 is in the middle of the READ")
+		requireFreeEndsAtHalf(t, follower, ids, serving, "READ")
+		require.Zero(t, serving())
+
+		pause.resume()
+		requireLoadAborted(t, dec.ranks[1], local)
+	})
+}
+
+// TestCoordinatedFollowerLoadAbortedAtHalfTheFreeDeadline: under
+// coordinated ownership rank 0 frees blocks that rank 1 is loading into,
+// and the load does not end: rank 1 stopped reading its socket. At half the
+// group's deadline rank 1 aborts the load, which unpins the blocks, so the
+// free completes at exactly that moment; the load is reported failed with
+// CODE_ABORTED naming why, every local block to recompute, never done.
+//
+// fault-matrix: coordinated-free-under-read
+func TestCoordinatedFollowerLoadAbortedAtHalfTheFreeDeadline(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		o := simOpts(t, time.Millisecond)
+		pause := newPauseConn(o.sim.Listen(t, "127.0.0.1:0"), 256<<10)
+		defer pause.resume() // before the ranks close
+		follower, fpool := newFollower(t, o, "decode", pause, 1)
+		o.engine, o.tp, o.geom, o.numBlocks = "prefill", 2, gqa8, 512
+		pre := newInstance(t, o)
+		const n = 128 // 4 MiB for rank 1 to read
+		blocks := pre.alloc(t, n)
+		pre.fill(t, 8, blocks)
+		params := pre.finish(t, "req", blocks)
+
+		local := pageBlocks(fpool, 1, n) // allocated by rank 0
+		startPausedLoad(t, follower, local, params, pause)
+		loading := func() int { return follower.Stats().LoadsInFlight }
+		require.Equal(t, 1, loading(), "rank 1 is in the middle of the load")
+		requireFreeEndsAtHalf(t, follower, local, loading, "load")
+
+		failed := requireLoadAborted(t, follower, kvgeom.Ints(local))
+		require.ErrorContains(t, failed.Err, `rank 0 frees local blocks of request "req" while rank 1 loads into them`)
+	})
 }
