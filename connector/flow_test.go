@@ -41,7 +41,8 @@ func runPair(t *testing.T, geom *v1.ModelGeometry, p, d, nBlocks int) {
 }
 
 // TestHeterogeneousTP: every (P, D) in {1,2,4,8}² with 8 KV heads, 2 KV
-// heads with D=4 (replicated heads), and MLA.
+// heads with D=4 (replicated heads), MLA, and 8 KV heads with K and V in
+// one region per layer (H2ND: a decode rank's slice of heads holds both).
 //
 // fault-matrix: heterogeneous-tp
 func TestHeterogeneousTP(t *testing.T) {
@@ -55,5 +56,8 @@ func TestHeterogeneousTP(t *testing.T) {
 	}
 	for _, pd := range [][2]int{{1, 2}, {2, 1}, {4, 2}} {
 		t.Run(fmt.Sprintf("mla_%s", name(pd[0], pd[1])), func(t *testing.T) { runPair(t, mlaGeom, pd[0], pd[1], 150) })
+	}
+	for _, pd := range [][2]int{{1, 1}, {2, 4}, {4, 2}} {
+		t.Run("gqa8_h2nd_"+name(pd[0], pd[1]), func(t *testing.T) { runPair(t, gqa8KV, pd[0], pd[1], 5) })
 	}
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/handshake"
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
 	"github.com/kvsidecar/kvsidecar/internal/kvgen"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	"github.com/kvsidecar/kvsidecar/internal/netem"
 	"github.com/kvsidecar/kvsidecar/internal/testutil"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
@@ -26,6 +27,11 @@ import (
 // gqa8 is a small GQA geometry with 8 KV heads (llama-like, 2 layers).
 var gqa8 = &v1.ModelGeometry{Model: "tiny-gqa8", NumLayers: 2, NumKvHeads: 8, HeadDim: 64,
 	Dtype: v1.DType_DTYPE_BFLOAT16, BlockSize: 16, Layout: v1.Layout_LAYOUT_HND, Attention: v1.Attention_ATTENTION_GQA}
+
+// gqa8KV is gqa8 with K and V of each layer in one region (vLLM's CPU
+// backend's block layout, H2ND).
+var gqa8KV = &v1.ModelGeometry{Model: "tiny-gqa8-h2nd", NumLayers: 2, NumKvHeads: 8, HeadDim: 64,
+	Dtype: v1.DType_DTYPE_BFLOAT16, BlockSize: 16, Layout: v1.Layout_LAYOUT_H2ND, Attention: v1.Attention_ATTENTION_GQA}
 
 // gqa2 has 2 KV heads, replicated when TP > 2.
 var gqa2 = &v1.ModelGeometry{Model: "tiny-gqa2", NumLayers: 2, NumKvHeads: 2, HeadDim: 64,
@@ -168,8 +174,11 @@ func (in *instance) heads(t testing.TB, r int) connector.HeadSpan {
 
 func (in *instance) shape(t testing.TB, r int) kvgen.Shape {
 	hs := in.heads(t, r)
-	return kvgen.Shape{BlockSize: int(in.opts.geom.GetBlockSize()), RowBytes: int(in.opts.geom.GetHeadDim()) * 2,
-		FirstHead: hs.First, Heads: hs.Count}
+	rows := int(in.opts.geom.GetBlockSize())
+	if kvgeom.CompoundKV(in.opts.geom.GetLayout()) {
+		rows *= 2 // a head's K and V rows share the region
+	}
+	return kvgen.Shape{BlockSize: rows, RowBytes: int(in.opts.geom.GetHeadDim()) * 2, FirstHead: hs.First, Heads: hs.Count}
 }
 
 // alloc allocates n blocks on every rank in lockstep (each rank drives its

@@ -72,7 +72,9 @@ type TPShape struct {
 	// NumKVHeads of the model (1 for MLA: its latent is one replicated head).
 	NumKVHeads int
 	// HeadBlockBytes is the bytes of one head in one block of one region:
-	// block_size × head_dim × dtype bytes (HND layout: heads outermost).
+	// block_size × head_dim × dtype bytes (HND layout: heads outermost),
+	// twice that when a region holds K and V of each head (the compound
+	// layouts H2ND and HN2D).
 	HeadBlockBytes uint64
 }
 
@@ -90,7 +92,11 @@ func ShapeOf(g *v1.ModelGeometry) (TPShape, error) {
 	if g.GetAttention() == v1.Attention_ATTENTION_MLA {
 		h = 1
 	}
-	return TPShape{NumKVHeads: h, HeadBlockBytes: uint64(g.GetBlockSize()) * uint64(g.GetHeadDim()) * uint64(size)}, nil
+	hb := uint64(g.GetBlockSize()) * uint64(g.GetHeadDim()) * uint64(size)
+	if kvgeom.CompoundKV(g.GetLayout()) {
+		hb *= 2
+	}
+	return TPShape{NumKVHeads: h, HeadBlockBytes: hb}, nil
 }
 
 // PlanRank maps decode rank d of a decode group of size dTP to the prefill

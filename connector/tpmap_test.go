@@ -83,6 +83,21 @@ func TestPlanRankExamples(t *testing.T) {
 	require.Equal(t, []connector.Source{{PrefillRank: 2, Len: 100}, {PrefillRank: 3, NotifyOnly: true}}, plan.Sources)
 }
 
+// TestShapeOfCompoundKV: a head of one block is block_size × head_dim
+// elements in HND, twice that where K and V of a head share a region (H2ND,
+// HN2D), so a decode rank's slice of a compound block holds both.
+func TestShapeOfCompoundKV(t *testing.T) {
+	g := &v1.ModelGeometry{NumLayers: 4, NumKvHeads: 8, HeadDim: 64, Dtype: v1.DType_DTYPE_FLOAT32, BlockSize: 32,
+		Layout: v1.Layout_LAYOUT_HND, Attention: v1.Attention_ATTENTION_GQA}
+	for layout, want := range map[v1.Layout]uint64{v1.Layout_LAYOUT_HND: 32 * 64 * 4,
+		v1.Layout_LAYOUT_H2ND: 2 * 32 * 64 * 4, v1.Layout_LAYOUT_HN2D: 2 * 32 * 64 * 4} {
+		g.Layout = layout
+		s, err := connector.ShapeOf(g)
+		require.NoError(t, err)
+		require.Equal(t, connector.TPShape{NumKVHeads: 8, HeadBlockBytes: want}, s, layout.String())
+	}
+}
+
 func TestPlanRankErrors(t *testing.T) {
 	tests := []struct {
 		name      string

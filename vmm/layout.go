@@ -9,12 +9,14 @@ import (
 )
 
 // Layout is the KV cache layout of one rank: Layers layers, each either a K
-// and a V region or one compound region (MLA latent, or K and V packed), of
-// blocks of BlockSize tokens × HeadsPerRank heads × HeadDim elements ×
-// DTypeBytes bytes, HND inside a block.
+// and a V region or one compound region (MLA latent, or K and V together),
+// of blocks of BlockSize tokens × HeadsPerRank heads × HeadDim elements ×
+// DTypeBytes bytes, heads outermost inside a block (HND; a compound K and V
+// block holds K and V inside each head, as the geometry's Layout says:
+// H2ND or HN2D).
 type Layout struct {
 	Layers       int  // num_hidden_layers, > 0
-	Compound     bool // one region per layer (K then V packed in a block); false: a K and a V region
+	Compound     bool // one region per layer (K and V of each head together in a block); false: a K and a V region
 	MLA          bool // multi-head latent attention: one latent per token per layer, Compound implied
 	BlockSize    int  // tokens per block, > 0
 	HeadsPerRank int  // KV heads held by this rank, > 0 (1 for MLA)
@@ -139,8 +141,9 @@ func LayoutFor(g *v1.ModelGeometry, tpRank, tpSize int) (Layout, error) {
 	if tpRank < 0 || tpRank >= tpSize {
 		return Layout{}, geometryError([]string{"tp_rank"}, "tp_rank=%d must be in [0, tp_size=%d)", tpRank, tpSize)
 	}
-	if g.GetLayout() != v1.Layout_LAYOUT_HND && g.GetLayout() != v1.Layout_LAYOUT_UNSPECIFIED {
-		return Layout{}, geometryError([]string{"layout"}, "layout %v is not supported; only HND", g.GetLayout())
+	compound := kvgeom.CompoundKV(g.GetLayout())
+	if _, known := v1.Layout_name[int32(g.GetLayout())]; !known {
+		return Layout{}, geometryError([]string{"layout"}, "layout %v is unknown; want HND, H2ND or HN2D", g.GetLayout())
 	}
 	db, err := kvgeom.DTypeBytes(g.GetDtype())
 	if err != nil {
@@ -167,6 +170,10 @@ func LayoutFor(g *v1.ModelGeometry, tpRank, tpSize int) (Layout, error) {
 	}
 	switch g.GetAttention() {
 	case v1.Attention_ATTENTION_MLA:
+		if compound {
+			return Layout{}, geometryError([]string{"attention", "layout"},
+				"layout %v with attention MLA: an MLA cache holds one latent per token and layer, no K and V to place; use HND", g.GetLayout())
+		}
 		if kv != 1 {
 			return Layout{}, geometryError([]string{"attention", "num_kv_heads"},
 				"num_kv_heads=%d with attention MLA: MLA caches one latent per token and layer, so num_kv_heads must be 1 (head_dim holds kv_lora_rank + qk_rope_head_dim)", kv)
@@ -180,7 +187,7 @@ func LayoutFor(g *v1.ModelGeometry, tpRank, tpSize int) (Layout, error) {
 			return Layout{}, geometryError([]string{"num_kv_heads", "tp_size"},
 				"tp_size=%d and num_kv_heads=%d: one must divide the other (num_kv_heads %% tp_size == 0, or tp_size %% num_kv_heads == 0 to replicate heads)", tpSize, kv)
 		}
-		l.HeadsPerRank = heads.Count
+		l.HeadsPerRank, l.Compound = heads.Count, compound
 	default:
 		return Layout{}, geometryError([]string{"attention"}, "attention %v is unknown", g.GetAttention())
 	}

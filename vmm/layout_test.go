@@ -45,6 +45,28 @@ func TestLayoutFor(t *testing.T) {
 	}
 }
 
+// TestLayoutForCompoundKV: the H2ND and HN2D layouts keep K and V of a
+// layer in one region, so a rank holds half the regions, each block twice
+// as long, and a token costs the same bytes as in HND.
+func TestLayoutForCompoundKV(t *testing.T) {
+	for _, layout := range []v1.Layout{v1.Layout_LAYOUT_H2ND, v1.Layout_LAYOUT_HN2D} {
+		t.Run(layout.String(), func(t *testing.T) {
+			g, err := kvgeom.Model("llama-3.1-8b")
+			require.NoError(t, err)
+			g.Layout = layout
+			l, err := LayoutFor(g, 1, 4)
+			require.NoError(t, err)
+			require.True(t, l.Compound)
+			require.Equal(t, 32, l.NumRegions())
+			require.Equal(t, uint64(2*16*2*128*2), l.BlockLen())
+			require.Equal(t, uint64(131072/4), l.BytesPerToken())
+			layer, kind := l.Region(5)
+			require.Equal(t, 5, layer)
+			require.Equal(t, v1.RegionKind_REGION_KIND_COMPOUND, kind)
+		})
+	}
+}
+
 func TestLayoutForRejects(t *testing.T) {
 	g, err := kvgeom.Model("llama-3.1-8b")
 	require.NoError(t, err)
@@ -73,6 +95,10 @@ func TestLayoutForRejects(t *testing.T) {
 		{"mla with 16 heads", with(func(g *v1.ModelGeometry) {
 			g.Attention, g.NumKvHeads, g.HeadDim, g.NumLayers = v1.Attention_ATTENTION_MLA, 16, 576, 2
 		}), 0, 1, "num_kv_heads=16 with attention MLA", []string{"attention", "num_kv_heads"}},
+		{"mla in a compound layout", with(func(g *v1.ModelGeometry) {
+			g.Attention, g.NumKvHeads, g.HeadDim, g.Layout = v1.Attention_ATTENTION_MLA, 1, 576, v1.Layout_LAYOUT_H2ND
+		}), 0, 1, "layout LAYOUT_H2ND with attention MLA", []string{"attention", "layout"}},
+		{"unknown layout", with(func(g *v1.ModelGeometry) { g.Layout = 9 }), 0, 1, "layout 9 is unknown; want HND, H2ND or HN2D", []string{"layout"}},
 		{"no layers", with(func(g *v1.ModelGeometry) { g.NumLayers = 0 }), 0, 1, "num_layers=0 must be in [1, 4096]", []string{"num_layers"}},
 		{"too many layers", with(func(g *v1.ModelGeometry) { g.NumLayers = MaxLayers + 1 }), 0, 1, "num_layers=4097", []string{"num_layers"}},
 		{"no heads", with(func(g *v1.ModelGeometry) { g.NumKvHeads = 0 }), 0, 1, "num_kv_heads=0", []string{"num_kv_heads"}},

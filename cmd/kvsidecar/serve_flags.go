@@ -30,7 +30,7 @@ import (
 // on the command line wins.
 type serveFlags struct {
 	engineID, role, ownership, backend, model, dtype, attention string
-	cudaLibrary                                                 string
+	cudaLibrary, kvLayout                                       string
 	tpRank, tpSize, device, layers, kvHeads, headDim, blockSize int
 	numBlocks, readLanes                                        int
 	memoryLimit, listen, advertise, rankAddrs, allowPeers       string
@@ -63,6 +63,7 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&f.headDim, "head-dim", 0, "explicit geometry: head_dim")
 	fs.StringVar(&f.dtype, "dtype", "bfloat16", "explicit geometry: float16, bfloat16, float32, fp8_e4m3 or fp8_e5m2")
 	fs.StringVar(&f.attention, "attention", "gqa", "explicit geometry: gqa or mla")
+	fs.StringVar(&f.kvLayout, "kv-layout", "HND", "layout of a block, with --model or the explicit geometry: HND (a K and a V region per layer), H2ND (one region per layer, each head's K then V: vLLM's CPU backend, for zero copy) or HN2D (one region per layer, each token's K then V: vLLM's FlashAttention with LBHNC)")
 	fs.IntVar(&f.blockSize, "block-size", kvgeom.DefaultBlockSize, "tokens per KV block")
 	fs.IntVar(&f.numBlocks, "num-blocks", 0, "blocks per region (0: the engine's create request decides)")
 	fs.StringVar(&f.memoryLimit, "memory-limit", "", "limit on mapped bytes: bytes with a unit (8GiB, 512MiB) or a percent of the reservation (50%); empty: none")
@@ -289,6 +290,15 @@ func (f *serveFlags) validate() (*serveConfig, error) {
 		}
 		c.geometry = g
 	}
+	layout, ok := map[string]v1.Layout{"HND": v1.Layout_LAYOUT_HND, "H2ND": v1.Layout_LAYOUT_H2ND, "HN2D": v1.Layout_LAYOUT_HN2D}[f.kvLayout]
+	switch {
+	case !ok:
+		return bad("kv-layout", "%q: want HND, H2ND or HN2D", f.kvLayout)
+	case c.geometry != nil:
+		c.geometry.Layout = layout
+	case f.given["kv-layout"]:
+		return bad("kv-layout", "%q needs a geometry: give --model or --layers, --kv-heads, --head-dim (without one the engine's create call names the layout)", f.kvLayout)
+	}
 	if f.blockSize < 1 || f.blockSize > vmm.MaxBlockSize {
 		return bad("block-size", "%d: must be in [1, %d]", f.blockSize, vmm.MaxBlockSize)
 	}
@@ -420,6 +430,7 @@ func (f *serveFlags) validate() (*serveConfig, error) {
 var geometryFlag = map[string]string{
 	"num_layers": "--layers", "num_kv_heads": "--kv-heads", "head_dim": "--head-dim", "dtype": "--dtype",
 	"attention": "--attention", "block_size": "--block-size", "tp_size": "--tp-size", "tp_rank": "--tp-rank",
+	"layout": "--kv-layout",
 }
 
 // checkGeometryFlags applies the rules of vmm.LayoutFor (the same ones an
@@ -434,7 +445,7 @@ func checkGeometryFlags(f *serveFlags, g *v1.ModelGeometry) error {
 		var names []string
 		for _, field := range ge.Fields {
 			name := geometryFlag[field]
-			if f.model != "" && field != "block_size" && field != "tp_size" && field != "tp_rank" {
+			if f.model != "" && field != "block_size" && field != "tp_size" && field != "tp_rank" && field != "layout" {
 				name = "--model " + f.model
 			}
 			if name != "" && !slices.Contains(names, name) {

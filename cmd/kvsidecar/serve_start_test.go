@@ -408,6 +408,10 @@ func TestServeGeometryRules(t *testing.T) {
 	}{
 		{"mla needs one latent head", explicit("2", "16", "576", "--attention", "mla"),
 			[]string{"--attention, --kv-heads: num_kv_heads=16 with attention MLA", "must be 1"}},
+		{"mla in a compound layout", explicit("2", "1", "576", "--attention", "mla", "--kv-layout", "H2ND"),
+			[]string{"--attention, --kv-layout: layout LAYOUT_H2ND with attention MLA"}},
+		{"compound block beyond a page", []string{"--model", "llama-3.1-8b", "--kv-layout", "HN2D", "--block-size", "1024"},
+			[]string{"--block-size 1024: one block of this rank is 4194304 bytes", "regions=32"}},
 		{"gqa heads do not divide tp", explicit("2", "6", "64", "--tp-size", "4"),
 			[]string{"--kv-heads, --tp-size: tp_size=4 and num_kv_heads=6: one must divide the other"}},
 		{"tp does not divide the model's heads", []string{"--model", "llama-3.1-8b", "--tp-size", "3"},

@@ -34,6 +34,8 @@ func TestServeFlagErrors(t *testing.T) {
 		{"dtype", append(base, "--layers", "2", "--kv-heads", "8", "--head-dim", "64", "--dtype", "int4"), "--dtype"},
 		{"tp does not divide heads", []string{"--engine-id", "e", "--tp-size", "3", "--tp-rank", "0", "--capability-key-file", key,
 			"--tls-cert", "c", "--tls-key", "k", "--tls-ca", "a", "--model", "llama-3.1-8b"}, "--tp-size"},
+		{"kv layout", append(base, "--model", "llama-3.1-8b", "--kv-layout", "NHD"), `--kv-layout: "NHD": want HND, H2ND or HN2D`},
+		{"kv layout without geometry", append(base, "--kv-layout", "H2ND"), `--kv-layout: "H2ND" needs a geometry`},
 		{"num blocks", append(base, "--num-blocks", "1"), "--num-blocks"},
 		{"memory limit 0%", append(base, "--memory-limit", "0%"), "--memory-limit: 0% is outside the accepted range (0 %, 100 %]"},
 		{"memory limit 150%", append(base, "--memory-limit", "150%"), "(0 %, 100 %]"},

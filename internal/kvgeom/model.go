@@ -68,3 +68,11 @@ func DTypeBytes(d v1.DType) (int, error) {
 	}
 	return 0, errorf([]string{"dtype"}, "dtype %v has no known element size", d)
 }
+
+// CompoundKV reports whether layout l keeps K and V of a layer in one
+// region, each head's K and V together inside a block (H2ND, HN2D), so one
+// head of one block is twice block_size × head_dim elements. HND and
+// LAYOUT_UNSPECIFIED keep a K and a V region per layer.
+func CompoundKV(l v1.Layout) bool {
+	return l == v1.Layout_LAYOUT_H2ND || l == v1.Layout_LAYOUT_HN2D
+}

@@ -243,6 +243,19 @@ const (
 	// HND: heads outermost, then tokens, then head_dim. A contiguous run of
 	// heads is a contiguous byte range, so heterogeneous TP reads one slice.
 	Layout_LAYOUT_HND Layout = 1
+	// H2ND: one region per layer holding K and V (REGION_KIND_COMPOUND);
+	// inside a block, heads outermost, then K of the block's tokens, then V:
+	// [heads, 2, tokens, head_dim]. vLLM's CPU attention backend (CPU_ATTN,
+	// KV cache layout LBHNC) keeps each layer's blocks this way, so an engine
+	// can attend over the sidecar's pages in place (zero copy). A head's K and
+	// V are one contiguous range, so heterogeneous TP still reads one slice.
+	Layout_LAYOUT_H2ND Layout = 2
+	// HN2D: one region per layer holding K and V (REGION_KIND_COMPOUND);
+	// inside a block, heads outermost, then tokens, then K and V of the token:
+	// [heads, tokens, 2, head_dim]. vLLM's FlashAttention and FlashInfer
+	// backends with the KV cache layout LBHNC keep each layer's blocks this
+	// way.
+	Layout_LAYOUT_HN2D Layout = 3
 )
 
 // Enum value maps for Layout.
@@ -250,10 +263,14 @@ var (
 	Layout_name = map[int32]string{
 		0: "LAYOUT_UNSPECIFIED",
 		1: "LAYOUT_HND",
+		2: "LAYOUT_H2ND",
+		3: "LAYOUT_HN2D",
 	}
 	Layout_value = map[string]int32{
 		"LAYOUT_UNSPECIFIED": 0,
 		"LAYOUT_HND":         1,
+		"LAYOUT_H2ND":        2,
+		"LAYOUT_HN2D":        3,
 	}
 )
 
@@ -561,11 +578,13 @@ const file_kvsidecar_v1_common_proto_rawDesc = "" +
 	"\x0eDTYPE_BFLOAT16\x10\x02\x12\x11\n" +
 	"\rDTYPE_FLOAT32\x10\x03\x12\x12\n" +
 	"\x0eDTYPE_FP8_E4M3\x10\x04\x12\x12\n" +
-	"\x0eDTYPE_FP8_E5M2\x10\x05*0\n" +
+	"\x0eDTYPE_FP8_E5M2\x10\x05*R\n" +
 	"\x06Layout\x12\x16\n" +
 	"\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x0e\n" +
 	"\n" +
-	"LAYOUT_HND\x10\x01*L\n" +
+	"LAYOUT_HND\x10\x01\x12\x0f\n" +
+	"\vLAYOUT_H2ND\x10\x02\x12\x0f\n" +
+	"\vLAYOUT_HN2D\x10\x03*L\n" +
 	"\tAttention\x12\x19\n" +
 	"\x15ATTENTION_UNSPECIFIED\x10\x00\x12\x11\n" +
 	"\rATTENTION_GQA\x10\x01\x12\x11\n" +
