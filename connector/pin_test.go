@@ -6,6 +6,7 @@ import (
 	"errors"
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -69,6 +70,55 @@ func (u *unmapLog) UnmapPages(ctx context.Context, pages []int) error {
 	return err
 }
 
+// coordinatedPair builds rank 0 and rank 1 of a coordinated TP group of 2,
+// closed when the test ends. The group's deadline is far beyond the test,
+// so a free waits for the transfers, not for a timer; rank 0 keeps no
+// reserve, so a freed page unmaps at once. track wraps rank 1's page hook
+// (what its group maps and unmaps); pc, when set, is rank 1's QUIC socket.
+func coordinatedPair(t *testing.T, track func(vmm.PageHook) vmm.PageHook, pc net.PacketConn) (lead, follower *connector.Built) {
+	t.Helper()
+	dir := t.TempDir()
+	require.NoError(t, os.Chmod(dir, 0o700))
+	c1 := buildConfig(t, 1, 2, v1.Ownership_OWNERSHIP_COORDINATED, dir)
+	c1.Group.PeerTimeout = tpgroup.MaxPeerTimeout
+	c1.Rank.Transfer.PacketConn = pc
+	c1.Track = track
+	follower, err := connector.BuildRank(t.Context(), c1)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, follower.Close()) })
+	c0 := buildConfig(t, 0, 2, v1.Ownership_OWNERSHIP_COORDINATED, dir)
+	c0.PreallocPages = -1
+	c0.Group.PeerTimeout = tpgroup.MaxPeerTimeout
+	lead, err = connector.BuildRank(t.Context(), c0)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, lead.Close()) })
+	return lead, follower
+}
+
+// freeHeardByFollower starts rank 0's free of blocks in the background and
+// returns once follower heard of it (it ended its export of them, the
+// only one it holds), requiring that the free has not returned: the
+// follower still uses blocks among them. The free's result comes on the
+// channel.
+func freeHeardByFollower(t testing.TB, lead, follower *connector.Built, blocks []int) <-chan error {
+	t.Helper()
+	require.Equal(t, 1, follower.Rank.Stats().LeasesHeld, "the follower's export")
+	freed := make(chan error, 1)
+	go func() { freed <- lead.Pool.Free(context.Background(), blocks) }()
+	// wallclock: a real unix socket between the ranks; a generous scaled bound so a lost message fails instead of hanging.
+	deadline := time.Now().Add(testutil.Scaled(30 * time.Second))
+	for follower.Rank.Stats().LeasesHeld != 0 {
+		require.True(t, time.Now().Before(deadline), "rank 1 never heard of rank 0's free")
+		time.Sleep(time.Millisecond) // wallclock: polling the follower's state, see above
+	}
+	select {
+	case err := <-freed:
+		t.Fatalf("rank 0 freed the blocks while rank 1 used them: %v", err)
+	default:
+	}
+	return freed
+}
+
 // TestCoordinatedFreeWaitsForAFollowerRead: under coordinated ownership the
 // engine frees, through rank 0, blocks that rank 1 is still serving a READ
 // of (its export of them is live). Rank 0's free waits for the READ: rank 1
@@ -80,23 +130,9 @@ func (u *unmapLog) UnmapPages(ctx context.Context, pages []int) error {
 //
 // fault-matrix: coordinated-free-under-read
 func TestCoordinatedFreeWaitsForAFollowerRead(t *testing.T) {
-	dir := t.TempDir()
-	require.NoError(t, os.Chmod(dir, 0o700))
 	ul := &unmapLog{}
-	c1 := buildConfig(t, 1, 2, v1.Ownership_OWNERSHIP_COORDINATED, dir)
-	// A long group deadline: the free waits for the READ, not for a timer.
-	c1.Group.PeerTimeout = tpgroup.MaxPeerTimeout
-	c1.Track = func(next vmm.PageHook) vmm.PageHook { ul.PagePool = next; return ul }
-	follower, err := connector.BuildRank(t.Context(), c1)
-	require.NoError(t, err)
-	defer func() { require.NoError(t, follower.Close()) }()
+	lead, follower := coordinatedPair(t, func(next vmm.PageHook) vmm.PageHook { ul.PagePool = next; return ul }, nil)
 	ul.serving = func() int { return follower.Rank.Stats().ReadsServing }
-	c0 := buildConfig(t, 0, 2, v1.Ownership_OWNERSHIP_COORDINATED, dir)
-	c0.PreallocPages = -1 // a freed page unmaps at once
-	c0.Group.PeerTimeout = tpgroup.MaxPeerTimeout
-	lead, err := connector.BuildRank(t.Context(), c0)
-	require.NoError(t, err)
-	defer func() { require.NoError(t, lead.Close()) }()
 
 	// Rank 0 allocates two pages of blocks for everyone; the engine writes
 	// rank 1's heads and finishes the request on rank 1.
@@ -141,20 +177,7 @@ func TestCoordinatedFreeWaitsForAFollowerRead(t *testing.T) {
 	go func() { readErr <- read() }()
 	<-mem.entered // rank 1 is serving the READ, and its window is full
 
-	freed := make(chan error, 1)
-	go func() { freed <- lead.Pool.Free(context.Background(), ids) }()
-	// Rank 1 has ended its export: the free reached it.
-	// wallclock: a real unix socket between the ranks; a generous scaled bound so a lost message fails instead of hanging.
-	deadline := time.Now().Add(testutil.Scaled(30 * time.Second))
-	for follower.Rank.Stats().LeasesHeld != 0 {
-		require.True(t, time.Now().Before(deadline), "rank 1 never heard of rank 0's free")
-		time.Sleep(time.Millisecond) // wallclock: polling the follower's state, see above
-	}
-	select {
-	case err := <-freed:
-		t.Fatalf("rank 0 freed the blocks while rank 1 served them: %v", err)
-	default:
-	}
+	freed := freeHeardByFollower(t, lead, follower, ids)
 	require.Equal(t, 1, follower.Rank.Stats().ReadsServing, "the READ still runs")
 
 	close(mem.open)
@@ -250,13 +273,16 @@ func pageBlocks(p *vmm.Pool, pg, n int) []uint32 {
 const groupDeadline = 4 * time.Second
 
 // startPausedLoad starts rank's load of params into local and returns once
-// pause, the socket of one side of the READ, stopped reading midway.
-func startPausedLoad(t testing.TB, rank *connector.Rank, local []uint32, params *v1.KVTransferParams, pause *pauseConn) {
+// pause, the socket of one side of the READ, stopped reading midway (under
+// synctest, once everything else in the bubble waits too).
+func startPausedLoad(t testing.TB, rank *connector.Rank, local []uint32, params *v1.KVTransferParams, pause *pauseConn, inBubble bool) {
 	t.Helper()
 	require.NoError(t, rank.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "req", LocalBlockIds: local, Params: params,
 		RemoteHitBlocks: new(uint32(0))}))
 	<-pause.paused
-	synctest.Wait()
+	if inBubble {
+		synctest.Wait()
+	}
 }
 
 // requireFreeEndsAtHalf runs rank 0's free of blocks on follower r, as its
@@ -334,7 +360,7 @@ func TestCoordinatedFollowerReadAbortedAtHalfTheFreeDeadline(t *testing.T) {
 		// Decode rank 1 reads from prefill rank 1, and stops reading midway.
 		local, err := dec.pools[1].Alloc(t.Context(), n)
 		require.NoError(t, err)
-		startPausedLoad(t, dec.ranks[1], kvgeom.Wire(local), params, pause)
+		startPausedLoad(t, dec.ranks[1], kvgeom.Wire(local), params, pause, true)
 		serving := func() int { return follower.Stats().ReadsServing }
 		require.Equal(t, 1, serving(), "rank 1 is in the middle of the READ")
 		requireFreeEndsAtHalf(t, follower, ids, serving, "READ")
@@ -367,7 +393,7 @@ func TestCoordinatedFollowerLoadAbortedAtHalfTheFreeDeadline(t *testing.T) {
 		params := pre.finish(t, "req", blocks)
 
 		local := pageBlocks(fpool, 1, n) // allocated by rank 0
-		startPausedLoad(t, follower, local, params, pause)
+		startPausedLoad(t, follower, local, params, pause, true)
 		loading := func() int { return follower.Stats().LoadsInFlight }
 		require.Equal(t, 1, loading(), "rank 1 is in the middle of the load")
 		requireFreeEndsAtHalf(t, follower, local, loading, "load")
@@ -375,4 +401,114 @@ func TestCoordinatedFollowerLoadAbortedAtHalfTheFreeDeadline(t *testing.T) {
 		failed := requireLoadAborted(t, follower, kvgeom.Ints(local))
 		require.ErrorContains(t, failed.Err, `rank 0 frees local blocks of request "req" while rank 1 loads into them`)
 	})
+}
+
+// unmapSnap copies, when a follower's group is about to unmap pages, the
+// bytes that blocks of interest on those pages hold: what the load had
+// written into them when they went.
+type unmapSnap struct {
+	tpgroup.PagePool
+	pool   *vmm.Pool // the follower's, set once built
+	blocks []int
+	mu     sync.Mutex
+	pages  []int
+	held   map[int][][]byte // block -> its bytes in each region at the unmap
+}
+
+func (u *unmapSnap) UnmapPages(ctx context.Context, pages []int) error {
+	u.mu.Lock()
+	per := u.pool.Stats().BlocksPerPage
+	for _, b := range u.blocks {
+		if !slices.Contains(pages, b/per) {
+			continue
+		}
+		for _, reg := range u.pool.Regions() {
+			buf, err := u.pool.HostBytes(reg.Index, reg.BlockOffset(b), reg.BlockLen)
+			if err == nil {
+				u.held[b] = append(u.held[b], slices.Clone(buf))
+			}
+		}
+	}
+	u.pages = append(u.pages, pages...)
+	u.mu.Unlock()
+	return u.PagePool.UnmapPages(ctx, pages)
+}
+
+// TestCoordinatedFreeWaitsForAFollowerLoad: under coordinated ownership the
+// engine frees, through rank 0, blocks that rank 1 is still loading into
+// (a decode's READ, stalled midway), together with a block of an export of
+// rank 1. Rank 0's free waits for the load: rank 1 ends the export at once,
+// but keeps the pages mapped while the load runs; the load completes and
+// is reported done, every byte of it in place when rank 1 is told to unmap
+// the pages, and only then does rank 0's free return. Rank 0 allocates the
+// blocks again: rank 1's pages come back fresh, nothing of the old load in
+// them.
+//
+// fault-matrix: coordinated-free-under-read
+func TestCoordinatedFreeWaitsForAFollowerLoad(t *testing.T) {
+	pre := newInstance(t, instOpts{engine: "prefill", tp: 2, geom: gqa8, numBlocks: 1024})
+	udp, err := net.ListenPacket("udp", "127.0.0.1:0")
+	require.NoError(t, err)
+	pause := newPauseConn(udp, 256<<10)
+	snap := &unmapSnap{held: map[int][][]byte{}}
+	lead, follower := coordinatedPair(t, func(next vmm.PageHook) vmm.PageHook { snap.PagePool = next; return snap }, pause)
+	t.Cleanup(pause.resume) // before rank 1 closes its socket
+	snap.pool = follower.Pool
+
+	// Rank 0 allocates for everyone: the rest of page 0, then page 1 for
+	// the load, then a block of page 2 that rank 1 exports.
+	perPage := lead.Pool.Stats().BlocksPerPage
+	_, err = lead.Pool.Alloc(t.Context(), perPage-1)
+	require.NoError(t, err)
+	ids, err := lead.Pool.Alloc(t.Context(), perPage)
+	require.NoError(t, err)
+	exported, err := lead.Pool.Alloc(t.Context(), 1)
+	require.NoError(t, err)
+	_, err = follower.Rank.RequestFinished(t.Context(), "exported", kvgeom.Wire(exported), v1.FinishStatus_FINISH_STATUS_LENGTH,
+		&v1.KVTransferParams{DoRemoteDecode: true})
+	require.NoError(t, err)
+	snap.blocks = ids
+
+	const key = 11
+	blocks := pre.alloc(t, perPage)
+	pre.fill(t, key, blocks)
+	params := pre.finish(t, "req", blocks)
+	startPausedLoad(t, follower.Rank, kvgeom.Wire(ids), params, pause, false)
+	require.Equal(t, 1, follower.Rank.Stats().LoadsInFlight, "rank 1 is in the middle of the load")
+
+	freed := freeHeardByFollower(t, lead, follower, append(slices.Clone(ids), exported...))
+	require.Equal(t, 1, follower.Rank.Stats().LoadsInFlight, "the load still runs")
+	snap.mu.Lock()
+	require.Empty(t, snap.pages, "no page unmapped on rank 1 while the load runs")
+	snap.mu.Unlock()
+
+	pause.resume()
+	done, failed := waitLoad(t, follower.Rank, "req")
+	require.Nil(t, failed)
+	require.True(t, done)
+	require.NoError(t, <-freed)
+	snap.mu.Lock()
+	require.ElementsMatch(t, []int{1, 2}, snap.pages, "pages 1 and 2 unmapped on rank 1 once the load ended")
+	require.Len(t, snap.held, len(ids))
+	s := pre.shape(t, 1)
+	for k, b := range ids {
+		for ri, buf := range snap.held[b] {
+			bad, first := kvgen.CheckBlock(buf, s, key, ri, k*16)
+			require.Zero(t, bad, "block %d region %d at the unmap: %d bytes differ, first at %d", b, ri, bad, first)
+		}
+		require.Len(t, snap.held[b], len(follower.Pool.Regions()))
+	}
+	snap.mu.Unlock()
+
+	// Rank 0 hands the blocks out again; rank 1's pages are new ones.
+	again, err := lead.Pool.Alloc(t.Context(), perPage+1)
+	require.NoError(t, err)
+	require.ElementsMatch(t, append(slices.Clone(ids), exported...), again, "the same blocks, reallocated")
+	for _, reg := range follower.Pool.Regions() {
+		for _, b := range ids {
+			buf, err := follower.Pool.HostBytes(reg.Index, reg.BlockOffset(b), reg.BlockLen)
+			require.NoError(t, err)
+			require.Equal(t, make([]byte, len(buf)), buf, "block %d region %d: nothing of the old load", b, reg.Index)
+		}
+	}
 }
