@@ -90,7 +90,9 @@ func Dial(ctx context.Context, path string, cfg *ClientConfig) (*Client, error) 
 
 // call sends req and waits for its reply; it applies the reply's
 // MappingDelta, then returns the reply's error (a *codes.Error carrying the
-// sidecar's code) or the reply.
+// sidecar's code) or the reply. A request that cannot be encoded (a string
+// that is not UTF-8, a frame over the limit) is not sent: it is
+// ErrInvalidArgument naming the field, and the connection stays usable.
 func (c *Client) call(ctx context.Context, req *v1.LocalRequest) (*v1.LocalReply, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -103,7 +105,11 @@ func (c *Client) call(ctx context.Context, req *v1.LocalRequest) (*v1.LocalReply
 	c.nextID++
 	req.WireVersion = v1.WireVersion_WIRE_VERSION_1
 	req.CallId = c.nextID
-	rep, err := c.exchange(ctx, req)
+	frame, err := requestFrame(req)
+	if err != nil {
+		return nil, err
+	}
+	rep, err := c.exchange(ctx, frame, req.GetCallId())
 	if err != nil {
 		// The socket deadline is ctx's: when it fired, ctx is done or about
 		// to be (its timer may run a moment later), and its cause says what
@@ -125,21 +131,33 @@ func (c *Client) call(ctx context.Context, req *v1.LocalRequest) (*v1.LocalReply
 	return rep, nil
 }
 
-func (c *Client) exchange(ctx context.Context, req *v1.LocalRequest) (*v1.LocalReply, error) {
+// requestFrame encodes req. A request that cannot be encoded is not sent:
+// its error is ErrInvalidArgument naming the field, and the connection is
+// untouched.
+func requestFrame(req *v1.LocalRequest) ([]byte, error) {
+	frame, err := wire.AppendFrame(nil, req, DefaultMaxRequestBytes)
+	if err != nil {
+		return nil, fmt.Errorf("%w: localapi: client: request not sent: %w", ErrInvalidArgument, err)
+	}
+	return frame, nil
+}
+
+// exchange writes the frame of call id and reads its reply.
+func (c *Client) exchange(ctx context.Context, frame []byte, id uint64) (*v1.LocalReply, error) {
 	uc := c.conn.Unix()
 	dl, _ := ctx.Deadline()
 	_ = uc.SetDeadline(dl)
 	stop := context.AfterFunc(ctx, func() { _ = uc.SetDeadline(time.Unix(1, 0)) })
 	defer stop()
-	if err := wire.WriteMsg(uc, req, DefaultMaxRequestBytes); err != nil {
-		return nil, fmt.Errorf("localapi: client: send: %w", err)
+	if _, err := uc.Write(frame); err != nil {
+		return nil, fmt.Errorf("localapi: client: send: wire: write frame: %w", err)
 	}
 	rep := &v1.LocalReply{}
 	if err := c.r.ReadMsg(rep); err != nil {
 		return nil, fmt.Errorf("localapi: client: reply: %w", err)
 	}
-	if rep.GetCallId() != req.GetCallId() {
-		return nil, fmt.Errorf("localapi: client: reply for call %d, want %d", rep.GetCallId(), req.GetCallId())
+	if rep.GetCallId() != id {
+		return nil, fmt.Errorf("localapi: client: reply for call %d, want %d", rep.GetCallId(), id)
 	}
 	return rep, nil
 }
@@ -246,7 +264,12 @@ func (c *Client) Attach(ctx context.Context, req *v1.CreateKVCache) (*v1.KVCache
 	}
 	c.nextID++
 	r := &v1.LocalRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1, CallId: c.nextID, Call: &v1.LocalRequest_Create{Create: req}}
-	rep, err := c.exchange(ctx, r)
+	frame, err := requestFrame(r)
+	if err != nil {
+		c.mu.Unlock()
+		return nil, err
+	}
+	rep, err := c.exchange(ctx, frame, r.GetCallId())
 	if err != nil {
 		if ctx.Err() != nil {
 			err = context.Cause(ctx)

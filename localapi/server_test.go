@@ -12,7 +12,9 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
 
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/internal/codes"
@@ -258,6 +260,92 @@ func TestLocalBadInput(t *testing.T) {
 	ids, err := good.Alloc(t.Context(), 3)
 	require.NoError(t, err)
 	require.Len(t, ids, 3)
+}
+
+// rawField appends field name of message md with the raw value v: the
+// bytes of a length-delimited field (a message, a string, packed numbers)
+// as they are, valid or not.
+func rawField(b []byte, md protoreflect.MessageDescriptor, name string, v []byte) []byte {
+	fd := md.Fields().ByName(protoreflect.Name(name))
+	if fd == nil {
+		panic("no field " + name)
+	}
+	b = protowire.AppendTag(b, fd.Number(), protowire.BytesType)
+	return protowire.AppendBytes(b, v)
+}
+
+// startLoadFrame is the frame of a StartLoad of request "r" whose
+// kv_transfer_params are the raw bytes params.
+func startLoadFrame(params []byte) []byte {
+	meta := rawField(nil, (&v1.ReqMeta{}).ProtoReflect().Descriptor(), "request_id", []byte("r"))
+	meta = rawField(meta, (&v1.ReqMeta{}).ProtoReflect().Descriptor(), "params", params)
+	call := rawField(nil, (&v1.StartLoad{}).ProtoReflect().Descriptor(), "meta", meta)
+	req, err := proto.Marshal(&v1.LocalRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1, CallId: 7})
+	if err != nil {
+		panic(err)
+	}
+	req = rawField(req, (&v1.LocalRequest{}).ProtoReflect().Descriptor(), "start_load", call)
+	return protowire.AppendBytes(nil, req)
+}
+
+// TestLocalUndecodableParams: an engine's StartLoad whose
+// kv_transfer_params cannot be encoded or decoded is an invalid argument
+// naming the field, never CODE_INTERNAL. The Go client does not send params
+// it cannot encode, and its connection stays usable (it used to break
+// it); the sidecar answers a frame whose params it cannot decode with
+// CODE_INVALID_ARGUMENT naming the field, and keeps serving the engine.
+//
+// fault-matrix: params-undecodable
+func TestLocalUndecodableParams(t *testing.T) {
+	s := newLocalSidecar(t, "undecodable", nil)
+	c := dialLocal(t, s)
+	_, err := c.Attach(t.Context(), createReq(gqa8, 256))
+	require.NoError(t, err)
+	ids, err := c.Alloc(t.Context(), 2)
+	require.NoError(t, err)
+
+	t.Run("the Go client", func(t *testing.T) {
+		err := c.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "r", LocalBlockIds: ids, RemoteHitBlocks: new(uint32(0)),
+			Params: &v1.KVTransferParams{DoRemotePrefill: true, TpSize: new(uint32(1)), RemoteEngineId: "pre\xff", RemoteRequestId: "r",
+				RemoteBlockIds: []uint32{1, 2}}})
+		require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, codeOf(err), "%v", err)
+		require.ErrorIs(t, err, localapi.ErrInvalidArgument)
+		require.ErrorContains(t, err, "field start_load.meta.params.remote_engine_id: string field contains invalid UTF-8")
+		st, err := c.Stats(t.Context())
+		require.NoError(t, err, "the connection is still usable: nothing was sent")
+		require.Zero(t, st.GetLoadsInFlight())
+	})
+
+	pd := (&v1.KVTransferParams{}).ProtoReflect().Descriptor()
+	export, err := proto.Marshal(&v1.RankExport{TpRank: 0, ExportId: 9, Capability: []byte("0123456789abcdef")})
+	require.NoError(t, err)
+	cut := rawField(nil, (&v1.RankExport{}).ProtoReflect().Descriptor(), "capability", []byte("0123456789abcdef"))
+	for _, tc := range []struct {
+		name, field string
+		params      []byte
+	}{
+		{"a string that is not UTF-8", "start_load.meta.params.remote_engine_id", rawField(nil, pd, "remote_engine_id", []byte("pre\xff"))},
+		{"the second export cut short", "start_load.meta.params.rank_exports[1].capability",
+			rawField(rawField(nil, pd, "rank_exports", export), pd, "rank_exports", cut[:len(cut)-3])},
+		{"a block id cut short", "start_load.meta.params.remote_block_ids", rawField(nil, pd, "remote_block_ids", []byte{1, 2, 0x80})},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			nc, err := net.Dial("unix", s.srv.Path())
+			require.NoError(t, err)
+			defer nc.Close()
+			require.NoError(t, nc.SetDeadline(time.Now().Add(testutil.Scaled(10*time.Second)))) // wallclock: a real unix socket; a server that never answers fails the test instead of hanging it
+			_, err = nc.Write(startLoadFrame(tc.params))
+			require.NoError(t, err)
+			rep := &v1.LocalReply{}
+			require.NoError(t, wire.NewReader(nc, 0).ReadMsg(rep))
+			require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, rep.GetError().GetCode(), rep.GetError().GetMessage())
+			require.Contains(t, rep.GetError().GetMessage(), "field "+tc.field+": ")
+		})
+	}
+	// The engine's own connection is served on.
+	more, err := c.Alloc(t.Context(), 1)
+	require.NoError(t, err)
+	require.NoError(t, c.Free(t.Context(), append(ids, more...)))
 }
 
 func TestLocalSocketPath(t *testing.T) {

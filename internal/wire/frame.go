@@ -65,7 +65,9 @@ func (r *Reader) Reset(src io.Reader) {
 
 // ReadMsg reads one frame into m, in protodelim's format. It returns io.EOF when the stream ends
 // cleanly before a frame, ErrTruncated when it ends inside one, and a
-// *SizeError when the declared size exceeds the limit. Memory grows with the
+// *SizeError when the declared size exceeds the limit. A frame that does
+// not decode as m is an error naming the first field that does not
+// ("wire: bad frame: field meta.params.tp_size: ..."). Memory grows with the
 // bytes that actually arrive, never with the declared size, so a peer that
 // claims a large frame and sends nothing costs nothing.
 func (r *Reader) ReadMsg(m proto.Message) error {
@@ -95,11 +97,11 @@ func (r *Reader) ReadMsg(m proto.Message) error {
 			return fmt.Errorf("wire: read frame: %w", err)
 		}
 		err = proto.Unmarshal(b, m) // copies what it keeps
-		_, _ = r.br.Discard(int(size))
 		if err != nil {
-			return fmt.Errorf("wire: bad frame: %w", err)
+			err = fmt.Errorf("wire: bad frame: %w", fieldErr(undecodableField(m.ProtoReflect().Descriptor(), b), err))
 		}
-		return nil
+		_, _ = r.br.Discard(int(size))
+		return err
 	}
 	r.buf.Reset()
 	if n, err := io.CopyN(&r.buf, r.br, int64(size)); err != nil {
@@ -109,7 +111,7 @@ func (r *Reader) ReadMsg(m proto.Message) error {
 		return fmt.Errorf("wire: read frame: %w", err)
 	}
 	if err := proto.Unmarshal(r.buf.Bytes(), m); err != nil {
-		return fmt.Errorf("wire: bad frame: %w", err)
+		return fmt.Errorf("wire: bad frame: %w", fieldErr(undecodableField(m.ProtoReflect().Descriptor(), r.buf.Bytes()), err))
 	}
 	if r.buf.Cap() > retainBuf {
 		r.buf = bytes.Buffer{}
@@ -143,7 +145,9 @@ func (r *Reader) Read(p []byte) (int, error) { return r.br.Read(p) }
 func (r *Reader) Buffered() int { return r.br.Buffered() }
 
 // AppendFrame appends the frame of m to b. It returns a *SizeError when the
-// message is larger than maxFrame (DefaultMaxFrame when maxFrame <= 0).
+// message is larger than maxFrame (DefaultMaxFrame when maxFrame <= 0), and
+// an error naming the first field that does not encode (a string that is
+// not UTF-8) when m does not.
 func AppendFrame(b []byte, m proto.Message, maxFrame int) ([]byte, error) {
 	if maxFrame <= 0 {
 		maxFrame = DefaultMaxFrame
@@ -154,7 +158,7 @@ func AppendFrame(b []byte, m proto.Message, maxFrame int) ([]byte, error) {
 	}
 	buf := bytes.NewBuffer(b)
 	if _, err := protodelim.MarshalTo(buf, m); err != nil {
-		return b, fmt.Errorf("wire: encode frame: %w", err)
+		return b, fmt.Errorf("wire: encode frame: %w", fieldErr(unencodableField(m.ProtoReflect()), err))
 	}
 	return buf.Bytes(), nil
 }

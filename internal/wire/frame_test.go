@@ -298,3 +298,63 @@ func TestFramesAroundTheBuffer(t *testing.T) {
 	require.ErrorIs(t, err, boom)
 	require.ErrorContains(t, err, "wire: read frame: ")
 }
+
+// appendRaw appends field name of md with the raw bytes v as its
+// length-delimited value, valid or not.
+func appendRaw(b []byte, md protoreflect.MessageDescriptor, name string, v []byte) []byte {
+	b = protowire.AppendTag(b, md.Fields().ByName(protoreflect.Name(name)).Number(), protowire.BytesType)
+	return protowire.AppendBytes(b, v)
+}
+
+// TestBadFrameNamesTheField: a frame that does not decode, and a message
+// that does not encode, name the first field at fault by its path from the
+// message framed, through nested messages and the index of a repeated one;
+// a well-formed field of another wire type than declared is an unknown
+// field, no error.
+func TestBadFrameNamesTheField(t *testing.T) {
+	pd := (&v1.KVTransferParams{}).ProtoReflect().Descriptor()
+	ed := (&v1.RankExport{}).ProtoReflect().Descriptor()
+	good, err := proto.Marshal(&v1.RankExport{TpRank: 1, CapabilityKeyId: "k"})
+	require.NoError(t, err)
+	cut := appendRaw(nil, ed, "capability", []byte("0123456789"))
+	decode := []struct {
+		name, want string
+		params     []byte
+	}{
+		{"a string that is not UTF-8", "field remote_engine_id: ", appendRaw(nil, pd, "remote_engine_id", []byte{0xff})},
+		{"the second of a repeated message", "field rank_exports[1].capability_key_id: ",
+			appendRaw(appendRaw(nil, pd, "rank_exports", good), pd, "rank_exports", appendRaw(nil, ed, "capability_key_id", []byte{'a', 0xfe}))},
+		{"cut short inside a nested field", "field rank_exports[0].capability: ", appendRaw(nil, pd, "rank_exports", cut[:len(cut)-2])},
+		{"packed numbers cut short", "field remote_block_ids: ", appendRaw(nil, pd, "remote_block_ids", []byte{1, 0x80})},
+	}
+	for _, tc := range decode {
+		t.Run("decode "+tc.name, func(t *testing.T) {
+			frame := protowire.AppendBytes(nil, tc.params)
+			err := wire.NewReader(bytes.NewReader(frame), 0).ReadMsg(&v1.KVTransferParams{})
+			require.ErrorContains(t, err, "wire: bad frame: "+tc.want)
+		})
+	}
+	t.Run("another wire type", func(t *testing.T) {
+		tp := pd.Fields().ByName("tp_size").Number()
+		frame := protowire.AppendBytes(nil, protowire.AppendString(protowire.AppendTag(nil, tp, protowire.BytesType), "two"))
+		var p v1.KVTransferParams
+		require.NoError(t, wire.NewReader(bytes.NewReader(frame), 0).ReadMsg(&p))
+		require.Nil(t, p.TpSize)
+	})
+
+	encode := []struct {
+		name, want string
+		m          proto.Message
+	}{
+		{"a string that is not UTF-8", "field remote_engine_id: ", &v1.KVTransferParams{TpSize: new(uint32(2)), RemoteEngineId: "\xff"}},
+		{"the second of a repeated message", "field meta.params.rank_exports[1].capability_key_id: ",
+			&v1.StartLoad{Meta: &v1.ReqMeta{RequestId: "r", Params: &v1.KVTransferParams{
+				RankExports: []*v1.RankExport{{CapabilityKeyId: "ok"}, {TpRank: 1, CapabilityKeyId: "\xfe"}}}}}},
+	}
+	for _, tc := range encode {
+		t.Run("encode "+tc.name, func(t *testing.T) {
+			_, err := wire.AppendFrame(nil, tc.m, 0)
+			require.ErrorContains(t, err, "wire: encode frame: "+tc.want)
+		})
+	}
+}
