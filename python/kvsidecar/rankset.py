@@ -167,13 +167,15 @@ class RankSet:
                 log.warning("freeing %d blocks on %s failed: %s", len(ids), c.path, e)
 
     def finish(self, request_id: str, per_rank: Sequence[Sequence[int]], status: local_pb2.FinishStatus,
-               keep: params_pb2.KVTransferParams) -> params_pb2.KVTransferParams | None:
+               keep: params_pb2.KVTransferParams, *, engine_owned: bool = False) -> params_pb2.KVTransferParams | None:
         """RequestFinished on every rank with that rank's blocks; returns the
         ranks' exports merged (:func:`kvsidecar.params.merge_exports`), or
         None when the request is not exported (``status`` other than
-        FINISH_STATUS_LENGTH, or a rank failed: the others then free their
-        blocks at once with FINISH_STATUS_ERROR, the failed rank's are freed
-        here)."""
+        FINISH_STATUS_LENGTH, or a rank failed: the others then release
+        their blocks at once with FINISH_STATUS_ERROR, withdrawing an export
+        already made, and the failed rank's blocks are freed here unless
+        ``engine_owned``: blocks the engine keeps and frees itself, as
+        vLLM does under zero copy)."""
         parts: list[params_pb2.KVTransferParams] = []
         clients = self.clients()
         for r, c in enumerate(clients):
@@ -181,7 +183,10 @@ class RankSet:
                 p = c.request_finished(request_id, per_rank[r], status, keep)
             except errors.KVSidecarError as e:
                 log.error("request %s: RequestFinished on rank %d failed: %s", request_id, r, e)
-                self.free([per_rank[r]], [c])
+                if not engine_owned:
+                    self.free([per_rank[r]], [c])
+                if status == local_pb2.FINISH_STATUS_LENGTH:
+                    self._withdraw(request_id, per_rank, clients[:r])
                 p, status = None, local_pb2.FINISH_STATUS_ERROR
             if p is not None:
                 parts.append(p)
@@ -190,6 +195,15 @@ class RankSet:
         if status != local_pb2.FINISH_STATUS_LENGTH or len(parts) != len(per_rank):
             return None
         return merge_exports(parts)
+
+    def _withdraw(self, request_id: str, per_rank: Sequence[Sequence[int]], clients: Sequence[LocalClient]) -> None:
+        """Withdraws the exports ``clients`` (ranks 0..) made of the request:
+        RequestFinished again with FINISH_STATUS_ERROR ends each lease now."""
+        for r, c in enumerate(clients):
+            try:
+                c.request_finished(request_id, per_rank[r], local_pb2.FINISH_STATUS_ERROR, params_pb2.KVTransferParams())
+            except errors.KVSidecarError as e:
+                log.error("request %s: withdrawing rank %d's export failed (it lasts its lease): %s", request_id, r, e)
 
     def reset(self) -> None:
         """Closes every client; the next call dials again."""

@@ -2,10 +2,12 @@
 
 The only module of the package that imports torch (lazily, on first use).
 
-The sidecar holds a rank's KV as regions of blocks: for GQA/MHA region ``2l``
-holds K and region ``2l + 1`` holds V of layer ``l``, and one block of one
-region is ``[heads_per_rank, block_size, head_size]`` elements (HND),
-``block_len`` bytes (docs/engine-integration.md section 4). vLLM keeps one
+The sidecar holds a rank's KV as regions of blocks (docs/engine-integration.md
+section 4): in its layout HND region ``2l`` holds K and region ``2l + 1``
+holds V of layer ``l``, one block of one region ``[heads_per_rank,
+block_size, head_size]`` elements, ``block_len`` bytes; in the compound
+layouts region ``l`` holds both, a block ``[heads_per_rank, 2, block_size,
+head_size]`` (H2ND) or ``[heads_per_rank, block_size, 2, head_size]`` (HN2D). vLLM keeps one
 tensor per layer whose layout its attention backend fixes; a
 :class:`LayerLayout` names how K and V sit in it, and :class:`Staging`
 copies blocks both ways through that layout, on the tensor's device.
@@ -38,7 +40,7 @@ import dataclasses
 from typing import Any
 
 from kvsidecar import errors
-from kvsidecar.v1 import local_pb2
+from kvsidecar.v1 import common_pb2, local_pb2
 
 __all__ = ["KNOWN_LAYOUTS", "LayerLayout", "Staging", "layer_layout"]
 
@@ -143,64 +145,78 @@ class Staging:
         self.num_blocks = num_blocks
         self.packing = client.packing
         self.packing.check()
+        #: Where K and V of a block sit in the sidecar: the axis of a
+        #: ``[n, heads, tokens, head_size]`` block view they are stacked on
+        #: in one region (2: H2ND, 3: HN2D), or None (HND: two regions).
+        self.kv_axis: int | None = {common_pb2.LAYOUT_H2ND: 2, common_pb2.LAYOUT_HN2D: 3}.get(info.geometry.layout)
         self._regions: dict[int, Any] = {}
         #: Bytes copied each way since start (prefill: vLLM -> sidecar;
         #: decode: sidecar -> vLLM).
         self.copied_bytes = 0
 
     def region(self, r: int) -> Any:
-        """Region r as a uint8 tensor over this process's mapping (no copy):
-        [pages, blocks_per_page, block_len], or [blocks, block_len] when the
-        packing has no pages."""
+        """Region r as a flat uint8 tensor over this process's mapping (no
+        copy): ``region_len`` bytes, of which only mapped pages may be
+        touched."""
         t = self._regions.get(r)
         if t is None:
-            flat = self.torch.frombuffer(self.client.region(r), dtype=self.torch.uint8)
-            bl, ps, per = self.packing.block_len, self.packing.page_size, self.packing.blocks_per_page
-            if per:
-                t = flat.as_strided((self.info.region_len // ps, per, bl), (ps, bl, 1))
-            else:
-                t = flat.as_strided((self.info.region_len // bl, bl), (bl, 1))
-            self._regions[r] = t
+            t = self._regions[r] = self.torch.frombuffer(self.client.region(r), dtype=self.torch.uint8)
         return t
 
-    def _index(self, ids: list[int]) -> tuple[Any, ...]:
-        """The index of blocks ``ids`` into :meth:`region`'s tensors."""
+    def _index(self, ids: list[int]) -> Any:
+        """The byte index ``[len(ids), block_len]`` of blocks ``ids`` in a
+        :meth:`region` tensor, at ``Packing.offset`` (kvsidecar.hostmap)."""
         for b in ids:
             if not self.client.is_mapped(b):
                 raise errors.InvalidArgument(f"KVSidecarConnector: sidecar block {b} is not mapped here (not allocated)")
-        t, per = self.torch, self.packing.blocks_per_page
-        if not per:
-            return (t.tensor(ids, dtype=t.long),)
-        return (t.tensor([b // per for b in ids], dtype=t.long), t.tensor([b % per for b in ids], dtype=t.long))
+        t = self.torch
+        starts = t.tensor([self.packing.offset(b) for b in ids], dtype=t.long)
+        return starts[:, None] + t.arange(self.packing.block_len, dtype=t.long)
+
+    def _regions_of(self, layer: int) -> list[int]:
+        """The sidecar regions of ``layer``: K then V, or the one compound."""
+        return [layer] if self.kv_axis is not None else [2 * layer, 2 * layer + 1]
 
     def save(self, layer: int, kv: Any, vllm_ids: list[int], sidecar_ids: list[int]) -> None:
         """vLLM blocks ``vllm_ids`` of one layer -> sidecar blocks
-        ``sidecar_ids`` (regions 2l and 2l+1), HND."""
+        ``sidecar_ids`` of its region(s), in the sidecar's layout."""
         t = self.torch
         at = self._index(sidecar_ids)
         vidx = t.tensor(vllm_ids, dtype=t.long, device=kv.device)
         n = len(vllm_ids)
-        for kvi, view in enumerate(self.layout.kv_views(kv, self.num_blocks)):
-            src = view.index_select(0, vidx)  # [n, ratio, H, Nk, D]
-            blob = src.permute(0, 2, 1, 3, 4).contiguous().cpu().view(t.uint8).reshape(n, -1)
-            self._check_len(blob)
-            self.region(2 * layer + kvi)[at] = blob
-            self.copied_bytes += blob.numel()
+        # Each [n, ratio, H, Nk, D] -> [n, H, ratio * Nk, D]: heads outermost.
+        k, v = (x.index_select(0, vidx).permute(0, 2, 1, 3, 4).flatten(2, 3)
+                for x in self.layout.kv_views(kv, self.num_blocks))
+        blobs = [k, v] if self.kv_axis is None else [t.stack((k, v), dim=self.kv_axis)]
+        for r, blob in zip(self._regions_of(layer), blobs, strict=True):
+            data = blob.contiguous().cpu().view(t.uint8).reshape(n, -1)
+            self._check_len(data)
+            self.region(r)[at] = data
+            self.copied_bytes += data.numel()
 
     def load(self, layer: int, kv: Any, vllm_ids: list[int], sidecar_ids: list[int]) -> None:
-        """Sidecar blocks ``sidecar_ids`` (regions 2l and 2l+1) -> vLLM
+        """Sidecar blocks ``sidecar_ids`` of the layer's region(s) -> vLLM
         blocks ``vllm_ids`` of one layer."""
         t = self.torch
         at = self._index(sidecar_ids)
         vidx = t.tensor(vllm_ids, dtype=t.long, device=kv.device)
         n = len(vllm_ids)
-        for kvi, view in enumerate(self.layout.kv_views(kv, self.num_blocks)):
-            _, ratio, h, nk, d = view.shape
-            blob = self.region(2 * layer + kvi)[at]  # [n, block_len], a copy
-            self._check_len(blob)
-            data = blob.view(kv.dtype).reshape(n, h, ratio, nk, d).permute(0, 2, 1, 3, 4)
-            view.index_copy_(0, vidx, data.to(kv.device))
-            self.copied_bytes += blob.numel()
+        views = self.layout.kv_views(kv, self.num_blocks)
+        _, ratio, h, nk, d = views[0].shape
+        blobs = []
+        for r in self._regions_of(layer):
+            data = self.region(r)[at]  # [n, block_len], a copy
+            self._check_len(data)
+            self.copied_bytes += data.numel()
+            blobs.append(data.view(kv.dtype))
+        if self.kv_axis is None:
+            parts = [b.reshape(n, h, ratio * nk, d) for b in blobs]
+        else:
+            shape = [n, h, ratio * nk, d]
+            shape.insert(self.kv_axis, 2)
+            parts = list(blobs[0].reshape(shape).unbind(self.kv_axis))
+        for view, part in zip(views, parts, strict=True):
+            view.index_copy_(0, vidx, part.reshape(n, h, ratio, nk, d).permute(0, 2, 1, 3, 4).to(kv.device))
 
     def _check_len(self, blob: Any) -> None:
         if blob.shape[-1] != self.info.block_len:

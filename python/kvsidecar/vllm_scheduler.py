@@ -1,10 +1,13 @@
 """The scheduler-process half of KVSidecarConnector (see :mod:`kvsidecar.vllm`):
 which requests load or export, the sidecar blocks of each export on every
-rank, and RequestFinished with the ranks' exports merged."""
+rank (staging) or vLLM's own (zero copy, where vLLM's block pool takes its
+blocks from the sidecar: :class:`kvsidecar.vllm_zerocopy.SidecarBlockPool`),
+and RequestFinished with the ranks' exports merged."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from kvsidecar import errors
@@ -12,6 +15,7 @@ from kvsidecar.params import params_to_json
 from kvsidecar.rankset import RankSet
 from kvsidecar.v1 import local_pb2, params_pb2
 from kvsidecar.vllm_meta import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, SaveSpec, log, role_name
+from kvsidecar.vllm_zerocopy import ModeHandshake, SidecarBlockPool
 
 __all__ = ["SchedulerSide"]
 
@@ -41,6 +45,56 @@ class SchedulerSide:
         # Prefill: requests to export -> prompt length, vLLM block ids so far,
         # tokens computed so far, and the staging blocks once allocated.
         self._exports: dict[str, _Export] = {}
+        # Zero copy: vLLM's block pool (bound at start), the sidecar-backed
+        # pool once every worker reported zero copy, the engine loop's
+        # waker, and the exports vLLM waits for (told to the workers).
+        self._vllm_pool: Any = None
+        self.pool: SidecarBlockPool | None = None
+        self._waker: Callable[[], None] | None = None
+        self._exported: list[str] = []
+
+    @property
+    def zero_copy(self) -> bool:
+        """Whether vLLM's KV cache is the sidecars' pages."""
+        return self.pool is not None
+
+    def bind_block_pool(self, pool: Any) -> None:
+        """Keeps vLLM's block pool for zero copy (vLLM binds it at start)."""
+        self._vllm_pool = pool
+
+    def set_modes(self, modes: dict[int, ModeHandshake]) -> None:
+        """Takes every worker's mode (vLLM collects them after the KV caches
+        are allocated, before the first request): when every rank's KV
+        tensors are its sidecar's pages, vLLM's block pool becomes a
+        :class:`SidecarBlockPool` over rank 0's blocks.
+
+        Raises:
+            RuntimeError: ranks disagree (some zero copy, some staging).
+        """
+        zc = sorted(r for r, m in modes.items() if m.zero_copy)
+        if not zc:
+            return
+        if len(zc) != self.cfg.tp_size:
+            why = "; ".join(f"rank {r}: {m.why}" for r, m in sorted(modes.items()) if not m.zero_copy)
+            raise RuntimeError(f"KVSidecarConnector: ranks {zc} run zero copy, the others stage ({why}); "
+                               "every rank of an engine must do the same")
+        assert self._vllm_pool is not None, "vLLM binds its block pool before it collects the workers' modes"
+        self.pool = SidecarBlockPool.install(self._vllm_pool, self.ranks.clients()[0], self.cfg.free_hold_seconds)
+        if self._waker is not None:
+            self.pool.set_waker(self._waker)
+        log.info("zero copy: vLLM's block pool takes its %d blocks from the sidecars; freed prefix-cache blocks stay "
+                 "mapped %.0fs", self.pool.num_gpu_blocks, self.cfg.free_hold_seconds)
+
+    def set_engine_waker(self, wake: Callable[[], None]) -> None:
+        """How to make the idle engine loop step (from the plugin)."""
+        self._waker = wake
+        if self.pool is not None:
+            self.pool.set_waker(wake)
+
+    def has_pending_push_work(self) -> bool:
+        """Zero copy: a held block is due for release, so vLLM should step
+        (it calls this to decide whether to stay idle)."""
+        return self.pool is not None and self.pool.release_is_due()
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = getattr(request, "kv_transfer_params", None) or {}
@@ -84,9 +138,11 @@ class SchedulerSide:
         self._loading.add(rid)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVSidecarConnectorMetadata:
-        saves = self._saves(scheduler_output) if self._exports else []
-        meta = KVSidecarConnectorMetadata(loads=self._loads, saves=saves, aborts=self._aborts)
-        self._loads, self._aborts = [], []
+        saves = self._saves(scheduler_output) if self._exports and not self.zero_copy else []
+        meta = KVSidecarConnectorMetadata(loads=self._loads, saves=saves, aborts=self._aborts, exported=self._exported)
+        self._loads, self._aborts, self._exported = [], [], []
+        if self.pool is not None:
+            self.pool.release_due()
         return meta
 
     def _saves(self, so: Any) -> list[SaveSpec]:
@@ -133,6 +189,8 @@ class SchedulerSide:
         rid = request.request_id
         self._hit_tokens.pop(rid, None)
         exp = self._exports.pop(rid, None)
+        if exp is not None and self.zero_copy:
+            return self._finish_in_place(request, exp, block_ids)
         if exp is not None and exp.staging:
             return False, self._finish_export(request, exp)
         if rid in self._loading:
@@ -157,6 +215,26 @@ class SchedulerSide:
         merged = self.ranks.finish(request.request_id, exp.staging, status,
                                    params_pb2.KVTransferParams(do_remote_decode=True))
         return params_to_json(merged) if merged is not None else None
+
+    def _finish_in_place(self, request: Any, exp: _Export, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Zero copy: exports the prompt's own vLLM blocks on every rank; vLLM
+        keeps them (returns True) until the workers report the request in
+        finished_sending, when every rank's lease ended."""
+        status = _FINISH_STATUS.get(role_name(request.status), local_pb2.FINISH_STATUS_ERROR)
+        if status != local_pb2.FINISH_STATUS_LENGTH:
+            return False, None
+        ids = list(block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple)) else block_ids)
+        nblocks = -(-exp.prompt_len // self.cfg.block_size)
+        if len(ids) < nblocks:
+            log.error("request %s: %d vLLM blocks for a prompt of %d tokens; not exported", request.request_id,
+                      len(ids), exp.prompt_len)
+            return False, None
+        merged = self.ranks.finish(request.request_id, [ids[:nblocks]] * self.cfg.tp_size, status,
+                                   params_pb2.KVTransferParams(do_remote_decode=True), engine_owned=True)
+        if merged is None:
+            return False, None
+        self._exported.append(request.request_id)
+        return True, params_to_json(merged)
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in getattr(connector_output, "finished_recving", None) or ():

@@ -1,20 +1,21 @@
 """The worker-process half of KVSidecarConnector (see :mod:`kvsidecar.vllm`):
-one TP rank's KV tensors, its sidecar connection, the loads it started and
-the staging copies."""
+one TP rank's KV tensors, its sidecar connection, the loads it started, and
+either the staging copies or (zero copy, :mod:`kvsidecar.vllm_zerocopy`) vLLM's
+KV tensors over the sidecar's pages."""
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
-from kvsidecar import errors
+from kvsidecar import errors, vllm_plugin
 from kvsidecar.local import LocalClient
 from kvsidecar.params import params_from_json, req_meta
 from kvsidecar.rankset import attach_rank
 from kvsidecar.staging import LayerLayout, Staging, layer_layout
-from kvsidecar.v1 import common_pb2
+from kvsidecar.v1 import common_pb2, group_pb2
 from kvsidecar.vllm_meta import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, log
+from kvsidecar.vllm_zerocopy import ModeHandshake, Refused, backend_layout, kv_cache_views, layer_index
 
 __all__ = ["WorkerSide"]
 
@@ -26,32 +27,25 @@ class _Load:
     aborted: bool = False
 
 
-def _vllm_layout(cfg: ConnectorConfig) -> LayerLayout:
-    """The layout of vLLM's KV tensors in this worker: its attention
-    backend (``get_current_attn_backends``, vllm 0.32.0
-    ``vllm/distributed/kv_transfer/kv_connector/utils.py``) and the layout
-    the engine resolved (``CacheConfig.get_resolved_kv_cache_layout``)."""
+def _vllm_backend(cfg: ConnectorConfig) -> tuple[str, str, str]:
+    """vLLM's attention backend in this worker (``get_current_attn_backends``,
+    vllm 0.32.0 ``vllm/distributed/kv_transfer/kv_connector/utils.py``), the
+    KV cache layout the engine resolved
+    (``CacheConfig.get_resolved_kv_cache_layout``) and the cache dtype."""
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
     vc = cfg.vllm_config
     names = sorted({b.get_name() for b in get_current_attn_backends(vc)})
     if len(names) != 1:
-        raise errors.Unsupported(f"KVSidecarConnector: one attention backend per model is staged, vLLM runs {names}")
-    layout = vc.cache_config.get_resolved_kv_cache_layout().name
-    head_size = int(vc.model_config.get_head_size())
-    return layer_layout(names[0], layout, head_size, str(getattr(vc.cache_config, "cache_dtype", "auto")))
+        raise errors.Unsupported(f"KVSidecarConnector: one attention backend per model is supported, vLLM runs {names}")
+    return names[0], vc.cache_config.get_resolved_kv_cache_layout().name, \
+        str(getattr(vc.cache_config, "cache_dtype", "auto"))
 
 
-_LAYER_INDEX = re.compile(r"\d+")
-
-
-def _layer_index(name: str) -> int:
-    # vLLM names attention layers "model.layers.<i>.self_attn.attn"; the
-    # first integer in the name is the layer (vllm's extract_layer_index).
-    m = _LAYER_INDEX.search(name)
-    if m is None:
-        raise errors.InvalidArgument(f"KVSidecarConnector: KV cache layer name {name!r} holds no layer index")
-    return int(m.group())
+def _vllm_layout(cfg: ConnectorConfig) -> LayerLayout:
+    """The layout of vLLM's KV tensors in this worker, for the staging copies."""
+    backend, layout, cache_dtype = _vllm_backend(cfg)
+    return layer_layout(backend, layout, int(cfg.vllm_config.model_config.get_head_size()), cache_dtype)
 
 
 class WorkerSide:
@@ -71,6 +65,17 @@ class WorkerSide:
         #: How vLLM's KV tensors are laid out (replaced by tests that run
         #: the worker without a vLLM model).
         self.layout_of = _vllm_layout
+        #: vLLM's attention backend, KV cache layout and cache dtype
+        #: (replaced by tests, as layout_of).
+        self.backend_of = _vllm_backend
+        #: Whether vLLM's KV tensors are the sidecar's pages (decided by
+        #: allocate_kv_cache), and why not when zero copy was asked for.
+        self.zero_copy = False
+        self.zero_copy_why = "" if cfg.zero_copy else "not asked for"
+        self._exported: set[str] = set()
+        self._sent: set[str] = set()
+        # Staging.copied_bytes already counted in get_copied_bytes.
+        self._copied_seen = 0
         self.layers: dict[str, int] = {}
         self.kv: list[Any] = []
         self._loads: dict[str, _Load] = {}
@@ -84,11 +89,83 @@ class WorkerSide:
         #: layers whose save_kv_layer vLLM did not call).
         self.layer_saves = {"save_kv_layer": 0, "wait_for_save": 0}
 
+    # -- zero copy -------------------------------------------------------------
+
+    def allocate_kv_cache(self, kv_cache_config: Any, layout: Any, kernel_block_sizes: Any) -> dict[str, Any] | None:
+        """Zero copy: vLLM's per-layer KV tensors as views of this rank's
+        sidecar regions (:func:`kvsidecar.vllm_zerocopy.kv_cache_views`), or
+        None when zero copy is not asked for or cannot run here (logged once
+        with the reason; vLLM then allocates its own and the connector
+        stages). Called by the plugin in place of vLLM's allocation.
+
+        Raises:
+            KVSidecarError: the sidecar cannot be reached or attached.
+        """
+        if not self.cfg.zero_copy:
+            return None
+        c: LocalClient | None = None
+        try:
+            if vllm_plugin.why_not:
+                raise Refused(vllm_plugin.why_not)
+            backend, kv_layout, cache_dtype = self.backend_of(self.cfg)
+            want = backend_layout(backend, kv_layout, cache_dtype)
+            c = LocalClient(self.cfg.socket(self.rank), timeout=self.cfg.timeout)
+            spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+            info = attach_rank(c, self.rank, self.cfg.tp_size, self.cfg.geometry(spec.dtype, want),
+                               int(kv_cache_config.num_blocks))
+            have = info.geometry.layout
+            if have != want:
+                raise Refused(f"sidecar rank {self.rank} holds layout {common_pb2.Layout.Name(have)}, {backend} "
+                              f"needs {common_pb2.Layout.Name(want)} (serve --kv-layout "
+                              f"{common_pb2.Layout.Name(want).removeprefix('LAYOUT_')}, or no geometry flags)")
+            if self.cfg.tp_size > 1 and info.ownership != group_pb2.OWNERSHIP_COORDINATED:
+                raise Refused(f"sidecar rank {self.rank} runs --ownership {group_pb2.Ownership.Name(info.ownership)}; "
+                              "vLLM's ranks share block ids: serve --ownership coordinated")
+            views = kv_cache_views(c, kv_cache_config, layout, kernel_block_sizes)
+        except Refused as e:
+            if c is not None:
+                c.close()
+            self.zero_copy_why = str(e)
+            log.warning("rank %d: zero copy off, the connector stages: %s", self.rank, e)
+            return None
+        except Exception:
+            if c is not None:
+                c.close()
+            raise
+        self.client, self.zero_copy = c, True
+        log.info("rank %d: zero copy: vLLM's KV cache is sidecar %s's pages (%d layers of %d blocks of %d bytes)",
+                 self.rank, c.path, len(views), info.num_blocks, info.block_len)
+        return views
+
+    def handshake(self) -> ModeHandshake:
+        """What this rank tells the scheduler side at start."""
+        return ModeHandshake(zero_copy=self.zero_copy, why=self.zero_copy_why)
+
+    def sync_mappings(self) -> None:
+        """Zero copy: maps here every page the sidecar mapped since the last
+        call, before vLLM touches the step's blocks (vLLM calls
+        ``handle_preemptions`` first in ``execute_model``)."""
+        if not self.zero_copy:
+            return
+        assert self.client is not None
+        try:
+            self.client.sync()
+        except errors.KVSidecarError as e:
+            raise self._gone(e) from e
+
+    def _gone(self, e: Exception) -> RuntimeError:
+        return RuntimeError(f"rank {self.rank}: sidecar connection lost ({e}); in zero-copy mode the sidecar holds "
+                            "this engine's KV cache, so the engine cannot go on: restart it with its sidecars")
+
+    # -- both modes ------------------------------------------------------------
+
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        names = sorted(kv_caches, key=_layer_index)
-        self.layout = self.layout_of(self.cfg)
+        names = sorted(kv_caches, key=layer_index)
         self.layers = {n: i for i, n in enumerate(names)}
         self.kv = [kv_caches[n] for n in names]
+        if self.zero_copy:
+            return
+        self.layout = self.layout_of(self.cfg)
         for n in names:
             # Raises naming the shape when a tensor is not the layout's.
             self.layout.kv_views(kv_caches[n], self.cfg.num_vllm_blocks)
@@ -105,7 +182,10 @@ class WorkerSide:
             info = attach_rank(c, self.rank, self.cfg.tp_size, self.cfg.geometry(first.dtype), self.cfg.num_blocks)
             k, _ = layout.kv_views(first, self.cfg.num_vllm_blocks)
             _, ratio, heads, nk, hd = k.shape
-            layers = info.num_regions // 2
+            per_layer = 2 if info.geometry.layout == common_pb2.LAYOUT_HND else 1
+            layers = info.num_regions // per_layer
+            if per_layer == 1:
+                hd *= 2  # a compound block holds K and V of each head
             elem = first.element_size()
             if len(self.kv) != layers or ratio * nk != info.geometry.block_size or heads != info.heads_per_rank \
                     or hd != info.geometry.head_dim or ratio * nk * heads * hd * elem != info.block_len:
@@ -120,6 +200,7 @@ class WorkerSide:
             raise
         self.client = c
         self.staging = Staging(c, info, layout, self.cfg.num_vllm_blocks)
+        self._copied_seen = 0
         return c
 
     def _client(self) -> LocalClient | None:
@@ -138,7 +219,9 @@ class WorkerSide:
         """The connection broke (the sidecar exited or restarted): every load
         in flight fails (its blocks are recomputed) and the next step dials
         again. The sidecar released this session's blocks when it saw the
-        connection close."""
+        connection close. In zero-copy mode the engine cannot go on."""
+        if self.zero_copy:
+            raise self._gone(err)
         log.error("rank %d: sidecar connection lost, %d loads fail: %s", self.rank, len(self._loads), err)
         for rid, ld in self._loads.items():
             if rid in self._silent:
@@ -176,9 +259,10 @@ class WorkerSide:
             return
         staging: list[int] = []
         try:
-            if spec.block_ids:
+            if spec.block_ids and not self.zero_copy:
                 staging = c.alloc(len(spec.block_ids))
-            c.start_load(req_meta(rid, staging, params, remote_hit_blocks=spec.hit_blocks))
+            local = spec.block_ids if self.zero_copy else staging
+            c.start_load(req_meta(rid, local, params, remote_hit_blocks=spec.hit_blocks))
         except errors.BrokenConnection as e:
             self._fail(spec, e)
             self._lost(e)
@@ -225,6 +309,8 @@ class WorkerSide:
                     self._done(rid, None)
                 for fl in f.failed:
                     self._done(fl.request_id, fl)
+                self._sent.update(f.done_sending)
+                self._report_sent()
             except errors.BrokenConnection as e:
                 self._lost(e)
         sending, recving = self._sending, self._recving
@@ -237,14 +323,16 @@ class WorkerSide:
             return
         silent = rid in self._silent
         self._silent.discard(rid)
-        c, st = self.client, self.staging
-        assert c is not None and st is not None, "a result arrives only on a live connection"
-        try:
-            if failed is None and not ld.aborted and not silent:
-                for layer, kv in enumerate(self.kv):
-                    st.load(layer, kv, ld.spec.block_ids, ld.staging)
-        finally:
-            if ld.staging:
+        c = self.client
+        assert c is not None, "a result arrives only on a live connection"
+        if ld.staging:  # zero copy loads straight into vLLM's blocks
+            st = self.staging
+            assert st is not None, "staged loads have a Staging"
+            try:
+                if failed is None and not ld.aborted and not silent:
+                    for layer, kv in enumerate(self.kv):
+                        st.load(layer, kv, ld.spec.block_ids, ld.staging)
+            finally:
                 c.free(ld.staging)
         if silent:
             if failed is not None:
@@ -254,18 +342,43 @@ class WorkerSide:
             self._recving.add(rid)
             return
         if failed is not None:
-            # The sidecar names the staging blocks not fully received (all
-            # of the request's, today); their vLLM blocks are recomputed.
+            # The sidecar names the blocks not fully received (its own under
+            # staging); their vLLM blocks are recomputed.
             bad = set(failed.block_ids)
-            vblocks = [v for v, s in zip(ld.spec.block_ids, ld.staging, strict=True) if s in bad] or ld.spec.block_ids
+            local = ld.spec.block_ids if self.zero_copy else ld.staging
+            vblocks = [v for v, s in zip(ld.spec.block_ids, local, strict=True) if s in bad] or ld.spec.block_ids
             why = f"{common_pb2.Code.Name(failed.error.code)}: {failed.error.message}"
             self._fail(dataclasses.replace(ld.spec, block_ids=vblocks), why)
             return
         self._recving.add(rid)
 
+    def take_copied_bytes(self) -> int:
+        """KV bytes the staging copies moved since the last call (0 under
+        zero copy)."""
+        n = self.staging.copied_bytes if self.staging is not None else 0
+        d, self._copied_seen = n - self._copied_seen, n
+        return d
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
         return out
+
+    def note_exported(self, meta: KVSidecarConnectorMetadata) -> None:
+        """Zero copy: the requests whose blocks vLLM keeps for this rank's
+        export; each is reported in ``finished_sending`` once the sidecar
+        reported it done (vLLM frees the blocks then)."""
+        self._exported.update(meta.exported)
+        self._report_sent()
+
+    def _report_sent(self) -> None:
+        done = self._sent & self._exported
+        self._sending |= done
+        self._sent -= done
+        self._exported -= done
+        # The sidecar reports every export it released; one vLLM never waited
+        # for (staging, or a request not delayed) is dropped here.
+        if not self.zero_copy:
+            self._sent.clear()
 
     # -- prefill -------------------------------------------------------------
 
@@ -275,7 +388,7 @@ class WorkerSide:
         ``maybe_transfer_kv_layer``; the step's start_load_kv may come after
         the forward, so the saves are read from the bound metadata)."""
         layer = self.layers.get(layer_name)
-        if not meta.saves or layer is None or layer in self._saved:
+        if self.zero_copy or not meta.saves or layer is None or layer in self._saved:
             return
         if not self._saved:
             self._sync()  # the scheduler allocated the staging blocks
@@ -289,7 +402,7 @@ class WorkerSide:
     def wait_for_save(self, meta: KVSidecarConnectorMetadata) -> None:
         """Copies the layers of the step's saves that save_kv_layer did not."""
         try:
-            if not meta.saves:
+            if self.zero_copy or not meta.saves:
                 return
             if not self._saved:
                 self._sync()

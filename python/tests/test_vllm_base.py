@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvsidecar import errors
-from kvsidecar.vllm import KVConnectorRole, KVSidecarConnector
+from kvsidecar.vllm import PLUGIN_HOOKS, KVConnectorRole, KVSidecarConnector
 
 HERE = os.path.dirname(__file__)
 LIST = os.path.join(HERE, "kvconnector_base_v1.txt")
@@ -89,7 +89,7 @@ def test_connector_matches_the_base_by_name_and_parameter_order():
     for name in REQUIRED_OVERRIDES:
         assert name in own, f"{name} is not implemented: vLLM would call the base's, which does nothing"
     for name, fn in own.items():
-        if name.startswith("_") and name != "__init__":
+        if (name.startswith("_") and name != "__init__") or name in PLUGIN_HOOKS:
             continue
         assert name in m, f"{name} is not a method of KVConnectorBase_V1 (a misspelt override is never called)"
         kind, want = m[name]
@@ -97,6 +97,17 @@ def test_connector_matches_the_base_by_name_and_parameter_order():
         assert params_of(fn) == want, f"{name}: parameters {params_of(fn)}, the base has {want}"
         assert params_of(fn) == params_of(getattr(KVConnectorBase_V1, name)), name
     assert not KVSidecarConnector.__abstractmethods__
+
+
+def test_the_plugin_calls_each_plugin_hook():
+    # The connector's methods vLLM does not call are called by the plugin,
+    # by these names.
+    from kvsidecar import vllm_plugin
+
+    src = inspect.getsource(vllm_plugin)
+    for name in PLUGIN_HOOKS:
+        assert callable(getattr(KVSidecarConnector, name)) and name not in base_methods()
+        assert f"connector.{name}(" in src or f'"{name}"' in src, name
 
 
 def test_removing_a_method_is_caught(monkeypatch):

@@ -3,7 +3,9 @@
 # (default .venv) with exactly the packages python/requirements.txt pins and
 # the kvsidecar package (python/) installed in editable mode. Reused while the
 # pins, this script and the interpreter are unchanged (a stamp file holds
-# their hash); rebuilt from scratch otherwise. Needs no root: packages come
+# their hash); rebuilt from scratch otherwise. A change of the package's own
+# metadata (python/pyproject.toml: its vLLM plugin entry point) reinstalls
+# only the package. Needs no root: packages come
 # from the package index (or pip's cache).
 #
 #   VENV=.venv PYTHON_BASE=python3 python/tools/mkvenv.sh
@@ -28,7 +30,12 @@ if [ "$ver" != 3.11 ]; then
 fi
 want=$( { cat "$REQS" "$0"; "$PYTHON_BASE" -c 'import sys; print(sys.version)'; } | sha256sum | cut -d' ' -f1)
 stamp="$VENV/.kvsidecar-pins"
+meta=$(sha256sum python/pyproject.toml | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
+  if [ "$(cat "$VENV/.kvsidecar-meta" 2>/dev/null)" != "$meta" ]; then
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e python
+    echo "$meta" > "$VENV/.kvsidecar-meta"
+  fi
   exit 0
 fi
 
@@ -45,4 +52,5 @@ for m in ("google.protobuf", "pytest", "torch", "vllm", "nixl._api", "matplotlib
     importlib.import_module(m)
 PY
 echo "$want" > "$stamp"
+echo "$meta" > "$VENV/.kvsidecar-meta"
 echo "mkvenv: $VENV ready in $(( $(date +%s) - start ))s"

