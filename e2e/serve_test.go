@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"slices"
 	"strconv"
 	"syscall"
 	"testing"
@@ -343,4 +344,29 @@ func TestServeEngineGone(t *testing.T) {
 	ids, err := next.Alloc(t.Context(), 4095)
 	require.NoError(t, err, "the next engine gets every block")
 	require.Len(t, ids, 4095)
+}
+
+// TestServeCoordinatedEngineNamesNoOwnership: an engine that attaches to a
+// coordinated TP group without naming the ownership (vLLM's connector does
+// not) gets the group's ownership in KVCacheInfo and is treated as a
+// coordinated engine: rank 1 takes RequestFinished for the blocks rank 0
+// allocated (before, rank 1 took the engine for a local one and refused
+// them as "not allocated in this session", and reported ownership
+// UNSPECIFIED).
+func TestServeCoordinatedEngineNamesNoOwnership(t *testing.T) {
+	env := NewEnv(t)
+	ranks := env.StartGroup(t, SidecarOpts{Engine: "coord-noown", TPSize: 2, Args: append(slices.Clone(geomFlags), "--ownership", "coordinated")})
+	es := []*engine{attach(t, ranks[1], 64), attach(t, ranks[0], 64)}
+	for _, e := range es {
+		require.Equal(t, v1.Ownership_OWNERSHIP_COORDINATED, e.info.GetOwnership())
+		require.Equal(t, uint32(64), e.info.GetNumBlocks())
+	}
+	ids, err := es[1].Alloc(t.Context(), 3)
+	require.NoError(t, err)
+	for r, e := range []*engine{es[1], es[0]} {
+		p, err := e.RequestFinished(t.Context(), "req", ids, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
+		require.NoError(t, err, "rank %d", r)
+		require.Equal(t, ids, p.GetRemoteBlockIds(), "rank %d", r)
+		require.Equal(t, uint64(1), ranks[r].Stats(t)["leases_held"], "rank %d", r)
+	}
 }

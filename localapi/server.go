@@ -46,8 +46,11 @@ type Cache struct {
 	// Tracker sees every map and unmap of Pool (its PageHook, or the
 	// TP-group follower wrapper). Required.
 	Tracker *PageTracker
-	// Create is the request the cache was built for; a later attach must
-	// match its geometry, tp rank and size.
+	// Create is the request the cache was built for, as resolved: its
+	// num_blocks and ownership are the cache's own even when the engine
+	// left them 0 and UNSPECIFIED (KVCacheInfo reports them, and the
+	// handlers branch on the ownership). A later attach must match its
+	// geometry, tp rank and size, and any num_blocks and ownership it names.
 	Create *v1.CreateKVCache
 	// EngineID is advertised in KVCacheInfo.
 	EngineID string

@@ -391,7 +391,12 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 		return nil, err
 	}
 	log.Info("rank listening", "addr", b.Rank.Addr(), "num_blocks", n, "regions", len(b.Pool.Regions()))
-	return &localapi.Cache{Pool: b.Pool, Rank: b.Rank, Tracker: tracker, Create: req, EngineID: f.engineID,
+	// The cache is what the request resolved to: the block count and the
+	// ownership it runs with, whether the engine named them or not (the
+	// local API reports them in KVCacheInfo and branches on the ownership).
+	created := proto.Clone(req).(*v1.CreateKVCache)
+	created.NumBlocks, created.Ownership = uint32(n), cfg.ownership
+	return &localapi.Cache{Pool: b.Pool, Rank: b.Rank, Tracker: tracker, Create: created, EngineID: f.engineID,
 		DeviceMemory: be != nil, Close: b.Close}, nil
 }
 
