@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 from google.protobuf.message import DecodeError, Message
 
 from kvsidecar import errors, limits
-from kvsidecar.devicemap import DeviceMappingDelta
+from kvsidecar.devicemap import DeviceMapping, DeviceMappingDelta
 from kvsidecar.framing import FrameSocket
 from kvsidecar.hostmap import HostMapping, Packing
 from kvsidecar.v1 import common_pb2, group_pb2, local_pb2, params_pb2
@@ -88,9 +88,13 @@ class LocalClient:
         path: the socket path (see :func:`kvsidecar.paths.local_socket_path`).
         timeout: seconds per call, and for connecting. Default 30.
         max_reply_bytes: bound of one reply frame. Default 64 MiB.
-        device_handler: called with a :class:`DeviceMappingDelta` for every
-            reply that changes the mappings when the sidecar's pages are
-            device memory. Without one, attaching to such a sidecar raises
+        device_mapping: keeps the sidecar's device pages mapped here when
+            they are device memory (:class:`kvsidecar.devicemap.CudaDeviceMapping`):
+            reserved at attach, every reply's changes applied, closed with
+            the client.
+        device_handler: instead, called with a :class:`DeviceMappingDelta`
+            for every reply that changes the mappings of device pages. With
+            neither, attaching to such a sidecar raises
             :class:`kvsidecar.errors.Unsupported`.
 
     Raises:
@@ -105,6 +109,7 @@ class LocalClient:
         timeout: float = DEFAULT_CALL_TIMEOUT_SECONDS,
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         device_handler: Callable[[DeviceMappingDelta], None] | None = None,
+        device_mapping: DeviceMapping | None = None,
     ) -> None:
         if timeout <= 0:
             raise errors.InvalidArgument(f"timeout {timeout} must be positive seconds")
@@ -112,7 +117,13 @@ class LocalClient:
             raise errors.InvalidArgument(f"max_reply_bytes {max_reply_bytes} must be at least 64")
         self.path = path
         self.timeout = timeout
-        self._device_handler = device_handler
+        self._device_handler = device_mapping.apply if device_mapping is not None else device_handler
+        #: Page mappings the sidecar sent this connection so far (every
+        #: reply's MappingDelta ``map`` entries): a change means pages were
+        #: mapped since it was last read.
+        self.mappings_received = 0
+        #: The device mapping given, or None.
+        self.device_mapping = device_mapping
         self._lock = threading.RLock()
         self._next_id = 0
         self._broken: str | None = None
@@ -211,6 +222,7 @@ class LocalClient:
         if not rep.HasField("mappings"):
             return
         d = rep.mappings
+        self.mappings_received += len(d.map)
         fds = self._take_fds(d.num_fds)
         try:
             if self._info is None:
@@ -241,9 +253,12 @@ class LocalClient:
         if info.device_memory:
             if self._device_handler is None:
                 raise errors.Unsupported(
-                    "kvsidecar local client: the sidecar's pages are device memory; pass device_handler "
-                    "to import their fds with cuMemImportFromShareableHandle"
+                    "kvsidecar local client: the sidecar's pages are device memory; pass device_mapping "
+                    "(kvsidecar.devicemap.CudaDeviceMapping) or device_handler to import their fds with "
+                    "cuMemImportFromShareableHandle"
                 )
+            if self.device_mapping is not None:
+                self.device_mapping.reserve(info)
         else:
             try:
                 self._host = HostMapping(info, self.path)
@@ -476,5 +491,7 @@ class LocalClient:
             if self._host is not None:
                 self._host.close()
                 self._host = None
+            if self.device_mapping is not None and self._info is not None and self._info.device_memory:
+                self.device_mapping.close()
             self._info = None
             self._frames.close()

@@ -57,7 +57,7 @@ def dtype_code(dtype: object) -> common_pb2.DType:
 
 
 def attach_rank(client: LocalClient, rank: int, tp_size: int, geometry: common_pb2.ModelGeometry,
-                num_blocks: int = 0) -> local_pb2.KVCacheInfo:
+                num_blocks: int = 0, *, device_memory_ok: bool = False) -> local_pb2.KVCacheInfo:
     """Attaches ``client`` to rank ``rank``'s cache with the sidecar's own
     geometry (``serve --model`` or explicit flags), or with ``geometry``
     (the engine's) when the sidecar has none, and checks that the two agree
@@ -65,7 +65,8 @@ def attach_rank(client: LocalClient, rank: int, tp_size: int, geometry: common_p
 
     Raises:
         IncompatibleModel: a field differs (named, with both values).
-        Unsupported: an MLA cache, or device memory (the staging copies go
+        Unsupported: an MLA cache, or device memory unless
+            ``device_memory_ok`` (the staging copies go
             through host memory).
         KVSidecarError: what the attach itself raised.
     """
@@ -84,7 +85,7 @@ def attach_rank(client: LocalClient, rank: int, tp_size: int, geometry: common_p
             )
     if have.attention != common_pb2.ATTENTION_GQA:
         raise errors.Unsupported("only GQA/MHA layouts are staged (the sidecar holds MLA)")
-    if info.device_memory:
+    if info.device_memory and not device_memory_ok:
         raise errors.Unsupported("the staging copies go through host memory: run the sidecar with --backend host")
     return info
 

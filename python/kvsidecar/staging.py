@@ -1,4 +1,6 @@
-"""Staging copies between an engine's KV tensors and a sidecar's blocks.
+"""Torch over a sidecar's blocks: a region as a tensor over this process's
+mapping (:func:`region_tensor`, which zero copy builds vLLM's KV tensors on),
+and the staging copies between an engine's KV tensors and a sidecar's blocks.
 
 The only module of the package that imports torch (lazily, on first use).
 
@@ -42,7 +44,7 @@ from typing import Any
 from kvsidecar import errors
 from kvsidecar.v1 import common_pb2, local_pb2
 
-__all__ = ["KNOWN_LAYOUTS", "LayerLayout", "Staging", "layer_layout"]
+__all__ = ["KNOWN_LAYOUTS", "LayerLayout", "Staging", "layer_layout", "region_tensor"]
 
 #: Attention backends (vLLM's ``AttentionBackend.get_name()``) whose KV
 #: tensors the staging copies understand, with how K and V are split.
@@ -123,6 +125,34 @@ def layer_layout(backend: str, layout: str, head_size: int, kv_cache_dtype: str 
     return LayerLayout(backend=backend, layout=layout, split=split, head_size=head_size)
 
 
+class _CudaRange:
+    """A device range as ``__cuda_array_interface__`` (version 3) presents
+    it, so that ``torch.as_tensor(r, device=...)`` views it without a copy."""
+
+    def __init__(self, ptr: int, n: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|i1", "data": (ptr, False), "version": 3,
+                                         "strides": None}
+
+
+def region_tensor(client: Any, r: int, device: Any = None) -> Any:
+    """Region ``r`` of ``client``'s cache (a :class:`kvsidecar.local.LocalClient`)
+    as a flat uint8 tensor of ``region_len`` bytes over this process's
+    mapping, no copy (only mapped pages may be touched): host pages through
+    ``torch.frombuffer``;
+    device pages (``client.device_mapping``, a CudaDeviceMapping) through
+    ``__cuda_array_interface__`` on ``device``. The device path is written
+    but not yet measured on a GPU (this project's machines have none)."""
+    import torch
+
+    info = client.info
+    assert info is not None, "attached"
+    if not info.device_memory:
+        return torch.frombuffer(client.region(r), dtype=torch.uint8)
+    m = client.device_mapping
+    assert m is not None and hasattr(m, "bases"), "device pages need a CudaDeviceMapping"
+    return torch.as_tensor(_CudaRange(m.bases[r], info.region_len), device=device)
+
+
 class Staging:
     """Copies blocks of one rank between vLLM's per-layer KV tensors and
     the sidecar's regions, mapped in this process by ``client``
@@ -155,12 +185,10 @@ class Staging:
         self.copied_bytes = 0
 
     def region(self, r: int) -> Any:
-        """Region r as a flat uint8 tensor over this process's mapping (no
-        copy): ``region_len`` bytes, of which only mapped pages may be
-        touched."""
+        """Region r as a flat uint8 tensor (:func:`region_tensor`), made once."""
         t = self._regions.get(r)
         if t is None:
-            t = self._regions[r] = self.torch.frombuffer(self.client.region(r), dtype=self.torch.uint8)
+            t = self._regions[r] = region_tensor(self.client, r)
         return t
 
     def _index(self, ids: list[int]) -> Any:

@@ -71,3 +71,29 @@ def test_register_kv_caches_refuses_an_old_layout():
     w._worker.layout_of = lambda c: layer_layout("FLASH_ATTN", "LBNHC", 64)
     with pytest.raises(errors.IncompatibleModel, match=r"FLASH_ATTN \(LBNHC\) KV tensor of shape \(2, 10, 32, 2, 64\)"):
         w.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(2, 10, 32, 2, 64)})
+
+
+@pytest.mark.parametrize("backend, sidecar_layout", [("CPU_ATTN", "H2ND"), ("FLASH_ATTN", "HN2D")])
+def test_compound_layouts_are_the_backends_own_bytes(cluster, backend, sidecar_layout):
+    # A layer's tensor in vLLM's LBHNC layout and the sidecar's compound
+    # block are the same bytes: CPU_ATTN's [heads, 2 * tokens, head_size]
+    # runs are H2ND, FlashAttention's [heads, tokens, 2 * head_size] HN2D.
+    # So staging into such a sidecar copies each block verbatim, and zero
+    # copy can hand vLLM the sidecar's pages as they are.
+    from kvsidecar.local import LocalClient
+    from kvsidecar.staging import Staging
+
+    sc = cluster.start("st", args=["--layers", "1", "--kv-heads", "2", "--head-dim", "64", "--dtype", "float32",
+                                   "--block-size", "32", "--num-blocks", "16", "--kv-layout", sidecar_layout])
+    with LocalClient(sc.socket) as c:
+        info = c.attach()
+        ids = c.alloc(3)
+        kv = torch.randn(8, 2, 32, 128)  # [blocks, heads, tokens, 2 * head_size], LBHNC
+        st = Staging(c, info, layer_layout(backend, "LBHNC", 64), 8)
+        st.save(0, kv, [5, 2, 7], ids)
+        for v, s in zip([5, 2, 7], ids, strict=True):
+            assert bytes(c.block(0, s)) == kv[v].numpy().tobytes(), f"vLLM block {v} -> sidecar block {s}"
+        back = torch.zeros_like(kv)
+        st.load(0, back, [1, 3, 4], ids)
+        assert torch.equal(back[[1, 3, 4]], kv[[5, 2, 7]])
+        assert st.copied_bytes == 2 * 3 * info.block_len

@@ -96,17 +96,18 @@ def test_prefill_tp2_to_decode_tp4_every_byte(p2d4):
                  lambda s=s: stats(s) == {"blocks_used": 0, "leases_held": 0, "loads_in_flight": 0})
 
 
-@pytest.mark.parametrize("pre_backend, pre_ratio, dec_backend", [
-    ("FLASH_ATTN", 1, "CPU_ATTN"), ("CPU_ATTN", 1, "FLASHINFER"), ("FLASHINFER", 1, "FLASH_ATTN"),
-    ("FLASH_ATTN", 2, "CPU_ATTN"),
+@pytest.mark.parametrize("pre_backend, pre_ratio, dec_backend, sidecar_layout", [
+    ("FLASH_ATTN", 1, "CPU_ATTN", "HND"), ("CPU_ATTN", 1, "FLASHINFER", "HND"), ("FLASHINFER", 1, "FLASH_ATTN", "HND"),
+    ("FLASH_ATTN", 2, "CPU_ATTN", "HND"), ("FLASH_ATTN", 2, "CPU_ATTN", "H2ND"), ("CPU_ATTN", 1, "FLASH_ATTN", "HN2D"),
 ])
-def test_every_layout(cluster, pre_backend, pre_ratio, dec_backend):
+def test_every_layout(cluster, pre_backend, pre_ratio, dec_backend, sidecar_layout):
     # The sidecar's regions are the interchange: a prefill on one backend's
     # layout and a decode on another's move the same K and V (FlashAttention
     # runs LBNHC here, a permuted view: the copies follow the strides; with
-    # pre_ratio 2 the prefill's blocks are split in two kernel blocks).
-    start(cluster, "prefill-a", 2, "prefill", 512)
-    start(cluster, "decode-a", 4, "decode", 512)
+    # pre_ratio 2 the prefill's blocks are split in two kernel blocks), also
+    # when the sidecars keep K and V of a layer in one region (H2ND, HN2D).
+    start(cluster, "prefill-a", 2, "prefill", 512, "--kv-layout", sidecar_layout)
+    start(cluster, "decode-a", 4, "decode", 512, "--kv-layout", sidecar_layout)
     pre = Engine("prefill-a", "kv_producer", 2, cluster.socket_dir, num_blocks=64, backend=pre_backend,
                  kernel_ratio=pre_ratio)
     dec = Engine("decode-a", "kv_consumer", 4, cluster.socket_dir, num_blocks=64, backend=dec_backend)
