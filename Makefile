@@ -79,8 +79,8 @@ demo: ## the main job: prefill→decode on the host backend over a real trace
 	$(GO) build -o $(BIN) ./cmd/kvsidecar
 	./$(BIN) demo
 
-vllm-demo: build venv ## the main job for a vLLM user: prefill and decode vLLM engines on the CPU, token-exact against a single engine
-	$(PYTHON) python/tools/vllm_demo.py --kvsidecar $(BIN)
+vllm-demo: build venv ## the main job for a vLLM user: prefill and decode vLLM engines on the CPU, token-exact against a single engine (VLLM_DEMO_FLAGS=--zero-copy: vLLM's KV cache in the sidecars' pages)
+	$(PYTHON) python/tools/vllm_demo.py --kvsidecar $(BIN) $(VLLM_DEMO_FLAGS)
 
 bench-vllm: build venv ## KVSidecarConnector beside vLLM's NixlConnector and a single engine: TTFT and KV transfer time per prompt length (bench-vllm.json, bench-vllm.png)
 	$(PYTHON) python/tools/bench_vllm.py --kvsidecar $(BIN) --out bench-vllm

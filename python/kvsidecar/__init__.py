@@ -10,19 +10,24 @@ Modules by concern (the Go package each mirrors, where there is one):
   :mod:`kvsidecar.framing` (size-delimited frames and passed descriptors:
   ``internal/wire``, ``internal/fdpass``) and :mod:`kvsidecar.hostmap` (the
   engine's mapping of host pages and the block-offset rule:
-  ``internal/kvgeom.Packing``); :mod:`kvsidecar.devicemap` is what it hands
-  an engine whose sidecar's pages are device memory.
+  ``internal/kvgeom.Packing``); :mod:`kvsidecar.devicemap` maps a sidecar's
+  device pages through the CUDA driver (``CudaDeviceMapping``, ctypes over
+  libcuda: vmm/cuda's importer), or hands them to an engine's handler.
 - :mod:`kvsidecar.paths`: the socket path rule (``localapi.SocketPath``).
 - :mod:`kvsidecar.params`: ``kv_transfer_params`` JSON, the merge of the
   prefill ranks' exports (``connector.MergeExports``), ``ReqMeta``.
 - :mod:`kvsidecar.rankset`: the sidecars of one engine instance, one client
   per rank: attach, allocate, free and finish on every rank, redial.
-- :mod:`kvsidecar.staging`: copies between an engine's KV tensors and sidecar
-  blocks through vLLM's KV layouts (the one module that imports torch).
+- :mod:`kvsidecar.staging`: a sidecar region as a tensor, and copies between
+  an engine's KV tensors and sidecar blocks through vLLM's KV layouts (the
+  one module that imports torch).
 - :mod:`kvsidecar.vllm`: ``KVSidecarConnector``, the vLLM v1 KV connector
   (its halves in :mod:`kvsidecar.vllm_scheduler` and
   :mod:`kvsidecar.vllm_worker`, their settings and step metadata in
-  :mod:`kvsidecar.vllm_meta`).
+  :mod:`kvsidecar.vllm_meta`, its copy counter in vLLM's metrics in
+  :mod:`kvsidecar.vllm_stats`); zero copy, vLLM's KV cache in the sidecar's
+  pages, in :mod:`kvsidecar.vllm_zerocopy`, routed by the vLLM plugin
+  :mod:`kvsidecar.vllm_plugin` (a ``vllm.general_plugins`` entry point).
 - :mod:`kvsidecar.errors`: typed errors carrying the wire code and reason.
 - :mod:`kvsidecar.v1`: the generated protobuf modules (``make generate``).
 - :mod:`kvsidecar.limits` and :mod:`kvsidecar.reasons`: the sidecar's limits

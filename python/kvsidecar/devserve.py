@@ -29,7 +29,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Cluster", "DevCerts", "ServeError", "Sidecar", "free_udp_addrs", "make_dev_certs"]
+__all__ = ["Cluster", "DevCerts", "ServeError", "Sidecar", "free_udp_addrs", "make_dev_certs", "rss_bytes"]
 
 #: Seconds a process may take to log "serving" (multiplied by
 #: KVSIDECAR_TIME_SCALE, as the Go e2e harness does).
@@ -43,6 +43,33 @@ def time_scale() -> float:
         return max(1.0, float(os.environ.get("KVSIDECAR_TIME_SCALE", "1")))
     except ValueError:
         return 1.0
+
+
+def rss_bytes(pid: int, *, group: bool = False) -> int:
+    """The resident set (VmRSS, bytes) of process ``pid`` now, from /proc;
+    with ``group`` of every process in the process group ``pid`` leads (a
+    vLLM server started in a session of its own: its API server, engine
+    core and workers). Shared pages (the sidecar's memfd pages an engine
+    maps) count in each process that touched them; 0 for a process gone."""
+    pids = [pid]
+    if group:
+        pids = []
+        for name in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    # After the command (which may hold spaces): state ppid pgrp ...
+                    if name.isdigit() and int(f.read().rsplit(")", 1)[1].split()[2]) == pid:
+                        pids.append(int(name))
+            except (OSError, IndexError, ValueError):
+                continue  # not a process, or gone meanwhile
+    total = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += sum(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        except OSError:
+            continue
+    return total
 
 
 class ServeError(RuntimeError):

@@ -187,11 +187,13 @@ class KVSidecarConnector(KVConnectorBase_V1):
 
     # -- worker side ---------------------------------------------------------
 
-    def allocate_kv_cache(self, kv_cache_config: Any, layout: Any, kernel_block_sizes: Any) -> dict[str, Any] | None:
-        """Zero copy: vLLM's KV tensors over the sidecar's pages, or None
-        (vLLM allocates its own). Called by :mod:`kvsidecar.vllm_plugin`."""
+    def allocate_kv_cache(self, kv_cache_config: Any, layout: Any, kernel_block_sizes: Any,
+                          device: Any = None) -> dict[str, Any] | None:
+        """Zero copy: vLLM's KV tensors over the sidecar's pages on
+        ``device``, or None (vLLM allocates its own). Called by
+        :mod:`kvsidecar.vllm_plugin`."""
         assert self._worker is not None
-        return self._worker.allocate_kv_cache(kv_cache_config, layout, kernel_block_sizes)
+        return self._worker.allocate_kv_cache(kv_cache_config, layout, kernel_block_sizes, device)
 
     def get_handshake_metadata(self) -> ModeHandshake | None:
         """This rank's mode, for the scheduler side."""
@@ -202,7 +204,7 @@ class KVSidecarConnector(KVConnectorBase_V1):
         sidecar mapped since the last step, before vLLM touches the step's
         blocks, and notes the exports vLLM keeps blocks for."""
         if self._worker is not None and isinstance(kv_connector_metadata, KVSidecarConnectorMetadata):
-            self._worker.sync_mappings()
+            self._worker.sync_mappings(kv_connector_metadata)
             self._worker.note_exported(kv_connector_metadata)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

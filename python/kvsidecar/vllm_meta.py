@@ -77,12 +77,16 @@ class KVSidecarConnectorMetadata(KVConnectorMetadata):
         exported: zero copy: requests whose blocks vLLM keeps for the
             sidecars' exports until the workers report them in
             ``finished_sending`` (vLLM asserts it waits for each one).
+        sync_mappings: zero copy: the sidecar mapped pages since the last
+            step (rank 0 told the scheduler), so every worker maps them
+            before it touches the step's blocks.
     """
 
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     saves: list[SaveSpec] = dataclasses.field(default_factory=list)
     aborts: list[str] = dataclasses.field(default_factory=list)
     exported: list[str] = dataclasses.field(default_factory=list)
+    sync_mappings: bool = False
 
 
 def role_name(role: Any) -> str:
@@ -119,6 +123,8 @@ class ConnectorConfig:
         #: whether it runs is the workers' finding (kvsidecar.vllm_zerocopy).
         self.zero_copy: bool = requested(extra)
         self.free_hold_seconds: float = float(extra.get("free_hold_seconds", DEFAULT_FREE_HOLD_SECONDS))
+        #: The CUDA driver a zero-copy worker imports device pages with.
+        self.cuda_library: str = str(extra.get("cuda_library", "libcuda.so.1"))
         self.tp_size: int = int(vllm_config.parallel_config.tensor_parallel_size)
         self.block_size: int = int(vllm_config.cache_config.block_size)
         self.vllm_config = vllm_config

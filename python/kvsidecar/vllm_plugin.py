@@ -12,10 +12,13 @@ tag v0.32.0):
   calls it, and the CPU model runner inherits that): when this process's KV
   connector is a KVSidecarConnector with zero copy on, the per-layer KV
   tensors are views of the sidecar's pages; otherwise vLLM's own runs.
-- ``vllm.v1.engine.core.EngineCoreProc.__init__`` (wrapped): hands the
-  scheduler's KVSidecarConnector a way to wake the idle engine loop (a
-  ``WAKEUP`` on its input queue), so that blocks vLLM freed are released
-  on time while no request runs.
+- ``vllm.v1.engine.core.EngineCoreProc._process_input_queue`` (wrapped; the
+  engine loop calls it on every turn, and it is where the idle loop sleeps
+  on its input queue): on its first call hands the scheduler's
+  KVSidecarConnector a way to wake the idle loop (a ``WAKEUP`` on that
+  queue), so that blocks vLLM freed are released on time while no request
+  runs. (vLLM loads its plugins inside ``EngineCore.__init__``, too late to
+  wrap the constructor of the engine being built.)
 
 Nothing changes in a process whose connector is another one. On a vLLM
 release it does not know it replaces nothing and says why in
@@ -63,24 +66,26 @@ def register() -> None:
                           kernel_block_sizes: list[int] | None = None) -> dict[str, Any]:
         views = None
         connector = _connector()
-        if connector is not None and getattr(device, "type", "cpu") == "cpu":
-            views = connector.allocate_kv_cache(kv_cache_config, layout, kernel_block_sizes)
+        if connector is not None:
+            views = connector.allocate_kv_cache(kv_cache_config, layout, kernel_block_sizes, device)
         if views is None:
             views = vllm_allocate(kv_cache_config, device, layout, kernel_block_sizes)
         return views
 
-    vllm_init = core.EngineCoreProc.__init__
+    vllm_process_input_queue = core.EngineCoreProc._process_input_queue
 
-    @functools.wraps(vllm_init)
-    def engine_core_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        vllm_init(self, *args, **kwargs)
-        connector = self.scheduler.get_kv_connector()
-        if hasattr(connector, "set_engine_waker"):
-            q = self.input_queue
-            connector.set_engine_waker(lambda: q.put_nowait((EngineCoreRequestType.WAKEUP, None)))
+    @functools.wraps(vllm_process_input_queue)
+    def process_input_queue(self: Any) -> None:
+        if not getattr(self, "_kvsidecar_waker", False):
+            self._kvsidecar_waker = True
+            connector = self.scheduler.get_kv_connector()
+            if hasattr(connector, "set_engine_waker"):
+                q = self.input_queue
+                connector.set_engine_waker(lambda: q.put_nowait((EngineCoreRequestType.WAKEUP, None)))
+        vllm_process_input_queue(self)
 
     gpu_model_runner.allocate_kv_cache = allocate_kv_cache
-    core.EngineCoreProc.__init__ = engine_core_init
+    core.EngineCoreProc._process_input_queue = process_input_queue
     why_not, _installed = "", True
 
 

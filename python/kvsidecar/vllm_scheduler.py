@@ -52,6 +52,8 @@ class SchedulerSide:
         self.pool: SidecarBlockPool | None = None
         self._waker: Callable[[], None] | None = None
         self._exported: list[str] = []
+        # Zero copy: mappings rank 0's client had received at the last step.
+        self._mappings_seen = -1
 
     @property
     def zero_copy(self) -> bool:
@@ -143,6 +145,11 @@ class SchedulerSide:
         self._loads, self._aborts, self._exported = [], [], []
         if self.pool is not None:
             self.pool.release_due()
+            # Under coordinated ownership rank 0 maps a page on every rank
+            # before it tells this client, so a page new to rank 0's client
+            # is mapped on every rank by now.
+            n = self.ranks.clients()[0].mappings_received
+            meta.sync_mappings, self._mappings_seen = n != self._mappings_seen, n
         return meta
 
     def _saves(self, so: Any) -> list[SaveSpec]:

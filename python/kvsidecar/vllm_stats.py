@@ -55,7 +55,7 @@ class CopyPromMetrics(KVConnectorPromMetrics):
                           "(staging; 0 under zero copy), all TP ranks.",
             labelnames=labelnames,
         )
-        self.copied = create_metric_per_engine(counter, per_engine_labelvalues)
+        self.copied: dict[int, Any] = create_metric_per_engine(counter, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         n = int(transfer_stats_data.get("copied_bytes", 0))

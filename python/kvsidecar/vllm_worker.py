@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any
 
 from kvsidecar import errors, vllm_plugin
+from kvsidecar.devicemap import CudaDeviceMapping
 from kvsidecar.local import LocalClient
 from kvsidecar.params import params_from_json, req_meta
 from kvsidecar.rankset import attach_rank
@@ -91,12 +92,18 @@ class WorkerSide:
 
     # -- zero copy -------------------------------------------------------------
 
-    def allocate_kv_cache(self, kv_cache_config: Any, layout: Any, kernel_block_sizes: Any) -> dict[str, Any] | None:
+    def allocate_kv_cache(self, kv_cache_config: Any, layout: Any, kernel_block_sizes: Any,
+                          device: Any = None) -> dict[str, Any] | None:
         """Zero copy: vLLM's per-layer KV tensors as views of this rank's
         sidecar regions (:func:`kvsidecar.vllm_zerocopy.kv_cache_views`), or
         None when zero copy is not asked for or cannot run here (logged once
         with the reason; vLLM then allocates its own and the connector
-        stages). Called by the plugin in place of vLLM's allocation.
+        stages). Called by the plugin in place of vLLM's allocation. On a
+        CUDA ``device`` the sidecar must serve device pages (``--backend
+        cuda``), which this process imports with
+        :class:`kvsidecar.devicemap.CudaDeviceMapping` (``cuda_library`` of
+        ``kv_connector_extra_config``, default libcuda.so.1): written, not
+        yet measured on a GPU.
 
         Raises:
             KVSidecarError: the sidecar cannot be reached or attached.
@@ -109,10 +116,15 @@ class WorkerSide:
                 raise Refused(vllm_plugin.why_not)
             backend, kv_layout, cache_dtype = self.backend_of(self.cfg)
             want = backend_layout(backend, kv_layout, cache_dtype)
-            c = LocalClient(self.cfg.socket(self.rank), timeout=self.cfg.timeout)
+            on_device = getattr(device, "type", "cpu") == "cuda"
+            dm = CudaDeviceMapping(self.cfg.cuda_library, getattr(device, "index", None) or 0) if on_device else None
+            c = LocalClient(self.cfg.socket(self.rank), timeout=self.cfg.timeout, device_mapping=dm)
             spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
             info = attach_rank(c, self.rank, self.cfg.tp_size, self.cfg.geometry(spec.dtype, want),
-                               int(kv_cache_config.num_blocks))
+                               int(kv_cache_config.num_blocks), device_memory_ok=on_device)
+            if info.device_memory != on_device:
+                raise Refused(f"sidecar rank {self.rank} holds {'device' if info.device_memory else 'host'} pages, "
+                              f"vLLM's KV cache is on {device}")
             have = info.geometry.layout
             if have != want:
                 raise Refused(f"sidecar rank {self.rank} holds layout {common_pb2.Layout.Name(have)}, {backend} "
@@ -121,7 +133,7 @@ class WorkerSide:
             if self.cfg.tp_size > 1 and info.ownership != group_pb2.OWNERSHIP_COORDINATED:
                 raise Refused(f"sidecar rank {self.rank} runs --ownership {group_pb2.Ownership.Name(info.ownership)}; "
                               "vLLM's ranks share block ids: serve --ownership coordinated")
-            views = kv_cache_views(c, kv_cache_config, layout, kernel_block_sizes)
+            views = kv_cache_views(c, kv_cache_config, layout, kernel_block_sizes, device)
         except Refused as e:
             if c is not None:
                 c.close()
@@ -141,11 +153,13 @@ class WorkerSide:
         """What this rank tells the scheduler side at start."""
         return ModeHandshake(zero_copy=self.zero_copy, why=self.zero_copy_why)
 
-    def sync_mappings(self) -> None:
+    def sync_mappings(self, meta: KVSidecarConnectorMetadata) -> None:
         """Zero copy: maps here every page the sidecar mapped since the last
-        call, before vLLM touches the step's blocks (vLLM calls
-        ``handle_preemptions`` first in ``execute_model``)."""
-        if not self.zero_copy:
+        call when the step's metadata says there are any, before vLLM
+        touches the step's blocks (vLLM calls ``handle_preemptions`` first
+        in ``execute_model``). Pages unmapped since need nothing: vLLM no
+        longer uses their blocks, and the next sync drops them."""
+        if not self.zero_copy or not meta.sync_mappings:
             return
         assert self.client is not None
         try:
@@ -182,13 +196,13 @@ class WorkerSide:
             info = attach_rank(c, self.rank, self.cfg.tp_size, self.cfg.geometry(first.dtype), self.cfg.num_blocks)
             k, _ = layout.kv_views(first, self.cfg.num_vllm_blocks)
             _, ratio, heads, nk, hd = k.shape
+            # HND: a K and a V region per layer; otherwise one region holds
+            # both, and a block of it twice the bytes.
             per_layer = 2 if info.geometry.layout == common_pb2.LAYOUT_HND else 1
             layers = info.num_regions // per_layer
-            if per_layer == 1:
-                hd *= 2  # a compound block holds K and V of each head
-            elem = first.element_size()
+            block_len = ratio * nk * heads * hd * first.element_size() * (3 - per_layer)
             if len(self.kv) != layers or ratio * nk != info.geometry.block_size or heads != info.heads_per_rank \
-                    or hd != info.geometry.head_dim or ratio * nk * heads * hd * elem != info.block_len:
+                    or hd != info.geometry.head_dim or block_len != info.block_len:
                 raise errors.IncompatibleModel(
                     f"KVSidecarConnector: vLLM's KV cache ({len(self.kv)} layers of {tuple(first.shape)}, "
                     f"{first.dtype}, {layout.describe()}) does not match sidecar rank {self.rank} "

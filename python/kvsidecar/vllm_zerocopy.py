@@ -31,10 +31,12 @@ capacity.
 **Why a block is never touched unmapped**: (1) the scheduler names only
 blocks the sidecar allocated and still holds: new ones (mapped on every
 rank before Alloc returns) and cached ones (held until their hash is gone);
-(2) each worker applies the sidecar's mapping changes in
-``handle_preemptions``, the first thing vLLM's ``execute_model`` does, before
-it zeroes new blocks or runs the forward, and every block of the step was
-allocated before the scheduler built the step; (3) a worker unmaps a page
+(2) in a step after which rank 0 told the scheduler of new pages, each
+worker applies the sidecar's mapping changes in ``handle_preemptions``, the
+first thing vLLM's ``execute_model`` does, before it zeroes new blocks or
+runs the forward, and every block of the step was allocated (its page mapped
+on every rank, and reported to the scheduler) before the scheduler built the
+step; (3) a worker unmaps a page
 only when it applies a change at its own calls, between forwards, and the
 sidecar unmaps a page only after every block in it was freed, which the
 scheduler does only after vLLM stopped using them.
@@ -58,6 +60,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvsidecar import errors
 from kvsidecar.local import LocalClient
+from kvsidecar.staging import region_tensor
 from kvsidecar.v1 import common_pb2
 
 __all__ = [
@@ -153,13 +156,14 @@ def backend_layout(backend: str, kv_cache_layout: str, cache_dtype: str) -> int:
 
 
 def kv_cache_views(client: LocalClient, kv_cache_config: Any, layout: Any,
-                   kernel_block_sizes: Sequence[int] | None) -> dict[str, Any]:
+                   kernel_block_sizes: Sequence[int] | None, device: Any = None) -> dict[str, Any]:
     """vLLM's per-layer KV tensors (``allocate_kv_cache``'s result) as views
     of the regions ``client`` maps: layer ``l`` over region ``l``, in the
     strides vLLM's ``create_kv_cache_views`` gives ``layout``.
 
     Args:
-        client: the rank's attached client (host pages, a compound layout).
+        client: the rank's attached client (a compound layout; host pages,
+            or device pages on ``device``: :func:`kvsidecar.staging.region_tensor`).
         kv_cache_config: vLLM's KVCacheConfig.
         layout: vLLM's resolved KVCacheLayout.
         kernel_block_sizes: per KV cache group, as vLLM passes them.
@@ -169,7 +173,6 @@ def kv_cache_views(client: LocalClient, kv_cache_config: Any, layout: Any,
             (several groups, other specs, kernel blocks, another block
             length or count, blocks not packed back to back).
     """
-    import torch
     from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheTensor, create_kv_cache_views
 
     info = client.info
@@ -199,7 +202,7 @@ def kv_cache_views(client: LocalClient, kv_cache_config: Any, layout: Any,
     out = {}
     for name in names:
         r = layer_index(name)
-        raw = torch.frombuffer(client.region(r), dtype=torch.int8)
+        raw = region_tensor(client, r, device)
         t = KVCacheTensor(size=info.region_len, layers=[name], layer_stride=info.region_len, block_stride=info.block_len)
         out[name] = create_kv_cache_views(raw, spec, nb, layout, t, kernel_block_size=kernel)[0]
     return out

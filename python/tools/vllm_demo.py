@@ -9,9 +9,11 @@ prompt the way the proxy does (prefill with do_remote_decode and
 max_tokens=1, then decode with the returned kv_transfer_params) and prints,
 per request: prompt tokens, KV bytes the decode's sidecar read, the decode's
 time to first token, the single engine's, and whether the decode's greedy
-tokens equal the single engine's. Exits 1 when one differs.
+tokens equal the single engine's. Exits 1 when one differs. With
+``--zero-copy`` the prefill and decode engines run in zero copy (vLLM's KV
+cache is the sidecars' pages; kvsidecar.vllm_zerocopy).
 
-    .venv/bin/python python/tools/vllm_demo.py --kvsidecar bin/kvsidecar [--json]
+    .venv/bin/python python/tools/vllm_demo.py --kvsidecar bin/kvsidecar [--zero-copy] [--json]
 """
 
 from __future__ import annotations
@@ -56,20 +58,26 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--kvsidecar", required=True, help="the kvsidecar binary")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    ap.add_argument("--zero-copy", action="store_true", help="vLLM's KV cache in the sidecars' pages")
     a = ap.parse_args()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvs-vllm-demo") as d, devserve.Cluster(a.kvsidecar) as cl:
         model = devvllm.make_tiny_llama(os.path.join(d, "model"))
         print(f"vllm-demo: tiny Llama model ({model.layers} layers, {model.kv_heads} KV heads of {model.head_dim}, "
               f"{model.dtype}) in {model.path}", flush=True)
-        pre_sc = cl.start_group("prefill-demo", tp_size=1, role="prefill", args=model.sidecar_args())
-        dec_sc = cl.start_group("decode-demo", tp_size=1, role="decode", args=model.sidecar_args())
+        args, extra = model.sidecar_args(), {}
+        if a.zero_copy:
+            # The engines size the sidecars' caches; their blocks are vLLM's.
+            args = [*model.sidecar_args(0), "--kv-layout", "H2ND", "--ownership", "coordinated"]
+            extra = {"zero_copy": True}
+        pre_sc = cl.start_group("prefill-demo", tp_size=1, role="prefill", args=args)
+        dec_sc = cl.start_group("decode-demo", tp_size=1, role="decode", args=args)
         engines = [
             devvllm.Engine(model, name="single", log_dir=d),
             devvllm.Engine(model, name="prefill", log_dir=d, kv_transfer_config=devvllm.connector_config(
-                "kv_producer", "prefill-demo", cl.socket_dir)),
+                "kv_producer", "prefill-demo", cl.socket_dir, **extra)),
             devvllm.Engine(model, name="decode", log_dir=d, kv_transfer_config=devvllm.connector_config(
-                "kv_consumer", "decode-demo", cl.socket_dir)),
+                "kv_consumer", "decode-demo", cl.socket_dir, **extra)),
         ]
         single, pre, dec = engines
         print("vllm-demo: starting three vLLM engines (about a minute each on 2 cores)...", flush=True)
@@ -87,10 +95,20 @@ def main() -> int:
                              "decode_ttft_ms": round(got.ttft_seconds * 1e3, 1),
                              "single_ttft_ms": round(ref.ttft_seconds * 1e3, 1),
                              "token_exact": got.token_ids == ref.token_ids})
+            left = {s.name: s.metric("kvsidecar_vmm_blocks_used") for s in pre_sc + dec_sc}
         finally:
             for e in engines:
                 e.stop()
-        left = {s.name: s.metric("kvsidecar_vmm_blocks_used") for s in pre_sc + dec_sc}
+        if a.zero_copy:
+            # The blocks are vLLM's; its prefix cache keeps the freed ones a
+            # while. What counts is that the sidecars free them all once the
+            # engines exited (each notices its engine's session end).
+            deadline = time.monotonic() + 10 * devserve.time_scale()
+            while True:
+                left = {s.name: s.metric("kvsidecar_vmm_blocks_used") for s in pre_sc + dec_sc}
+                if not any(left.values()) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
     print(f"\n{'request':>14} {'prompt tokens':>13} {'KV bytes moved':>14} {'decode TTFT ms':>14} "
           f"{'single TTFT ms':>14}  equals single engine")
     for r in rows:

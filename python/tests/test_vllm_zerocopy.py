@@ -1,0 +1,219 @@
+"""Zero copy below a whole engine (the engines run in test_vllm_engines.py):
+vLLM 0.32.0's own BlockPool turned into a SidecarBlockPool over a real
+``kvsidecar serve``, with a clock of the test's; and what falls back to
+staging, saying why once."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+from conftest import stats
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+from kvsidecar import vllm_plugin
+from kvsidecar.local import LocalClient
+from kvsidecar.vllm import KVConnectorRole, KVSidecarConnector
+from kvsidecar.vllm_zerocopy import ModeHandshake, Refused, SidecarBlockPool, backend_layout
+
+NUM_BLOCKS = 256
+# 2 layers, 2 KV heads of 64, float32, 32 tokens: 32 KiB a block of a
+# layer, 64 blocks to a 2 MiB page.
+GEOMETRY = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--dtype", "float32", "--block-size", "32",
+            "--kv-layout", "H2ND", "--num-blocks", str(NUM_BLOCKS)]
+PER_PAGE = 64
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def pool(cluster):
+    sc = cluster.start("zc", args=GEOMETRY)
+    c = LocalClient(sc.socket)
+    c.attach()
+    clock = Clock()
+    p = SidecarBlockPool.install(BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=32), c, hold_seconds=10,
+                                 clock=clock)
+    yield SimpleNamespace(sc=sc, client=c, pool=p, clock=clock)
+    c.close()
+
+
+def cache(p: BlockPool, block, key: bytes) -> None:
+    """Gives ``block`` a prefix-cache entry, as vLLM's cache_full_blocks does."""
+    p._insert_block_hash(make_block_hash_with_group_id(BlockHash(key), 0), block, num_tokens=32)
+
+
+def test_blocks_are_the_sidecars_and_follow_vllm(pool):
+    assert stats(pool.sc)["blocks_used"] == 0
+    a = pool.pool.get_new_blocks(3)
+    ids = [b.block_id for b in a]
+    assert sorted(ids) == [1, 2, 3], "the sidecar packs blocks into its first page (block 0 is the null block)"
+    assert stats(pool.sc)["blocks_used"] == 3 and all(b.ref_cnt == 1 for b in a)
+    assert pool.pool.get_num_free_blocks() == NUM_BLOCKS - 1 - 3
+    # A block without prefix-cache content is freed on the sidecar at once;
+    # one with content is held.
+    cache(pool.pool, a[0], b"h0")
+    pool.pool.free_blocks(a)
+    assert stats(pool.sc)["blocks_used"] == 1
+    assert pool.pool.get_num_free_blocks() == NUM_BLOCKS - 1, "vLLM counts a held block as free (evictable)"
+    # A prefix hit takes the held block back; freed again, it is held again.
+    hit = pool.pool.get_cached_block(BlockHash(b"h0"), [0])
+    assert hit is not None and hit[0].block_id == 1
+    pool.pool.touch(hit)
+    assert hit[0].ref_cnt == 1 and stats(pool.sc)["blocks_used"] == 1
+    pool.pool.free_blocks(hit)
+    # New blocks never take a held one.
+    b = pool.pool.get_new_blocks(2)
+    assert sorted(x.block_id for x in b) == [2, 3]
+    pool.pool.free_blocks(b)
+    # Its hold runs out: the hash goes first, then the sidecar's block.
+    pool.clock.now += 10
+    assert pool.pool.release_is_due()
+    pool.pool.release_due()
+    assert pool.pool.get_cached_block(BlockHash(b"h0"), [0]) is None
+    assert stats(pool.sc)["blocks_used"] == 0 and not pool.pool.release_is_due()
+
+
+def test_pages_follow_the_working_set(pool):
+    pages = lambda: pool.sc.metric("kvsidecar_vmm_pages_mapped")  # noqa: E731
+    base = pages()
+    blocks = pool.pool.get_new_blocks(3 * PER_PAGE)
+    assert pages() >= base + 2, "three pages' worth of blocks maps them"
+    for i, b in enumerate(blocks):
+        cache(pool.pool, b, b"k%d" % i)
+    pool.pool.free_blocks(blocks)
+    assert stats(pool.sc)["blocks_used"] == 3 * PER_PAGE, "freed prefix-cache blocks are held"
+    pool.clock.now += 10
+    pool.pool.release_due()
+    assert stats(pool.sc)["blocks_used"] == 0
+    assert pages() <= base, "released, the pages are unmapped (the sidecar keeps its reserve)"
+
+
+def test_reset_prefix_cache_releases_every_held_block(pool):
+    a = pool.pool.get_new_blocks(4)
+    for i, b in enumerate(a):
+        cache(pool.pool, b, b"r%d" % i)
+    pool.pool.free_blocks(a)
+    assert stats(pool.sc)["blocks_used"] == 4
+    assert pool.pool.reset_prefix_cache()
+    assert stats(pool.sc)["blocks_used"] == 0 and not pool.pool.release_is_due()
+
+
+# fault-matrix: zero-copy-memory-limit
+def test_at_the_memory_limit_held_blocks_make_room(pool):
+    a = pool.pool.get_new_blocks(PER_PAGE)
+    for i, b in enumerate(a):
+        cache(pool.pool, b, b"l%d" % i)
+    pool.pool.free_blocks(a)
+    # Two pages of each region: the held blocks' and the reserve. One
+    # page more than the reserve holds needs the held blocks' page.
+    pool.client.set_memory_limit(2 * 2 * (2 << 20))
+    got = pool.pool.get_new_blocks(PER_PAGE + 1)
+    assert len(got) == PER_PAGE + 1
+    assert pool.pool.get_cached_block(BlockHash(b"l0"), [0]) is None, "the held blocks were released for them"
+    with pytest.raises(RuntimeError, match=rf"refused {PER_PAGE} blocks at its memory limit.*raise the limit"):
+        pool.pool.get_new_blocks(PER_PAGE)
+
+
+# fault-matrix: zero-copy-sidecar-gone
+def test_a_gone_sidecar_stops_the_engine_with_the_reason(pool):
+    pool.pool.get_new_blocks(1)
+    pool.sc.kill()
+    with pytest.raises(RuntimeError, match="the sidecar holds this engine's KV cache, so the engine cannot go on"):
+        pool.pool.get_new_blocks(1)
+
+
+def test_install_refuses_a_pool_in_use_or_of_another_size(pool):
+    used = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=32)
+    used.get_new_blocks(1)
+    with pytest.raises(Refused, match="1 in use"):
+        SidecarBlockPool.install(used, pool.client)
+    with pytest.raises(Refused, match=f"{NUM_BLOCKS + 1} blocks, 0 in use.*{NUM_BLOCKS} blocks"):
+        SidecarBlockPool.install(BlockPool(NUM_BLOCKS + 1, enable_caching=True, hash_block_size=32), pool.client)
+
+
+# -- what falls back to staging -----------------------------------------------
+
+
+def worker(**extra) -> KVSidecarConnector:
+    cfg = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(engine_id="e", kv_role="kv_both", kv_connector_extra_config={
+            "socket_dir": "/nowhere", "tp_rank": 0, **extra}),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1), cache_config=SimpleNamespace(block_size=32))
+    return KVSidecarConnector(cfg, KVConnectorRole.WORKER, SimpleNamespace(num_blocks=NUM_BLOCKS))
+
+
+def zero_copy_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "zero copy off" in r.getMessage()]
+
+
+# fault-matrix: zero-copy-fallback
+def test_an_unknown_release_falls_back_with_one_line(monkeypatch, caplog):
+    import vllm
+    from vllm.v1.worker import gpu_model_runner
+
+    vllm_allocate = gpu_model_runner.allocate_kv_cache
+    monkeypatch.setattr(vllm_plugin, "_installed", False)
+    monkeypatch.setattr(vllm_plugin, "why_not", vllm_plugin.why_not)
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    vllm_plugin.register()
+    assert gpu_model_runner.allocate_kv_cache is vllm_allocate, "nothing replaced"
+    assert vllm_plugin.why_not.startswith("vLLM 0.33.0 is not a release the kvsidecar plugin knows (0.32.0)")
+    w = worker(zero_copy=True)
+    with caplog.at_level(logging.WARNING, logger="vllm.kvsidecar"):
+        assert w.allocate_kv_cache(SimpleNamespace(num_blocks=NUM_BLOCKS), None, None) is None
+    assert zero_copy_lines(caplog) == [f"rank 0: zero copy off, the connector stages: {vllm_plugin.why_not}"]
+    assert w.get_handshake_metadata() == ModeHandshake(zero_copy=False, why=vllm_plugin.why_not)
+
+
+# fault-matrix: zero-copy-fallback
+def test_an_unknown_backend_falls_back_with_one_line(monkeypatch, caplog):
+    monkeypatch.setattr(vllm_plugin, "why_not", "")
+    w = worker(zero_copy=True)
+    assert w._worker is not None
+    w._worker.backend_of = lambda cfg: ("TRITON_ATTN", "LBHNC", "auto")
+    with caplog.at_level(logging.WARNING, logger="vllm.kvsidecar"):
+        assert w.allocate_kv_cache(SimpleNamespace(num_blocks=NUM_BLOCKS), None, None) is None
+    lines = zero_copy_lines(caplog)
+    assert len(lines) == 1 and "attention backend TRITON_ATTN keeps a layout the sidecar cannot express" in lines[0]
+    assert "known: CPU_ATTN, FLASH_ATTN, FLASHINFER" in lines[0]
+
+
+def test_zero_copy_not_asked_for_says_nothing(caplog):
+    w = worker()
+    with caplog.at_level(logging.INFO, logger="vllm.kvsidecar"):
+        assert w.allocate_kv_cache(SimpleNamespace(num_blocks=NUM_BLOCKS), None, None) is None
+    assert not [r for r in caplog.records if r.name == "vllm.kvsidecar"]
+    assert w.get_handshake_metadata() == ModeHandshake(zero_copy=False, why="not asked for")
+
+
+@pytest.mark.parametrize("backend, layout, dtype, why", [
+    ("CPU_ATTN", "LBNHC", "auto", "KV cache layout LBNHC"),
+    ("FLASHINFER", "LBHNC", "nvfp4", "cache dtype nvfp4"),
+])
+def test_layouts_the_sidecar_cannot_hold_are_refused(backend, layout, dtype, why):
+    with pytest.raises(Refused, match=why):
+        backend_layout(backend, layout, dtype)
+
+
+# fault-matrix: zero-copy-fallback
+def test_ranks_that_disagree_stop_the_engine_at_start():
+    cfg = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(engine_id="e", kv_role="kv_both", kv_connector_extra_config={
+            "socket_dir": "/nowhere", "zero_copy": True}),
+        parallel_config=SimpleNamespace(tensor_parallel_size=2), cache_config=SimpleNamespace(block_size=32))
+    s = KVSidecarConnector(cfg, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=NUM_BLOCKS))
+    with pytest.raises(RuntimeError, match=r"ranks \[0\] run zero copy.*rank 1: sidecar rank 1 holds layout"):
+        s.set_xfer_handshake_metadata({0: ModeHandshake(True), 1: ModeHandshake(False, "sidecar rank 1 holds layout")})
+    # Every rank staging: vLLM's block pool is left alone.
+    s.set_xfer_handshake_metadata({0: ModeHandshake(False, "x"), 1: ModeHandshake(False, "x")})
+    assert s._scheduler is not None and not s._scheduler.zero_copy
+    assert not s.has_pending_push_work()
