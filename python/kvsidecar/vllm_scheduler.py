@@ -145,6 +145,7 @@ class SchedulerSide:
         self._loads, self._aborts, self._exported = [], [], []
         if self.pool is not None:
             self.pool.release_due()
+            self.pool.refresh_available()
             # Under coordinated ownership rank 0 maps a page on every rank
             # before it tells this client, so a page new to rank 0's client
             # is mapped on every rank by now.

@@ -213,8 +213,11 @@ class SidecarBlockPool(BlockPool):
     :func:`install` turns a scheduler's BlockPool into one.
 
     Holds, beside vLLM's state: the rank-0 client that allocates and frees,
-    and the blocks vLLM freed that keep prefix-cache content, by the time
-    they were freed (oldest first).
+    the blocks vLLM freed that keep prefix-cache content, by the time they
+    were freed (oldest first), and the blocks the sidecar can still allocate
+    under its memory limit (read each step, counted between reads), which
+    bound what vLLM's scheduler sees as free: it queues or preempts at the
+    limit instead of allocating past it.
     """
 
     _sc_client: LocalClient
@@ -223,6 +226,7 @@ class SidecarBlockPool(BlockPool):
     _sc_clock: Callable[[], float]
     _sc_wake: Callable[[], None] | None
     _sc_timer: threading.Timer | None
+    _sc_avail: int
 
     @classmethod
     def install(cls, pool: BlockPool, client: LocalClient, hold_seconds: float = DEFAULT_FREE_HOLD_SECONDS,
@@ -244,7 +248,21 @@ class SidecarBlockPool(BlockPool):
         sp._sc_client, sp._sc_hold, sp._sc_hold_seconds, sp._sc_clock = client, collections.OrderedDict(), \
             hold_seconds, clock
         sp._sc_wake, sp._sc_timer = None, None
+        sp.refresh_available()
         return sp
+
+    def refresh_available(self) -> None:
+        """Reads how many blocks the sidecar can allocate now (its memory
+        limit and what it holds); the scheduler side calls it every step."""
+        try:
+            self._sc_avail = self._sc_client.available()
+        except errors.KVSidecarError as e:
+            raise self._gone(e) from e
+
+    def get_num_free_blocks(self) -> int:
+        # vLLM's free blocks, at most what the sidecar can still allocate
+        # plus the held blocks a release would give back.
+        return min(super().get_num_free_blocks(), self._sc_avail + len(self._sc_hold))
 
     def set_waker(self, wake: Callable[[], None]) -> None:
         """``wake`` makes vLLM's engine loop step once while it is idle, so
@@ -258,6 +276,7 @@ class SidecarBlockPool(BlockPool):
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         ids = self._sc_alloc(num_blocks)
+        self._sc_avail = max(0, self._sc_avail - len(ids))
         ret = []
         for i in ids:
             b = self.blocks[i]
@@ -317,7 +336,11 @@ class SidecarBlockPool(BlockPool):
         """Releases the held blocks freed ``free_hold_seconds`` ago or more,
         and arms the wake-up for the next one."""
         now = self._sc_clock()
-        due = [i for i, t in self._sc_hold.items() if now - t >= self._sc_hold_seconds]
+        due = []
+        for i, t in self._sc_hold.items():  # oldest first
+            if now - t < self._sc_hold_seconds:
+                break
+            due.append(i)
         self._sc_release(due)
         if self._sc_hold and self._sc_wake is not None and self._sc_timer is None:
             first = next(iter(self._sc_hold.values()))
@@ -343,6 +366,7 @@ class SidecarBlockPool(BlockPool):
             self._sc_client.free(ids)
         except errors.KVSidecarError as e:
             raise self._gone(e) from e
+        self._sc_avail += len(ids)
 
     def _sc_alloc(self, n: int) -> list[int]:
         try:

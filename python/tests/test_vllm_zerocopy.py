@@ -116,11 +116,23 @@ def test_at_the_memory_limit_held_blocks_make_room(pool):
     # Two pages of each region: the held blocks' and the reserve. One
     # page more than the reserve holds needs the held blocks' page.
     pool.client.set_memory_limit(2 * 2 * (2 << 20))
+    pool.pool.refresh_available()
+    # vLLM's scheduler sees the limit: the two pages of each region, less
+    # the null block's slot, not the whole cache (the held blocks count:
+    # releasing them gives their slots back).
+    assert pool.pool.get_num_free_blocks() == 2 * PER_PAGE - 1 < NUM_BLOCKS - 1
     got = pool.pool.get_new_blocks(PER_PAGE + 1)
     assert len(got) == PER_PAGE + 1
     assert pool.pool.get_cached_block(BlockHash(b"l0"), [0]) is None, "the held blocks were released for them"
-    with pytest.raises(RuntimeError, match=rf"refused {PER_PAGE} blocks at its memory limit.*raise the limit"):
+    assert pool.pool.get_num_free_blocks() == PER_PAGE - 2
+    with pytest.raises(ValueError, match=f"Cannot get {PER_PAGE} free blocks"):
         pool.pool.get_new_blocks(PER_PAGE)
+    assert len(pool.pool.get_new_blocks(PER_PAGE - 2)) == PER_PAGE - 2
+    # Should the count be stale (a limit lowered between two reads, or a
+    # follower's), the sidecar refuses: nothing is allocated past the limit.
+    pool.pool._sc_avail = NUM_BLOCKS
+    with pytest.raises(RuntimeError, match=r"refused 1 blocks at its memory limit.*raise the limit"):
+        pool.pool.get_new_blocks(1)
 
 
 # fault-matrix: zero-copy-sidecar-gone
