@@ -74,7 +74,11 @@ class WorkerSide:
         self.zero_copy = False
         self.zero_copy_why = "" if cfg.zero_copy else "not asked for"
         self._exported: set[str] = set()
-        self._sent: set[str] = set()
+        # Exports the sidecar reported released, by the step they came in:
+        # vLLM learns of its exports a step after the sidecar may release
+        # them (a fast decode), so each waits here a while for its match.
+        self._sent: dict[str, int] = {}
+        self._step = 0
         # Staging.copied_bytes already counted in get_copied_bytes.
         self._copied_seen = 0
         self.layers: dict[str, int] = {}
@@ -323,7 +327,7 @@ class WorkerSide:
                     self._done(rid, None)
                 for fl in f.failed:
                     self._done(fl.request_id, fl)
-                self._sent.update(f.done_sending)
+                self._sent.update(dict.fromkeys(f.done_sending, self._step))
                 self._report_sent()
             except errors.BrokenConnection as e:
                 self._lost(e)
@@ -381,18 +385,28 @@ class WorkerSide:
         """Zero copy: the requests whose blocks vLLM keeps for this rank's
         export; each is reported in ``finished_sending`` once the sidecar
         reported it done (vLLM frees the blocks then)."""
+        self._step += 1
         self._exported.update(meta.exported)
         self._report_sent()
 
+    #: Steps a released export waits for vLLM to name it as one it keeps
+    #: blocks for (it does in the step after the request finished).
+    SENT_MATCH_STEPS = 64
+
     def _report_sent(self) -> None:
-        done = self._sent & self._exported
+        done = self._exported.intersection(self._sent)
         self._sending |= done
-        self._sent -= done
         self._exported -= done
+        for rid in done:
+            del self._sent[rid]
         # The sidecar reports every export it released; one vLLM never waited
-        # for (staging, or a request not delayed) is dropped here.
+        # for (staging, a request not delayed, an export withdrawn) is
+        # dropped: at once under staging, after a while under zero copy.
         if not self.zero_copy:
             self._sent.clear()
+        elif self._sent:
+            old = self._step - self.SENT_MATCH_STEPS
+            self._sent = {r: s for r, s in self._sent.items() if s > old}
 
     # -- prefill -------------------------------------------------------------
 

@@ -229,3 +229,39 @@ def test_ranks_that_disagree_stop_the_engine_at_start():
     s.set_xfer_handshake_metadata({0: ModeHandshake(False, "x"), 1: ModeHandshake(False, "x")})
     assert s._scheduler is not None and not s._scheduler.zero_copy
     assert not s.has_pending_push_work()
+
+
+def test_released_exports_are_reported_once_vllm_names_them():
+    # vLLM names an export it keeps blocks for in the step after the request
+    # finished; the sidecar may release it before (a fast decode) or after.
+    # Either way it is reported in finished_sending once; one vLLM never
+    # waits for (an export withdrawn) is dropped after a while.
+    from kvsidecar.v1 import local_pb2
+    from kvsidecar.vllm_meta import KVSidecarConnectorMetadata
+
+    class Client:
+        def __init__(self) -> None:
+            self.done: list[str] = []
+
+        def get_finished(self) -> local_pb2.GetFinishedReply:
+            out, self.done = self.done, []
+            return local_pb2.GetFinishedReply(done_sending=out)
+
+    w = worker(zero_copy=True)._worker
+    assert w is not None
+    client = Client()
+    w.zero_copy, w.client = True, client  # type: ignore[assignment]
+
+    def step(exported=(), released=()) -> set[str]:
+        w.note_exported(KVSidecarConnectorMetadata(exported=list(exported)))
+        client.done = list(released)
+        sending, _ = w.get_finished()
+        return sending or set()
+
+    assert step(released=["early"]) == set(), "not before vLLM names it"
+    assert step(exported=["early", "late"]) == {"early"}
+    assert step() == set()
+    assert step(released=["late", "withdrawn"]) == {"late"}
+    for _ in range(w.SENT_MATCH_STEPS):
+        assert step() == set()
+    assert step(exported=["withdrawn"]) == set(), "a release nobody named in time is dropped"
