@@ -124,8 +124,13 @@ class WorkerSide:
             dm = CudaDeviceMapping(self.cfg.cuda_library, getattr(device, "index", None) or 0) if on_device else None
             c = LocalClient(self.cfg.socket(self.rank), timeout=self.cfg.timeout, device_mapping=dm)
             spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-            info = attach_rank(c, self.rank, self.cfg.tp_size, self.cfg.geometry(spec.dtype, want),
-                               int(kv_cache_config.num_blocks), device_memory_ok=on_device)
+            try:
+                info = attach_rank(c, self.rank, self.cfg.tp_size, self.cfg.geometry(spec.dtype, want),
+                                   int(kv_cache_config.num_blocks), device_memory_ok=on_device)
+            except (errors.InvalidArgument, errors.AlreadyExists) as e:
+                # E.g. serve --num-blocks other than vLLM's block count.
+                raise Refused(f"sidecar rank {self.rank} refused a cache of vLLM's {kv_cache_config.num_blocks} "
+                              f"blocks: {e.message}") from e
             if info.device_memory != on_device:
                 raise Refused(f"sidecar rank {self.rank} holds {'device' if info.device_memory else 'host'} pages, "
                               f"vLLM's KV cache is on {device}")
