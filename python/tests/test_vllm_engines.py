@@ -415,7 +415,6 @@ def test_prefill_sidecar_killed_while_decode_loads_is_recomputed(lab: Lab):
         # with the reason (it polls its sidecar while its export waits)
         # instead of serving from memory nobody manages.
         wait_for("the prefill engine stopped", lambda: lab.p1.proc.poll() is not None, timeout=120)
-        assert lab.p1.proc.returncode != 0
         assert "the sidecar holds this engine's KV cache, so the engine cannot go on" in open(lab.p1.log_path).read()
         return
     wait_for("the decode's blocks freed", lambda: stats(lab.d1_sc[0]) == {"blocks_used": 0, "leases_held": 0,
