@@ -193,6 +193,8 @@ class WorkerSide:
             # Raises naming the shape when a tensor is not the layout's.
             self.layout.kv_views(kv_caches[n], self.cfg.num_vllm_blocks)
         self._connect()
+        log.info("rank %d: staging: vLLM keeps its KV tensors (%s) and the connector copies each exported or "
+                 "loaded block through sidecar %s's pages", self.rank, self.layout.describe(), self.cfg.socket(self.rank))
 
     def _connect(self) -> LocalClient:
         """Dials and attaches to this rank's sidecar and checks vLLM's KV

@@ -199,6 +199,8 @@ def test_modes_as_configured(lab: Lab):
     for e in (lab.p1, lab.d1):
         log = open(e.log_path).read()
         assert ("zero copy: vLLM's KV cache is sidecar" in log) == lab.zero_copy, e.name
+        # Staging is said at start too.
+        assert ("rank 0: staging: vLLM keeps its KV tensors (CPU_ATTN (LBHNC))" in log) != lab.zero_copy, e.name
     p2 = open(lab.p2.log_path).read()
     if lab.zero_copy:
         assert p2.count("zero copy: vLLM's KV cache is sidecar") == 2
