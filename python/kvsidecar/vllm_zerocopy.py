@@ -64,6 +64,7 @@ from kvsidecar.staging import region_tensor
 from kvsidecar.v1 import common_pb2
 
 __all__ = [
+    "AVAILABLE_REFRESH_SECONDS",
     "BACKEND_LAYOUTS",
     "DEFAULT_FREE_HOLD_SECONDS",
     "ModeHandshake",
@@ -91,6 +92,10 @@ BACKEND_LAYOUTS = {
 #: Seconds a block vLLM freed with prefix-cache content stays mapped before
 #: it is released (``kv_connector_extra_config`` ``free_hold_seconds``).
 DEFAULT_FREE_HOLD_SECONDS = 30.0
+
+#: Seconds between two reads of the blocks the sidecar can still allocate
+#: (its memory limit may change under ``kvsidecar ctl limit``).
+AVAILABLE_REFRESH_SECONDS = 0.5
 
 
 class Refused(Exception):
@@ -215,7 +220,8 @@ class SidecarBlockPool(BlockPool):
     Holds, beside vLLM's state: the rank-0 client that allocates and frees,
     the blocks vLLM freed that keep prefix-cache content, by the time they
     were freed (oldest first), and the blocks the sidecar can still allocate
-    under its memory limit (read each step, counted between reads), which
+    under its memory limit (read at most every
+    :data:`AVAILABLE_REFRESH_SECONDS`, counted between reads), which
     bound what vLLM's scheduler sees as free: it queues or preempts at the
     limit instead of allocating past it.
     """
@@ -227,6 +233,7 @@ class SidecarBlockPool(BlockPool):
     _sc_wake: Callable[[], None] | None
     _sc_timer: threading.Timer | None
     _sc_avail: int
+    _sc_avail_read: float
 
     @classmethod
     def install(cls, pool: BlockPool, client: LocalClient, hold_seconds: float = DEFAULT_FREE_HOLD_SECONDS,
@@ -248,16 +255,23 @@ class SidecarBlockPool(BlockPool):
         sp._sc_client, sp._sc_hold, sp._sc_hold_seconds, sp._sc_clock = client, collections.OrderedDict(), \
             hold_seconds, clock
         sp._sc_wake, sp._sc_timer = None, None
-        sp.refresh_available()
+        sp.refresh_available(force=True)
         return sp
 
-    def refresh_available(self) -> None:
+    def refresh_available(self, force: bool = False) -> None:
         """Reads how many blocks the sidecar can allocate now (its memory
-        limit and what it holds); the scheduler side calls it every step."""
+        limit and what it holds), unless it was read less than
+        :data:`AVAILABLE_REFRESH_SECONDS` ago (the allocations and frees
+        since are counted); the scheduler side calls it every step, and a
+        step waiting on a load runs every few milliseconds."""
+        now = self._sc_clock()
+        if not force and now - self._sc_avail_read < AVAILABLE_REFRESH_SECONDS:
+            return
         try:
             self._sc_avail = self._sc_client.available()
         except errors.KVSidecarError as e:
             raise self._gone(e) from e
+        self._sc_avail_read = now
 
     def get_num_free_blocks(self) -> int:
         # vLLM's free blocks, at most what the sidecar can still allocate

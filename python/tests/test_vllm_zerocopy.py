@@ -16,7 +16,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 from kvsidecar import vllm_plugin
 from kvsidecar.local import LocalClient
 from kvsidecar.vllm import KVConnectorRole, KVSidecarConnector
-from kvsidecar.vllm_zerocopy import ModeHandshake, Refused, SidecarBlockPool, backend_layout
+from kvsidecar.vllm_zerocopy import AVAILABLE_REFRESH_SECONDS, ModeHandshake, Refused, SidecarBlockPool, backend_layout
 
 NUM_BLOCKS = 256
 # 2 layers, 2 KV heads of 64, float32, 32 tokens: 32 KiB a block of a
@@ -116,6 +116,9 @@ def test_at_the_memory_limit_held_blocks_make_room(pool):
     # Two pages of each region: the held blocks' and the reserve. One
     # page more than the reserve holds needs the held blocks' page.
     pool.client.set_memory_limit(2 * 2 * (2 << 20))
+    pool.pool.refresh_available()
+    assert pool.pool.get_num_free_blocks() == NUM_BLOCKS - 1, "read again only after a while"
+    pool.clock.now += AVAILABLE_REFRESH_SECONDS
     pool.pool.refresh_available()
     # vLLM's scheduler sees the limit: the two pages of each region, less
     # the null block's slot, not the whole cache (the held blocks count:
