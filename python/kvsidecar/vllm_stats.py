@@ -59,5 +59,5 @@ class CopyPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         n = int(transfer_stats_data.get("copied_bytes", 0))
-        if n:
+        if n > 0:  # a counter only grows; vLLM's server stops on a negative inc
             self.copied[engine_idx].inc(n)

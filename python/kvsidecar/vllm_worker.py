@@ -79,8 +79,10 @@ class WorkerSide:
         # them (a fast decode), so each waits here a while for its match.
         self._sent: dict[str, int] = {}
         self._step = 0
-        # Staging.copied_bytes already counted in get_copied_bytes.
+        # Staging.copied_bytes already counted by take_copied_bytes, and the
+        # bytes a Staging lost with its connection copied but not yet taken.
         self._copied_seen = 0
+        self._copied_banked = 0
         self.layers: dict[str, int] = {}
         self.kv: list[Any] = []
         self._loads: dict[str, _Load] = {}
@@ -259,7 +261,9 @@ class WorkerSide:
         self._silent.clear()
         if self.client is not None:
             self.client.close()
-        self.client, self.staging = None, None
+        if self.staging is not None:
+            self._copied_banked += self.staging.copied_bytes - self._copied_seen
+        self.client, self.staging, self._copied_seen = None, None, 0
 
     # -- decode --------------------------------------------------------------
 
@@ -381,7 +385,8 @@ class WorkerSide:
         """KV bytes the staging copies moved since the last call (0 under
         zero copy)."""
         n = self.staging.copied_bytes if self.staging is not None else 0
-        d, self._copied_seen = n - self._copied_seen, n
+        d = self._copied_banked + n - self._copied_seen
+        self._copied_banked, self._copied_seen = 0, n
         return d
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -268,3 +268,20 @@ def test_released_exports_are_reported_once_vllm_names_them():
     for _ in range(w.SENT_MATCH_STEPS):
         assert step() == set()
     assert step(exported=["withdrawn"]) == set(), "a release nobody named in time is dropped"
+
+
+def test_copied_bytes_survive_a_lost_sidecar():
+    # The reported input: a staging worker whose sidecar died reported a
+    # negative count (the copies since the last report were subtracted), and
+    # vLLM's API server stopped on the negative counter increment.
+    w = worker()._worker
+    assert w is not None
+    w.staging = SimpleNamespace(copied_bytes=100)  # type: ignore[assignment]
+    assert w.take_copied_bytes() == 100
+    w.staging.copied_bytes = 160  # type: ignore[union-attr]
+    w._lost(ConnectionError("sidecar gone"))
+    assert w.staging is None
+    assert w.take_copied_bytes() == 60, "copied before the loss, reported after it"
+    assert w.take_copied_bytes() == 0
+    w.staging = SimpleNamespace(copied_bytes=7)  # type: ignore[assignment]
+    assert w.take_copied_bytes() == 7, "a new connection's copies count from 0"
