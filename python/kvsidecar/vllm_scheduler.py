@@ -10,8 +10,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from kvsidecar import errors
-from kvsidecar.params import params_to_json
+from kvsidecar import errors, reasons
+from kvsidecar.params import params_from_json, params_to_json, validate_remote_prefill
 from kvsidecar.rankset import RankSet
 from kvsidecar.v1 import local_pb2, params_pb2
 from kvsidecar.vllm_meta import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, SaveSpec, log, role_name
@@ -37,8 +37,12 @@ class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig) -> None:
         self.cfg = cfg
         self.ranks = RankSet(cfg.socket, cfg.tp_size, cfg.geometry, cfg.num_blocks, cfg.timeout)
-        # Decode: prefix hit tokens noted by get_num_new_matched_tokens.
+        # Decode: prefix hit tokens and the prompt tokens the export holds,
+        # noted by get_num_new_matched_tokens, and requests whose params it
+        # refused.
         self._hit_tokens: dict[str, int] = {}
+        self._covered: dict[str, int] = {}
+        self._refused: set[str] = set()
         self._loads: list[LoadSpec] = []
         self._aborts: list[str] = []
         self._loading: set[str] = set()
@@ -99,11 +103,33 @@ class SchedulerSide:
         return self.pool is not None and self.pool.release_is_due()
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """The prompt tokens past the local prefix hit that the prefill's
+        export holds: at most what ``remote_block_ids`` cover and the
+        prefill's ``prompt_tokens``, so tokens the prefill never computed
+        are never claimed (vLLM would attend over them as loaded). Params a
+        load cannot use are refused here, once, with a log line: the prompt
+        is computed locally and the prefill is not notified."""
         params = getattr(request, "kv_transfer_params", None) or {}
+        rid = request.request_id
         if not (self.cfg.consumer and params.get("do_remote_prefill")):
             return 0, False
-        self._hit_tokens[request.request_id] = num_computed_tokens
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        try:
+            p = params_from_json(params)
+            validate_remote_prefill(p)
+            if not p.remote_block_ids:
+                raise errors.ParamsError("kv_transfer_params: remote_block_ids: missing", field="remote_block_ids",
+                                         reason=reasons.PARAMS_MISSING)
+        except errors.KVSidecarError as e:
+            if rid not in self._refused:
+                log.warning("request %s: kv_transfer_params refused, the prompt is computed here: %s", rid, e)
+            self._refused.add(rid)
+            return 0, False
+        covered = min(len(request.prompt_token_ids or ()), len(p.remote_block_ids) * self.cfg.block_size)
+        if p.prompt_tokens:
+            covered = min(covered, p.prompt_tokens)
+        self._hit_tokens[rid] = num_computed_tokens
+        self._covered[rid] = covered
+        count = covered - num_computed_tokens
         if count <= 0:
             return 0, False
         return count, True
@@ -119,17 +145,21 @@ class SchedulerSide:
         # Consumed: a second update_state_after_alloc (after the load) must
         # not load again.
         params["do_remote_prefill"] = False
+        if rid in self._refused:
+            self._refused.discard(rid)
+            return
         if num_external_tokens <= 0:
             self._loads.append(LoadSpec(rid, [], spec, notify_only=True))
             return
         remote = list(spec.get("remote_block_ids") or ())
         hit_blocks = self._hit_tokens.pop(rid, 0) // self.cfg.block_size
+        covered = self._covered.pop(rid, len(remote) * self.cfg.block_size)
         # vLLM allocates the blocks after the local prefix hit (the unhashed
-        # ones); the first len(remote) - hit of them take the remote blocks
-        # after the hit, in order. A further block (vLLM can allocate one
-        # more than the prompt fills) is computed locally.
+        # ones); the first ones take the remote blocks after the hit that
+        # hold the claimed tokens, in order. A further block (vLLM can
+        # allocate one more than the prompt fills) is computed locally.
         local = list(blocks.get_unhashed_block_ids())
-        want = max(len(remote) - hit_blocks, 0)
+        want = max(min(len(remote), -(-covered // self.cfg.block_size)) - hit_blocks, 0)
         if len(local) < want:
             log.warning(
                 "request %s: %d local blocks for %d remote blocks after a hit of %d; loading the first %d",
@@ -196,6 +226,10 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._hit_tokens.pop(rid, None)
+        self._covered.pop(rid, None)
+        if rid in self._refused:
+            self._refused.discard(rid)
+            return False, None
         exp = self._exports.pop(rid, None)
         if exp is not None and self.zero_copy:
             return self._finish_in_place(request, exp, block_ids)
@@ -220,9 +254,16 @@ class SchedulerSide:
     def _finish_export(self, request: Any, exp: _Export) -> dict[str, Any] | None:
         status = _FINISH_STATUS.get(role_name(request.status), local_pb2.FINISH_STATUS_ERROR)
         assert exp.staging is not None
-        merged = self.ranks.finish(request.request_id, exp.staging, status,
-                                   params_pb2.KVTransferParams(do_remote_decode=True))
-        return params_to_json(merged) if merged is not None else None
+        merged = self.ranks.finish(request.request_id, exp.staging, status, _keep(request))
+        return self._params(merged, exp)
+
+    def _params(self, merged: params_pb2.KVTransferParams | None, exp: _Export) -> dict[str, Any] | None:
+        """The decode's kv_transfer_params: the ranks' exports merged and the
+        prompt tokens they hold."""
+        if merged is None:
+            return None
+        merged.prompt_tokens = exp.prompt_len
+        return params_to_json(merged)
 
     def _finish_in_place(self, request: Any, exp: _Export, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """Zero copy: exports the prompt's own vLLM blocks on every rank; vLLM
@@ -237,12 +278,12 @@ class SchedulerSide:
             log.error("request %s: %d vLLM blocks for a prompt of %d tokens; not exported", request.request_id,
                       len(ids), exp.prompt_len)
             return False, None
-        merged = self.ranks.finish(request.request_id, [ids[:nblocks]] * self.cfg.tp_size, status,
-                                   params_pb2.KVTransferParams(do_remote_decode=True), engine_owned=True)
+        merged = self.ranks.finish(request.request_id, [ids[:nblocks]] * self.cfg.tp_size, status, _keep(request),
+                                   engine_owned=True)
         if merged is None:
             return False, None
         self._exported.append(request.request_id)
-        return True, params_to_json(merged)
+        return True, self._params(merged, exp)
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in getattr(connector_output, "finished_recving", None) or ():
@@ -250,6 +291,17 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.ranks.close()
+
+
+def _keep(request: Any) -> params_pb2.KVTransferParams:
+    """What RequestFinished is told of the request's own kv_transfer_params:
+    keep the KV for a decode, and the request's ``checksums`` choice (which
+    overrides the sidecar's ``--checksums``)."""
+    keep = params_pb2.KVTransferParams(do_remote_decode=True)
+    checksums = (getattr(request, "kv_transfer_params", None) or {}).get("checksums")
+    if isinstance(checksums, bool):
+        keep.checksums = checksums
+    return keep
 
 
 @dataclasses.dataclass

@@ -7,6 +7,7 @@ test_vllm_connector.py and test_vllm_engines.py.)"""
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -33,6 +34,7 @@ class FakeRankSet:
         self.allocs: list[int] = []
         self.finished: list[tuple[str, list[list[int]], int]] = []
         self.refuse: errors.KVSidecarError | None = None
+        self.keeps: list[params_pb2.KVTransferParams] = []
 
     def alloc(self, n: int) -> list[list[int]]:
         if self.refuse is not None:
@@ -44,8 +46,10 @@ class FakeRankSet:
             self.next[r] += n
         return out
 
-    def finish(self, request_id: str, per_rank: Any, status: int, keep: Any) -> params_pb2.KVTransferParams | None:
+    def finish(self, request_id: str, per_rank: Any, status: int, keep: Any,
+               engine_owned: bool = False) -> params_pb2.KVTransferParams | None:
         self.finished.append((request_id, [list(x) for x in per_rank], status))
+        self.keeps.append(keep)
         if status != local_pb2.FINISH_STATUS_LENGTH:
             return None
         return params_pb2.KVTransferParams(do_remote_prefill=True, remote_request_id=request_id, tp_size=2,
@@ -113,7 +117,22 @@ def test_chunked_prefill_saves_every_block_once_the_prompt_completes():
     delay, params = c.request_finished(r, [5, 6, 7, 8])
     assert delay is False, "vLLM's blocks are never held: the sidecar keeps its own copy"
     assert params is not None and params["remote_block_ids"] == [100, 101, 102, 103]
+    assert params["prompt_tokens"] == 100, "the decode claims at most the prompt the export holds"
     assert fake.finished == [("p1", [[100, 101, 102, 103], [200, 201, 202, 203]], local_pb2.FINISH_STATUS_LENGTH)]
+    assert fake.keeps[0].do_remote_decode and not fake.keeps[0].HasField("checksums"), "the sidecar's --checksums"
+
+
+@pytest.mark.parametrize("checksums", [False, True])
+def test_a_requests_checksums_choice_reaches_request_finished(checksums):
+    # The reported input: "checksums": false on the request to prefill was
+    # dropped, and the export carried checksums the sidecar's flag chose.
+    c, fake = connector("kv_producer")
+    r = request("p2", 40, {"do_remote_decode": True, "checksums": checksums})
+    c.update_state_after_alloc(r, KVCacheBlocks(([KVCacheBlock(5), KVCacheBlock(6)],)), 0)
+    c.build_connector_meta(output([new_req(r, [5, 6])], scheduled={"p2": 40}))
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    c.request_finished(r, [5, 6])
+    assert fake.keeps[0].HasField("checksums") and fake.keeps[0].checksums is checksums
 
 
 def test_a_preempted_and_resumed_prefill_saves_its_new_blocks():
@@ -146,10 +165,50 @@ def test_a_refused_allocation_exports_nothing():
     assert fake.finished == [], "RequestFinished is not called for an export that has no blocks"
 
 
+def decode_params(**over: Any) -> dict[str, Any]:
+    """kv_transfer_params a prefill of two ranks returns (what a load needs)."""
+    return {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r-1", "remote_host": "127.0.0.1",
+            "remote_port": 5600, "tp_size": 2, **over}
+
+
+UNUSABLE = [
+    # The reported inputs: vLLM took the claimed tokens as loaded though
+    # no block held them, and the decode answered with wrong tokens.
+    ("no remote blocks", {}, 100, 0),
+    ("empty remote blocks", {"remote_block_ids": []}, 100, 0),
+    ("no tp_size", {"remote_block_ids": [1, 2, 3, 4], "tp_size": None}, 100, 0),
+    ("prompt longer than the prefill's", {"remote_block_ids": [1, 2], "prompt_tokens": 40}, 100, 40),
+    ("prompt longer than the remote blocks", {"remote_block_ids": [1, 2]}, 100, 2 * BS),
+    ("prompt shorter than the prefill's", {"remote_block_ids": [1, 2, 3, 4], "prompt_tokens": 120}, 70, 70),
+]
+
+
+# fault-matrix: vllm-params-unusable
+@pytest.mark.parametrize("name, over, prompt, want", UNUSABLE)
+def test_decode_claims_only_what_the_export_holds(name, over, prompt, want, caplog):
+    c, _ = connector("kv_consumer")
+    params = decode_params(**over)
+    if params.get("tp_size") is None:
+        del params["tp_size"]
+    r = request("d1", prompt, params)
+    with caplog.at_level(logging.WARNING, logger="vllm.kvsidecar"):
+        assert c.get_num_new_matched_tokens(r, 0) == (want, want > 0), name
+        c.get_num_new_matched_tokens(r, 0)  # vLLM may ask again
+    refused = [x.getMessage() for x in caplog.records if "kv_transfer_params refused" in x.getMessage()]
+    assert len(refused) == (1 if want == 0 else 0), refused
+    n = -(-min(prompt, want) // BS)
+    c.update_state_after_alloc(r, KVCacheBlocks(([KVCacheBlock(60 + i) for i in range(-(-prompt // BS))],)), want)
+    m = c.build_connector_meta(output())
+    if want == 0:
+        assert m.loads == [], "refused params load nothing and notify nobody"
+    else:
+        assert [(ld.block_ids, ld.hit_blocks) for ld in m.loads] == [([60 + i for i in range(n)], 0)]
+
+
 @pytest.mark.parametrize("hit", [0, 2])
 def test_decode_loads_the_blocks_after_its_local_hit_and_an_abort_is_passed_on(hit):
     c, _ = connector("kv_consumer")
-    params = {"do_remote_prefill": True, "remote_block_ids": [11, 12, 13, 14], "tp_size": 2}
+    params = decode_params(remote_block_ids=[11, 12, 13, 14])
     r = request("d1", 4 * BS - 5, params)
     n, is_async = c.get_num_new_matched_tokens(r, hit * BS)
     assert (n, is_async) == (4 * BS - 5 - hit * BS, True)

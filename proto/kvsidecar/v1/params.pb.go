@@ -71,7 +71,13 @@ type KVTransferParams struct {
 	// checksums of the KV (RankExport.block_checksums) when it finishes; when
 	// absent the prefill sidecar's --checksums decides. Not read on decode:
 	// a decode verifies every export that carries checksums.
-	Checksums     *bool `protobuf:"varint,16,opt,name=checksums,proto3,oneof" json:"checksums,omitempty"`
+	Checksums *bool `protobuf:"varint,16,opt,name=checksums,proto3,oneof" json:"checksums,omitempty"`
+	// Prompt tokens whose KV the export holds: the prefill's prompt length
+	// (the last remote block may be part full); 0 when not known. A decode
+	// takes at most these from the prefill (and at most what
+	// remote_block_ids cover) and computes the rest of its prompt, so a
+	// decode prompt longer than the prefill's never reads KV nobody wrote.
+	PromptTokens  uint32 `protobuf:"varint,17,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -216,6 +222,13 @@ func (x *KVTransferParams) GetChecksums() bool {
 		return *x.Checksums
 	}
 	return false
+}
+
+func (x *KVTransferParams) GetPromptTokens() uint32 {
+	if x != nil {
+		return x.PromptTokens
+	}
+	return 0
 }
 
 // RankExport names one export: the blocks one prefill rank holds for one
@@ -427,7 +440,7 @@ var File_kvsidecar_v1_params_proto protoreflect.FileDescriptor
 
 const file_kvsidecar_v1_params_proto_rawDesc = "" +
 	"\n" +
-	"\x19kvsidecar/v1/params.proto\x12\fkvsidecar.v1\"\xbe\x05\n" +
+	"\x19kvsidecar/v1/params.proto\x12\fkvsidecar.v1\"\xe3\x05\n" +
 	"\x10KVTransferParams\x12*\n" +
 	"\x11do_remote_prefill\x18\x01 \x01(\bR\x0fdoRemotePrefill\x12(\n" +
 	"\x10do_remote_decode\x18\x02 \x01(\bR\x0edoRemoteDecode\x12(\n" +
@@ -450,7 +463,8 @@ const file_kvsidecar_v1_params_proto_rawDesc = "" +
 	"\frank_exports\x18\x0e \x03(\v2\x18.kvsidecar.v1.RankExportR\vrankExports\x12\x1d\n" +
 	"\n" +
 	"block_size\x18\x0f \x01(\rR\tblockSize\x12!\n" +
-	"\tchecksums\x18\x10 \x01(\bH\x01R\tchecksums\x88\x01\x01B\n" +
+	"\tchecksums\x18\x10 \x01(\bH\x01R\tchecksums\x88\x01\x01\x12#\n" +
+	"\rprompt_tokens\x18\x11 \x01(\rR\fpromptTokensB\n" +
 	"\n" +
 	"\b_tp_sizeB\f\n" +
 	"\n" +

@@ -6,7 +6,7 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVTransferParams(_message.Message):
-    __slots__ = ["block_size", "capability", "checksums", "do_remote_decode", "do_remote_prefill", "expected_consumers", "lease_expires_unix_ms", "rank_exports", "remote_block_ids", "remote_engine_id", "remote_host", "remote_incarnation", "remote_port", "remote_rank_addrs", "remote_request_id", "tp_size"]
+    __slots__ = ["block_size", "capability", "checksums", "do_remote_decode", "do_remote_prefill", "expected_consumers", "lease_expires_unix_ms", "prompt_tokens", "rank_exports", "remote_block_ids", "remote_engine_id", "remote_host", "remote_incarnation", "remote_port", "remote_rank_addrs", "remote_request_id", "tp_size"]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
@@ -14,6 +14,7 @@ class KVTransferParams(_message.Message):
     DO_REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_CONSUMERS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RANK_EXPORTS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +31,7 @@ class KVTransferParams(_message.Message):
     do_remote_prefill: bool
     expected_consumers: int
     lease_expires_unix_ms: int
+    prompt_tokens: int
     rank_exports: _containers.RepeatedCompositeFieldContainer[RankExport]
     remote_block_ids: _containers.RepeatedScalarFieldContainer[int]
     remote_engine_id: str
@@ -39,7 +41,7 @@ class KVTransferParams(_message.Message):
     remote_rank_addrs: _containers.RepeatedScalarFieldContainer[str]
     remote_request_id: str
     tp_size: int
-    def __init__(self, do_remote_prefill: bool = ..., do_remote_decode: bool = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., tp_size: _Optional[int] = ..., remote_rank_addrs: _Optional[_Iterable[str]] = ..., remote_incarnation: _Optional[int] = ..., capability: _Optional[bytes] = ..., lease_expires_unix_ms: _Optional[int] = ..., expected_consumers: _Optional[int] = ..., rank_exports: _Optional[_Iterable[_Union[RankExport, _Mapping]]] = ..., block_size: _Optional[int] = ..., checksums: bool = ...) -> None: ...
+    def __init__(self, do_remote_prefill: bool = ..., do_remote_decode: bool = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., tp_size: _Optional[int] = ..., remote_rank_addrs: _Optional[_Iterable[str]] = ..., remote_incarnation: _Optional[int] = ..., capability: _Optional[bytes] = ..., lease_expires_unix_ms: _Optional[int] = ..., expected_consumers: _Optional[int] = ..., rank_exports: _Optional[_Iterable[_Union[RankExport, _Mapping]]] = ..., block_size: _Optional[int] = ..., checksums: bool = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class RankExport(_message.Message):
     __slots__ = ["block_checksums", "block_ids", "capability", "capability_key_id", "checksum_heads", "export_id", "tp_rank"]
