@@ -352,7 +352,8 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 		n = f.numBlocks
 	}
 	if n < 2 {
-		return nil, codes.New(v1.Code_CODE_INVALID_ARGUMENT, "kvsidecar serve: create: num_blocks=%d: the engine or --num-blocks must give at least 2", n)
+		return nil, codes.NewReason(v1.Code_CODE_INVALID_ARGUMENT, codes.ReasonNumBlocksRequired,
+			"kvsidecar serve: create: num_blocks=%d: the engine or --num-blocks must give at least 2", n)
 	}
 	// The layout is checked before a device is opened for it.
 	if _, err := vmm.LayoutFor(req.GetGeometry(), f.tpRank, f.tpSize); err != nil {

@@ -30,6 +30,10 @@ const (
 	// ReasonDraining (CODE_UNAVAILABLE): the sidecar or the rank is
 	// shutting down and refuses new work. Move on to another instance.
 	ReasonDraining Reason = "DRAINING"
+	// ReasonNumBlocksRequired (CODE_INVALID_ARGUMENT): CreateKVCache with
+	// num_blocks 0 to a sidecar started without --num-blocks: nobody sized
+	// the cache. Attach again with the engine's block count.
+	ReasonNumBlocksRequired Reason = "NUM_BLOCKS_REQUIRED"
 
 	// ReasonParamsUndecodable (CODE_INVALID_ARGUMENT): kv_transfer_params
 	// that are not a JSON object, or hold a value of the wrong type for

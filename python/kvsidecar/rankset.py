@@ -57,11 +57,13 @@ def dtype_code(dtype: object) -> common_pb2.DType:
 
 
 def attach_rank(client: LocalClient, rank: int, tp_size: int, geometry: common_pb2.ModelGeometry,
-                num_blocks: int = 0, *, device_memory_ok: bool = False) -> local_pb2.KVCacheInfo:
+                num_blocks: int = 0, *, device_memory_ok: bool = False, default_blocks: int = 0) -> local_pb2.KVCacheInfo:
     """Attaches ``client`` to rank ``rank``'s cache with the sidecar's own
     geometry (``serve --model`` or explicit flags), or with ``geometry``
     (the engine's) when the sidecar has none, and checks that the two agree
-    on :data:`GEOMETRY_FIELDS`.
+    on :data:`GEOMETRY_FIELDS`. ``num_blocks`` 0 takes the sidecar's
+    ``--num-blocks``, or ``default_blocks`` (the engine's own count) when
+    the sidecar was started without one.
 
     Raises:
         IncompatibleModel: a field differs (named, with both values).
@@ -70,18 +72,32 @@ def attach_rank(client: LocalClient, rank: int, tp_size: int, geometry: common_p
             through host memory).
         KVSidecarError: what the attach itself raised.
     """
-    try:
-        info = client.attach(tp_rank=rank, tp_size=tp_size, num_blocks=num_blocks)
-    except errors.InvalidArgument as e:
-        if e.reason != reasons.GEOMETRY_REQUIRED:
-            raise
-        info = client.attach(geometry=geometry, tp_rank=rank, tp_size=tp_size, num_blocks=num_blocks)
+    give: common_pb2.ModelGeometry | None = None
+    # At most once each: the geometry, then the block count, as the sidecar
+    # asks for them (their reasons).
+    for _ in range(3):
+        try:
+            info = client.attach(geometry=give, tp_rank=rank, tp_size=tp_size, num_blocks=num_blocks)
+            break
+        except errors.InvalidArgument as e:
+            if e.reason == reasons.GEOMETRY_REQUIRED and give is None:
+                give = geometry
+            elif e.reason == reasons.NUM_BLOCKS_REQUIRED and num_blocks == 0 and default_blocks:
+                num_blocks = default_blocks
+            else:
+                raise
+    else:
+        raise AssertionError("unreachable: each retry adds what the sidecar asked for")
     have = info.geometry
+
+    def name(field: str, v: int) -> str:
+        return common_pb2.DType.Name(v) if field == "dtype" else str(v)
+
     for field in GEOMETRY_FIELDS:
         if getattr(have, field) != getattr(geometry, field):
             raise errors.IncompatibleModel(
-                f"sidecar {client.path} has {field}={getattr(have, field)}, the engine's model has "
-                f"{getattr(geometry, field)}"
+                f"sidecar {client.path} has {field} {name(field, getattr(have, field))}, the engine's KV cache has "
+                f"{name(field, getattr(geometry, field))}"
             )
     if have.attention != common_pb2.ATTENTION_GQA:
         raise errors.Unsupported("only GQA/MHA layouts are staged (the sidecar holds MLA)")
@@ -99,15 +115,17 @@ class RankSet:
         geometry: the engine's KV geometry (for :func:`attach_rank`),
             asked for at the first attach.
         num_blocks: blocks per region to create the caches with (0: the
-            sidecars' ``--num-blocks``).
+            sidecars' ``--num-blocks``, else ``default_blocks``).
         timeout: seconds per local API call.
+        default_blocks: the engine's own block count, for sidecars started
+            without ``--num-blocks`` when ``num_blocks`` is 0.
     """
 
     def __init__(self, socket_of: Callable[[int], str], tp_size: int,
                  geometry: Callable[[], common_pb2.ModelGeometry], num_blocks: int = 0,
-                 timeout: float = DEFAULT_CALL_TIMEOUT_SECONDS) -> None:
+                 timeout: float = DEFAULT_CALL_TIMEOUT_SECONDS, default_blocks: int = 0) -> None:
         self.socket_of, self.tp_size, self.geometry = socket_of, tp_size, geometry
-        self.num_blocks, self.timeout = num_blocks, timeout
+        self.num_blocks, self.timeout, self.default_blocks = num_blocks, timeout, default_blocks
         self._clients: list[LocalClient] | None = None
 
     def clients(self) -> list[LocalClient]:
@@ -123,7 +141,8 @@ class RankSet:
                 for r in range(self.tp_size):
                     c = LocalClient(self.socket_of(r), timeout=self.timeout)
                     cs.append(c)
-                    attach_rank(c, r, self.tp_size, self.geometry(), self.num_blocks)
+                    attach_rank(c, r, self.tp_size, self.geometry(), self.num_blocks,
+                                default_blocks=self.default_blocks)
             except Exception:
                 for c in cs:
                     c.close()

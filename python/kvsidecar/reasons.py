@@ -20,6 +20,7 @@ __all__ = [
     "MERGE_NO_PARTS",
     "MERGE_PARTS_DIFFER",
     "NOT_ATTACHED",
+    "NUM_BLOCKS_REQUIRED",
     "PARAMS_BAD_ADDRESS",
     "PARAMS_COUNT_MISMATCH",
     "PARAMS_EXPORT_MISSING",
@@ -41,6 +42,10 @@ NOT_ATTACHED = "NOT_ATTACHED"
 #: CODE_UNAVAILABLE: the sidecar or the rank is shutting down and refuses new work. Move on to
 #: another instance.
 DRAINING = "DRAINING"
+
+#: CODE_INVALID_ARGUMENT: CreateKVCache with num_blocks 0 to a sidecar started without --num-blocks:
+#: nobody sized the cache. Attach again with the engine's block count.
+NUM_BLOCKS_REQUIRED = "NUM_BLOCKS_REQUIRED"
 
 #: CODE_INVALID_ARGUMENT: kv_transfer_params that are not a JSON object, or hold a value of the
 #: wrong type for their field.
@@ -89,6 +94,7 @@ CODE_OF: dict[str, int] = {
     GEOMETRY_REQUIRED: common_pb2.CODE_INVALID_ARGUMENT,
     NOT_ATTACHED: common_pb2.CODE_UNAVAILABLE,
     DRAINING: common_pb2.CODE_UNAVAILABLE,
+    NUM_BLOCKS_REQUIRED: common_pb2.CODE_INVALID_ARGUMENT,
     PARAMS_UNDECODABLE: common_pb2.CODE_INVALID_ARGUMENT,
     PARAMS_MISSING: common_pb2.CODE_INVALID_ARGUMENT,
     PARAMS_OUT_OF_RANGE: common_pb2.CODE_INVALID_ARGUMENT,

@@ -36,7 +36,8 @@ class SchedulerSide:
 
     def __init__(self, cfg: ConnectorConfig) -> None:
         self.cfg = cfg
-        self.ranks = RankSet(cfg.socket, cfg.tp_size, cfg.geometry, cfg.num_blocks, cfg.timeout)
+        self.ranks = RankSet(cfg.socket, cfg.tp_size, cfg.geometry, cfg.num_blocks, cfg.timeout,
+                             default_blocks=cfg.num_vllm_blocks)
         # Decode: prefix hit tokens and the prompt tokens the export holds,
         # noted by get_num_new_matched_tokens, and requests whose params it
         # refused.

@@ -190,6 +190,11 @@ class WorkerSide:
         self.kv = [kv_caches[n] for n in names]
         if self.zero_copy:
             return
+        if self.cfg.zero_copy and not self.zero_copy_why:
+            # Zero copy was asked for, but the plugin never routed vLLM's
+            # allocation here (not loaded, or VLLM_PLUGINS leaves it out).
+            self.zero_copy_why = vllm_plugin.why_not or "vLLM allocated its KV cache without the kvsidecar plugin"
+            log.warning("rank %d: zero copy off, the connector stages: %s", self.rank, self.zero_copy_why)
         self.layout = self.layout_of(self.cfg)
         for n in names:
             # Raises naming the shape when a tensor is not the layout's.
@@ -206,7 +211,8 @@ class WorkerSide:
         assert layout is not None, "register_kv_caches first"
         c = LocalClient(self.cfg.socket(self.rank), timeout=self.cfg.timeout)
         try:
-            info = attach_rank(c, self.rank, self.cfg.tp_size, self.cfg.geometry(first.dtype), self.cfg.num_blocks)
+            info = attach_rank(c, self.rank, self.cfg.tp_size, self.cfg.geometry(first.dtype), self.cfg.num_blocks,
+                               default_blocks=self.cfg.num_vllm_blocks)
             k, _ = layout.kv_views(first, self.cfg.num_vllm_blocks)
             _, ratio, heads, nk, hd = k.shape
             # HND: a K and a V region per layer; otherwise one region holds

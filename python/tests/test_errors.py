@@ -61,6 +61,24 @@ def test_geometry_required_by_reason(cluster: devserve.Cluster) -> None:
         assert info.geometry.num_layers == 2 and info.num_blocks == 64
 
 
+def test_num_blocks_required_by_reason(cluster: devserve.Cluster) -> None:
+    # The reported input: a sidecar started without --num-blocks and an
+    # engine that names none (vLLM's connector, unless told) could not
+    # attach at all. The sidecar asks with NUM_BLOCKS_REQUIRED; attach_rank
+    # then sends the engine's own count, after the geometry it asked first.
+    s = cluster.start("unsized")
+    with LocalClient(s.socket) as c:
+        with pytest.raises(errors.InvalidArgument) as ei:
+            c.attach(geometry=GEOM, tp_rank=0, tp_size=1)
+        assert ei.value.reason == reasons.NUM_BLOCKS_REQUIRED
+    with LocalClient(s.socket) as c:
+        with pytest.raises(errors.InvalidArgument) as ei:
+            attach_rank(c, 0, 1, GEOM)
+        assert ei.value.reason == reasons.NUM_BLOCKS_REQUIRED, "no count of the engine's to give"
+        info = attach_rank(c, 0, 1, GEOM, default_blocks=48)
+        assert info.num_blocks == 48 and info.geometry.num_layers == 2
+
+
 def test_not_attached_by_reason(cluster: devserve.Cluster) -> None:
     # Two refusals of one code (CODE_UNAVAILABLE) that ask for different
     # actions carry different reasons: NOT_ATTACHED here.

@@ -285,3 +285,24 @@ def test_copied_bytes_survive_a_lost_sidecar():
     assert w.take_copied_bytes() == 0
     w.staging = SimpleNamespace(copied_bytes=7)  # type: ignore[assignment]
     assert w.take_copied_bytes() == 7, "a new connection's copies count from 0"
+
+
+# fault-matrix: zero-copy-fallback
+def test_a_plugin_that_never_ran_falls_back_with_one_line(monkeypatch, caplog):
+    # The reported input: VLLM_PLUGINS without kvsidecar, zero copy asked
+    # for: vLLM allocated its own KV cache and nothing said zero copy was off.
+    monkeypatch.setattr(vllm_plugin, "why_not", "the kvsidecar vLLM plugin was not loaded (VLLM_PLUGINS ...)")
+    w = worker(zero_copy=True)
+
+    class Stop(Exception):
+        pass
+
+    def stop(cfg):
+        raise Stop
+
+    assert w._worker is not None
+    w._worker.layout_of = stop
+    with caplog.at_level(logging.WARNING, logger="vllm.kvsidecar"), pytest.raises(Stop):
+        w.register_kv_caches({"model.layers.0.self_attn.attn": object()})
+    assert zero_copy_lines(caplog) == [f"rank 0: zero copy off, the connector stages: {vllm_plugin.why_not}"]
+    assert w.get_handshake_metadata() == ModeHandshake(zero_copy=False, why=vllm_plugin.why_not)
