@@ -64,6 +64,22 @@ class PDProxy:
             def log_message(self, fmt: str, *args: Any) -> None:
                 return
 
+            def do_GET(self) -> None:
+                # /v1/models and the like: the decode servers serve the model.
+                u = urllib.parse.urlsplit(next(proxy._decode))
+                conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=30)
+                try:
+                    conn.request("GET", self.path)
+                    r = conn.getresponse()
+                    data = r.read()
+                    self.send_response(r.status)
+                    self.send_header("Content-Type", r.getheader("Content-Type", "application/json"))
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                finally:
+                    conn.close()
+
             def do_POST(self) -> None:
                 if self.path.rstrip("/") != "/v1/completions":
                     self._reply(404, {"error": f"pdproxy serves /v1/completions, not {self.path}"})
@@ -99,18 +115,30 @@ class PDProxy:
         pre = dict(req, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         pre.pop("stream_options", None)
         conn, r = _post(pre_url, pre)
+        finished = False
         try:
             data = r.read()
-            params = json.loads(data).get("kv_transfer_params") if r.status == 200 else None
+            out = json.loads(data) if r.status == 200 else {}
+            params = out.get("kv_transfer_params")
+            # A prompt whose first token ends it (stop or EOS) leaves no KV
+            # to hand over: the decode answers it whole.
+            finished = any(c.get("finish_reason") == "stop" for c in out.get("choices") or ())
         except (json.JSONDecodeError, AttributeError):
             params = None
         finally:
             conn.close()
+        if params is None and finished:
+            self._stream(h, dec_url, dict(req))
+            return
         if params is None:
             h._reply(502, {"error": f"pdproxy: prefill {pre_url} answered {r.status} without kv_transfer_params",
                            "prefill": data[:2000].decode(errors="replace")})
             return
-        conn, r = _post(dec_url, dict(req, kv_transfer_params=params))
+        self._stream(h, dec_url, dict(req, kv_transfer_params=params))
+
+    def _stream(self, h: Any, dec_url: str, body: dict[str, Any]) -> None:
+        """Sends ``body`` to the decode server and relays its answer."""
+        conn, r = _post(dec_url, body)
         try:
             h.send_response(r.status)
             h.send_header("Content-Type", r.getheader("Content-Type", "application/json"))

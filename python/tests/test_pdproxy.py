@@ -1,7 +1,8 @@
 """kvsidecar.pdproxy's refusals (its happy path runs against real vLLM
 engines in test_vllm_engines.py): a prefill that answers without
 kv_transfer_params, or with an error, is the client's 502 naming it, and
-the decode is never asked."""
+the decode is never asked; a prompt that ends at its first token is the
+decode's to answer whole."""
 
 from __future__ import annotations
 
@@ -67,6 +68,22 @@ def test_prefill_without_params_is_a_502_and_decode_is_not_asked(status, body):
         assert pre.got == [{"model": "m", "prompt": [1, 2, 3], "max_tokens": 1, "stream": False,
                             "kv_transfer_params": {"do_remote_decode": True}}]
         assert dec.got == []
+    finally:
+        proxy.close()
+        pre.close()
+        dec.close()
+
+
+def test_a_prompt_that_ends_at_its_first_token_goes_to_decode_whole():
+    # The reported input: the prefill stopped on its first token (EOS), so it
+    # returned no params, and the proxy answered 502 for a valid request.
+    pre = Upstream(200, {"choices": [{"token_ids": [2], "finish_reason": "stop"}], "kv_transfer_params": None})
+    dec = Upstream(200, {"choices": [{"token_ids": [2]}]})
+    proxy = PDProxy([pre.url], [dec.url]).start()
+    try:
+        code, out = post(proxy, {"model": "m", "prompt": [1], "max_tokens": 4})
+        assert (code, out) == (200, {"choices": [{"token_ids": [2]}]})
+        assert dec.got == [{"model": "m", "prompt": [1], "max_tokens": 4}], "no params: the decode computes it"
     finally:
         proxy.close()
         pre.close()
