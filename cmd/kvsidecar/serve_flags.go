@@ -53,7 +53,7 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.role, "role", "both", "prefill, decode or both (informational: every sidecar can export and import)")
 	fs.IntVar(&f.tpRank, "tp-rank", 0, "this sidecar's tensor-parallel rank, in [0, tp-size)")
 	fs.IntVar(&f.tpSize, "tp-size", 0, "the engine's tensor-parallel size (required, never defaulted)")
-	fs.StringVar(&f.ownership, "ownership", "local", "who frees blocks: local (each rank drives its pool, SGLang) or coordinated (rank 0 for all, vLLM)")
+	fs.StringVar(&f.ownership, "ownership", "local", "who allocates and frees blocks: local (each rank drives its pool: SGLang, vLLM staging) or coordinated (rank 0 for the group, as vLLM's ranks share block ids: vLLM zero copy)")
 	fs.StringVar(&f.backend, "backend", "host", "page backend: host (memfd) or cuda")
 	fs.IntVar(&f.device, "device", 0, "CUDA device ordinal (cuda backend only)")
 	fs.StringVar(&f.cudaLibrary, "cuda-library", cuda.DefaultLibrary, "CUDA driver library to dlopen, a name the dynamic loader finds or a path (cuda backend only)")

@@ -107,7 +107,7 @@ def make_tiny_llama(directory: str, *, layers: int = 4, attention_heads: int = 8
                     head_dim: int = 64, hidden: int = 512, intermediate: int = 1024, vocab_size: int = 2048,
                     seed: int = 1234) -> TinyModel:
     """Writes a Llama-architecture model with float32 random weights from
-    ``seed`` into ``directory`` (about 13 MB with the defaults).
+    ``seed`` into ``directory`` (about 46 MB with the defaults).
 
     The weights are drawn so that greedy decoding is decisive (the logits
     spread by several units), so two engines that compute the same KV
