@@ -322,15 +322,19 @@ func (p *Pool) limitSnapshot() uint64 {
 	return p.limit
 }
 
-// Free frees blocks; it validates every id first and frees nothing when one
-// is bad: *BlockError wrapping ErrBlockOutOfRange, ErrNullBlock or
-// ErrDoubleFree (also for an id named twice). Pages whose last block was
-// freed are unmapped, except those kept for the prealloc reserve; when the
-// pool is over its limit, empty pages are unmapped first. An error of the
-// unmap (a *PageError), of PageHook.UnmapPages (a *HookError), or both
-// (errors.Join) is returned after the blocks were freed; the hook is told
-// about every page that was unmapped, whatever ctx has become since. With
-// a Config.FreeHook, it runs first (the blocks still allocated), detached
+// Free frees blocks, all or nothing: an error means no block was freed. It
+// validates every id first and frees nothing when one is bad: *BlockError
+// wrapping ErrBlockOutOfRange, ErrNullBlock or ErrDoubleFree (also for an
+// id named twice); after Close an error wrapping net.ErrClosed. Pages whose
+// last block was freed are unmapped, except those kept for the prealloc
+// reserve; when the pool is over its limit, empty pages are unmapped first.
+// A failure of that unmap (a page kept broken, retried at Close) or of
+// PageHook.UnmapPages (the other ranks repair the page before their next
+// op) comes after the blocks were freed: it is logged and counted
+// (kvsidecar_vmm_failures_total, op "unmap" or "hook_unmap"), never
+// returned, so a caller never frees the blocks again. The hook is told
+// about every page that was unmapped, whatever ctx has become since. With a
+// Config.FreeHook, it runs first (the blocks still allocated), detached
 // from ctx and bounded by UnmapHookTimeout; its failure is logged and
 // counted, and the blocks are freed anyway.
 func (p *Pool) Free(ctx context.Context, ids []int) error {
@@ -374,7 +378,9 @@ func (p *Pool) Free(ctx context.Context, ids []int) error {
 	p.ops.Add(1)
 	p.mu.Unlock()
 	defer p.ops.Done()
-	return p.unmapTrimmed(ctx, trim)
+	// Logged and counted by unmapTrimmed; the blocks are free either way.
+	_ = p.unmapTrimmed(ctx, trim)
+	return nil
 }
 
 // CheckAllocated reports whether every id in ids is a block allocated now

@@ -544,27 +544,33 @@ func (h *ctxHook) UnmapPages(ctx context.Context, pages []int) error {
 }
 
 // The hook hears about every page that was unmapped locally, even when
-// another page's unmap failed or the caller's ctx is already cancelled, and
-// both errors come back.
+// another page's unmap failed or the caller's ctx is already cancelled.
+// Neither failure is Free's error: the blocks were freed, and a caller that
+// took the error for "nothing freed" would free them again (a double free
+// of every block). Both are logged and counted instead.
+//
+// fault-matrix: coordinated-follower-killed
 func TestPoolUnmapHookAlwaysTold(t *testing.T) {
 	errHook := errors.New("rank 1 unreachable")
 	tests := []struct {
-		name      string
-		failPage  int   // page whose unmap fails in region 0; 0 = none
-		hookErr   error // the hook's answer
-		wantHook  []int
-		wantPage  bool
-		wantHookE bool
+		name     string
+		failPage int   // page whose unmap fails in region 0; 0 = none
+		hookErr  error // the hook's answer
+		wantHook []int
+		// failures counted: unmap, hook_unmap
+		unmapFails, hookFails int
 	}{
-		{"unmap of page 2 fails", 2, nil, []int{1, 3}, true, false},
-		{"hook fails too", 2, errHook, []int{1, 3}, true, true},
-		{"all unmapped, caller gone", 0, nil, []int{1, 2, 3}, false, false},
+		{"unmap of page 2 fails", 2, nil, []int{1, 3}, 1, 0},
+		{"hook fails too", 2, errHook, []int{1, 3}, 1, 1},
+		{"hook fails", 0, errHook, []int{1, 2, 3}, 0, 1},
+		{"all unmapped, caller gone", 0, nil, []int{1, 2, 3}, 0, 0},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			be := newFailing(t)
 			hook := &ctxHook{fail: tt.hookErr}
-			p := newTestPool(t, Config{Backend: be, PreallocPages: -1, PageHook: hook})
+			reg := prometheus.NewRegistry()
+			p := newTestPool(t, Config{Backend: be, PreallocPages: -1, PageHook: hook, Registerer: reg})
 			ids, err := p.Alloc(context.Background(), 31+3*32) // page 0's rest, pages 1..3
 			require.NoError(t, err)
 			t.Cleanup(func() { be.failUnmap.Store(0) }) // Close retries the broken page
@@ -574,27 +580,22 @@ func TestPoolUnmapHookAlwaysTold(t *testing.T) {
 			ctx, cancel := context.WithCancelCause(context.Background())
 			cancel(errors.New("caller gave up"))
 
-			err = p.Free(ctx, ids)
+			require.NoError(t, p.Free(ctx, ids), "the blocks were freed")
 			require.Len(t, hook.unmapped, 1)
 			require.ElementsMatch(t, tt.wantHook, hook.unmapped[0], "the unmapped pages reach the hook")
 			require.Equal(t, []error{nil}, hook.errs, "the hook runs detached from the cancelled caller")
 			require.Equal(t, []bool{true}, hook.deadline, "the hook's ctx is bounded")
-			var pe *PageError
-			require.Equal(t, tt.wantPage, errors.As(err, &pe), "page error in %v", err)
-			if tt.wantPage {
-				require.Equal(t, tt.failPage, pe.Page)
-				require.ErrorIs(t, err, errInjectedUnmap)
-			}
-			var he *HookError
-			require.Equal(t, tt.wantHookE, errors.As(err, &he), "hook error in %v", err)
-			if tt.wantHookE {
-				require.ElementsMatch(t, tt.wantHook, he.Pages)
-				require.ErrorIs(t, err, errHook)
-			}
-			if !tt.wantPage && !tt.wantHookE {
-				require.NoError(t, err)
-			}
 			require.Zero(t, p.Stats().BlocksUsed)
+			require.ErrorIs(t, p.Free(context.Background(), ids[:1]), ErrDoubleFree, "freed once")
+			require.NoError(t, promtest.GatherAndCompare(reg, strings.NewReader(fmt.Sprintf(`
+# HELP kvsidecar_vmm_failures_total Backend or page hook failures by operation.
+# TYPE kvsidecar_vmm_failures_total counter
+kvsidecar_vmm_failures_total{op="hook_free"} 0
+kvsidecar_vmm_failures_total{op="hook_map"} 0
+kvsidecar_vmm_failures_total{op="hook_unmap"} %d
+kvsidecar_vmm_failures_total{op="map"} 0
+kvsidecar_vmm_failures_total{op="unmap"} %d
+`, tt.hookFails, tt.unmapFails)), "kvsidecar_vmm_failures_total"))
 			checkInvariants(t, p)
 		})
 	}
