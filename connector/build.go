@@ -145,6 +145,12 @@ func BuildRank(ctx context.Context, cfg *BuildConfig) (_ *Built, err error) {
 		if err := newGroup(track(b.Pool)); err != nil {
 			return nil, err
 		}
+		// The engine is answered once this rank holds every page rank 0
+		// has mapped: after a restart of this sidecar, rank 0 hands out
+		// blocks of pages it mapped before without a message.
+		if err := b.Group.Sync(ctx); err != nil {
+			return nil, err
+		}
 	default:
 		vc.PageHook = track(nil)
 		if err := newPool(); err != nil {

@@ -2,9 +2,15 @@ package e2e
 
 import (
 	"fmt"
+	"slices"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/kvsidecar/kvsidecar/internal/kvgen"
+	"github.com/kvsidecar/kvsidecar/internal/testutil"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
 // The faults of a coordinated TP group (serve --ownership coordinated: rank
@@ -27,6 +33,36 @@ func coordGroup(t *testing.T, env *Env, name string, extra ...string) ([]*Sideca
 	return ranks, []*engine{e0, e1}
 }
 
+// waitStat polls `ctl stats` until key reads want, or fails after timeout
+// (scaled).
+func waitStat(t testing.TB, s *Sidecar, key string, want uint64, timeout time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(testutil.Scaled(timeout))
+	for {
+		got := s.Stats(t)[key]
+		if got == want {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %s is %d, want %d after %v", s.Name, key, got, want, testutil.Scaled(timeout))
+		}
+		time.Sleep(5 * time.Millisecond) // wallclock: e2e polls the real sidecar's stats
+	}
+}
+
+// fillAt writes key's KV of shape s (a rank's heads) into blocks through
+// e's mapping; checkAt (integrity_test.go) reads it back.
+func (e *engine) fillAt(t testing.TB, s kvgen.Shape, key uint64, blocks []uint32) {
+	t.Helper()
+	for r := range int(e.info.GetNumRegions()) {
+		for k, id := range blocks {
+			b, err := e.Block(r, int(id))
+			require.NoError(t, err, "region %d block %d", r, id)
+			kvgen.FillBlock(b, s, key, r, k*16)
+		}
+	}
+}
+
 // logsWith returns the log lines of p whose msg is msg.
 func logsWith(p *Proc, msg string) []map[string]any {
 	var out []map[string]any
@@ -44,6 +80,67 @@ func requireNoDoubleFree(t testing.TB, p *Proc) {
 	for _, l := range p.Logs() {
 		require.NotContains(t, fmt.Sprint(l), "double free", "%s logged a double free", p.Name)
 	}
+}
+
+// TestFaultCoordinatedFollowerRestart: rank 1's sidecar of a coordinated
+// group is SIGKILLed while rank 0 has pages mapped beyond page 0, and is
+// started again with its engine (vLLM's zero-copy repro: the fresh follower
+// had only page 0 while rank 0 went on handing out blocks of the pages it
+// believed mapped there, and the rank-1 worker touched an unmapped block).
+// The restarted follower answers its engine's attach only once it holds
+// every page rank 0 has mapped; a block rank 0 allocates next, in a page it
+// mapped before the restart, is mapped on rank 1, written and read there, and
+// taken by rank 1's RequestFinished; freeing it unmaps on both ranks with no
+// failure and no double free.
+//
+// fault-matrix: coordinated-follower-restart
+func TestFaultCoordinatedFollowerRestart(t *testing.T) {
+	env := NewEnv(t)
+	ranks, es := coordGroup(t, env, "coord-restart")
+	perPage := int(es[0].info.GetPageSize() / es[0].info.GetBlockLen())
+	// The rest of page 0 and the first block of page 1: rank 0's reserve
+	// page becomes a page in use, and the refill maps another one.
+	_, err := es[0].Alloc(t.Context(), perPage)
+	require.NoError(t, err)
+	es[0].settledPages(t)
+	require.Equal(t, ranks[0].Stats(t)["pages_mapped"], ranks[1].Stats(t)["pages_mapped"], "rank 1 maps what rank 0 maps")
+
+	// Rank 1 dies; its engine with it (a zero-copy engine stops), and the
+	// engine's rank-0 side goes too, ending rank 0's session.
+	ranks[1].Kill(t)
+	require.NoError(t, es[0].Close())
+	ranks[0].WaitLog(t, "engine gone: released its state", StartTimeout)
+	_ = es[1].Close()
+	mapped0 := ranks[0].Stats(t)["pages_mapped"]
+	require.Greater(t, mapped0, uint64(1), "rank 0 keeps a reserve page beyond page 0")
+
+	failedBefore := len(logsWith(ranks[0].Proc, "tpgroup page op failed")) // while rank 1 was dead
+	r1 := env.Restart(t, ranks[1])
+	e1 := attach(t, r1, 4096)
+	line := ranks[0].WaitLog(t, "tpgroup follower resynced", StartTimeout)
+	require.EqualValues(t, 1, line["peer"], "the new rank 1 asked rank 0 for its pages")
+	e0 := attach(t, ranks[0], 4096)
+	require.Equal(t, ranks[0].Stats(t)["pages_mapped"], r1.Stats(t)["pages_mapped"],
+		"the restarted rank 1 holds every page rank 0 has mapped once its engine's attach is answered")
+
+	// Blocks in the pages rank 0 mapped before the restart: no new map.
+	ids, err := e0.Alloc(t.Context(), perPage+1)
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, int(slices.Max(ids)), perPage, "a block beyond page 0, in a page rank 0 mapped before rank 1 restarted")
+	require.NoError(t, e1.Sync(t.Context()))
+	e1.fillAt(t, heads(1, 2), 7, ids) // an unmapped page fails here instead of faulting
+	e1.checkAt(t, heads(1, 2), 7, ids, 0)
+	_, err = e1.RequestFinished(t.Context(), "after-restart", ids, v1.FinishStatus_FINISH_STATUS_STOP, nil)
+	require.NoError(t, err, "rank 1 holds every block rank 0 allocated")
+	_, err = e0.RequestFinished(t.Context(), "after-restart", ids, v1.FinishStatus_FINISH_STATUS_STOP, nil)
+	require.NoError(t, err)
+	require.NoError(t, e0.Free(t.Context(), ids))
+
+	e0.requirePages(t, mapped0, "rank 0 back to its pages before")
+	waitStat(t, r1, "pages_mapped", mapped0, 30*time.Second)
+	require.Len(t, logsWith(ranks[0].Proc, "tpgroup page op failed"), failedBefore, "no page op failed on rank 1 after it restarted")
+	requireNoDoubleFree(t, ranks[0].Proc)
+	require.Zero(t, ranks[0].Stats(t)["blocks_used"])
 }
 
 // TestFaultCoordinatedFollowerKilledFreesOnce: rank 1 of a coordinated group

@@ -12,6 +12,11 @@
 //     that), then asks ranks 1..N-1 — never itself — to map the same pages,
 //     in parallel and with a deadline, checks every answer and rolls back
 //     every rank that mapped when any rank fails;
+//   - rank 0 sends a follower every page it mapped there (KIND_SYNC) first
+//     on every connection it dials to it, and a follower that starts asks
+//     for that (Sync) before its engine attaches, so a follower that was
+//     killed and started again holds the pages of every block rank 0 hands
+//     out;
 //   - in local ownership nothing is broadcast at all.
 //
 // Rank 0 in coordinated mode:
@@ -27,4 +32,5 @@
 //	pool, err := vmm.NewPool(ctx, &vmm.Config{...})
 //	g, err := tpgroup.New(ctx, tpgroup.Member{EngineID: "prefill-a", TPSize: 4, TPRank: 2}, pool, cfg)
 //	defer g.Close()
+//	err = g.Sync(ctx) // holds every page rank 0 has mapped before the engine attaches
 package tpgroup

@@ -45,7 +45,8 @@ var (
 type RankError struct {
 	// Rank is the peer's tp_rank.
 	Rank int
-	// Op is "map", "unmap", "repair" or "ping".
+	// Op is "map", "unmap", "free", "sync" (bringing the peer in line
+	// with rank 0's pages first), "repair", "resync" or "ping".
 	Op string
 	// Err is the cause.
 	Err error

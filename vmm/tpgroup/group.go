@@ -77,6 +77,14 @@ type Group struct {
 	closed bool
 	conns  map[net.Conn]struct{}
 
+	// A follower of a coordinated group (follower.go): opMu serializes the
+	// page ops it serves (a MAP still running on a connection rank 0
+	// dropped, and the SYNC on its new one); held is what rank 0 mapped
+	// here through the group; synced is set once it served a SYNC.
+	opMu   sync.Mutex
+	held   map[int]struct{} // guarded by opMu
+	synced atomic.Bool
+
 	sent                                                   []atomic.Uint64
 	received, mapsServed, unmapsServed, refused, rollbacks atomic.Uint64
 }
@@ -120,13 +128,14 @@ func newGroup(ctx context.Context, m Member, pool PagePool, cfg *Config, ln net.
 		log:   c.Logger.With("engine_id", m.EngineID, "tp_rank", m.TPRank, "tp_size", m.TPSize),
 		peers: make([]*peer, m.TPSize),
 		conns: make(map[net.Conn]struct{}),
+		held:  make(map[int]struct{}),
 		sent:  make([]atomic.Uint64, m.TPSize),
 		timeoutCause: fmt.Errorf("tpgroup: no answer within PeerTimeout=%v: %w",
 			c.PeerTimeout, context.DeadlineExceeded),
 	}
 	for r := range g.peers {
 		if r != m.TPRank {
-			g.peers[r] = &peer{rank: r, sem: make(chan struct{}, 1), pending: make(map[int]struct{})}
+			g.peers[r] = newPeer(r)
 		}
 	}
 	if g.ln == nil {
@@ -329,6 +338,8 @@ func (g *Group) handle(req *v1.GroupRequest) *v1.GroupResponse {
 		return g.reply("ping", nil)
 	case *v1.GroupRequest_PageOp:
 		return g.servePageOp(b.PageOp)
+	case *v1.GroupRequest_Resync:
+		return g.serveResync(int(req.GetFromRank()))
 	}
 	return g.reply("invalid", fmt.Errorf("%w: request from rank %d has no body", ErrInvalidArgument, req.GetFromRank()))
 }
@@ -350,6 +361,14 @@ func (g *Group) checkRequest(req *v1.GroupRequest) error {
 		return fmt.Errorf("%w: request for rank %d reached rank %d", ErrInvalidArgument, req.GetToRank(), g.m.TPRank)
 	case int64(req.GetFromRank()) >= int64(g.m.TPSize) || int64(req.GetFromRank()) == int64(g.m.TPRank):
 		return fmt.Errorf("%w: from_rank=%d: must be another rank in [0, %d)", ErrInvalidArgument, req.GetFromRank(), g.m.TPSize)
+	}
+	if req.GetResync() {
+		switch {
+		case g.cfg.Ownership == OwnershipLocal:
+			return fmt.Errorf("%w: resync from rank %d: ownership is local; no rank maps pages on another", ErrInvalidArgument, req.GetFromRank())
+		case g.m.TPRank != 0:
+			return fmt.Errorf("%w: resync from rank %d reached rank %d: only rank 0 maps pages on the others", ErrInvalidArgument, req.GetFromRank(), g.m.TPRank)
+		}
 	}
 	if req.GetPageOp() != nil {
 		switch {
@@ -373,26 +392,32 @@ func (g *Group) servePageOp(op *v1.PageOp) *v1.GroupResponse {
 	for i, p := range op.GetPages() {
 		pages[i] = int(p)
 	}
+	if kind == v1.PageOp_KIND_SYNC {
+		return g.serveSync(pages)
+	}
 	if len(pages) == 0 {
 		return g.reply("invalid", fmt.Errorf("%w: page op %v with no pages", ErrInvalidArgument, kind))
 	}
 	ctx, cancel := g.opContext(g.ctx)
 	defer cancel()
+	g.opMu.Lock()
+	defer g.opMu.Unlock()
 	switch kind {
 	case v1.PageOp_KIND_MAP:
 		err := g.pool.MapPages(ctx, pages)
 		if err == nil {
+			g.holdLocked(pages)
 			g.mapsServed.Add(1)
 		}
 		return g.reply("map", err)
 	case v1.PageOp_KIND_UNMAP:
-		err := g.pool.UnmapPages(ctx, pages)
+		err := g.unmapLocked(ctx, pages)
 		if err == nil {
 			g.unmapsServed.Add(1)
 		}
 		return g.reply("unmap", err)
 	}
-	return g.reply("invalid", fmt.Errorf("%w: page op kind %v: want KIND_MAP, KIND_UNMAP or KIND_FREE", ErrInvalidArgument, kind))
+	return g.reply("invalid", fmt.Errorf("%w: page op kind %v: want KIND_MAP, KIND_UNMAP, KIND_FREE or KIND_SYNC", ErrInvalidArgument, kind))
 }
 
 // serveFree answers rank 0's KIND_FREE: once Config.OnFree says this rank

@@ -28,7 +28,7 @@ func newMetrics(reg prometheus.Registerer, tpSize int) (*metrics, error) {
 		}, []string{"to_rank"}),
 		served: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvsidecar_tpgroup_requests_served_total",
-			Help: "Group requests this member answered, by kind (map, unmap, ping, invalid) and reply code.",
+			Help: "Group requests this member answered, by kind (map, unmap, free, sync, resync, ping, invalid) and reply code.",
 		}, []string{"kind", "code"}),
 		rollbacks: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvsidecar_tpgroup_rollbacks_total",

@@ -17,14 +17,17 @@ import (
 )
 
 // peer is the client side of the connection to one other rank. One request
-// is in flight per peer at a time: sem is a context-aware mutex over conn
-// and r. pending has its own mutex, mu, because an UNMAP that could not even
-// take the slot must still record its pages.
+// is in flight per peer at a time: sem is a context-aware mutex over conn,
+// r and synced. pending and mapped have their own mutex, mu, because an
+// UNMAP that could not even take the slot must still record its pages.
 type peer struct {
 	rank int
 	sem  chan struct{}
 	conn net.Conn
 	r    *wire.Reader
+	// synced: the peer answered a KIND_SYNC on conn, so it holds exactly
+	// mapped. Every connection rank 0 dials starts unsynced.
+	synced bool
 
 	mu sync.Mutex
 	// pending holds pages whose state on the peer is unknown or wrong: a MAP
@@ -33,6 +36,15 @@ type peer struct {
 	// request is sent to it, so a later MAP of the same page can never be
 	// overtaken by a stale one. Guarded by mu.
 	pending map[int]struct{}
+	// mapped holds the pages rank 0 has mapped on the peer: added once the
+	// peer answered a MAP, removed when rank 0 asks it to unmap them
+	// (rank 0 unmapped them itself already). A KIND_SYNC sends it. Guarded
+	// by mu; changed only by the holder of the slot, except the removals.
+	mapped map[int]struct{}
+}
+
+func newPeer(rank int) *peer {
+	return &peer{rank: rank, sem: make(chan struct{}, 1), pending: map[int]struct{}{}, mapped: map[int]struct{}{}}
 }
 
 // markPending records pages as pending on p; it needs no slot.
@@ -60,6 +72,40 @@ func (p *peer) clearPending(pages []int) {
 	}
 }
 
+// remember records pages as mapped on the peer.
+func (p *peer) remember(pages []int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, pg := range pages {
+		p.mapped[pg] = struct{}{}
+	}
+}
+
+// forget records that rank 0 wants pages unmapped on the peer.
+func (p *peer) forget(pages []int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, pg := range pages {
+		delete(p.mapped, pg)
+	}
+}
+
+// mappedPages returns the pages rank 0 has mapped on p, ascending.
+func (p *peer) mappedPages() []int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Sorted(maps.Keys(p.mapped))
+}
+
+// synchronized records that the peer holds exactly p.mapped: nothing is
+// pending any more.
+func (p *peer) synchronized() {
+	p.mu.Lock()
+	clear(p.pending)
+	p.mu.Unlock()
+	p.synced = true
+}
+
 // acquire takes the peer's slot or returns the ctx's cause.
 func (p *peer) acquire(ctx context.Context) error {
 	select {
@@ -72,12 +118,14 @@ func (p *peer) acquire(ctx context.Context) error {
 
 func (p *peer) release() { <-p.sem }
 
-// drop closes the connection; the next request redials.
+// drop closes the connection; the next request redials (and, from rank 0,
+// syncs the peer first).
 func (p *peer) drop() {
 	if p.conn != nil {
 		p.conn.Close()
 		p.conn, p.r = nil, nil
 	}
+	p.synced = false
 }
 
 // aLongTimeAgo is a deadline in the past: setting it unblocks pending I/O.
@@ -161,16 +209,24 @@ func pageOpRequest(req *v1.GroupRequest, kind v1.PageOp_Kind, ids []int) *v1.Gro
 	return req
 }
 
-// pageOp sends one MAP or UNMAP of pages to rank, after repairing the
-// peer's pending pages. A MAP whose outcome is unknown and any failed UNMAP
-// (including one that could not take the peer's slot or whose repair step
-// failed, so it was never sent) leave the pages pending on that peer: the
-// pages are unmapped locally already, and a page left mapped on the peer
-// would make every later MAP of it fail with "already mapped".
+// pageOp sends one MAP, UNMAP or FREE of pages (block ids for FREE) to
+// rank, after bringing the peer in sync on a connection rank 0 dialed anew
+// (syncPeer) and repairing its pending pages. When a connection rank 0 held
+// from before turns out broken (the follower died, or restarted), it dials
+// once more and runs the op again: the sync on the new connection puts the
+// follower in a known state first, so the op cannot apply twice. A MAP
+// whose outcome is unknown and any failed UNMAP (including one that could
+// not take the peer's slot or whose sync or repair step failed, so it was
+// never sent) leave the pages pending on that peer: the pages are unmapped
+// locally already, and a page left mapped on the peer would make every
+// later MAP of it fail with "already mapped".
 func (g *Group) pageOp(ctx context.Context, rank int, kind v1.PageOp_Kind, pages []int) *RankError {
 	op := opName(kind)
 	unmap := kind == v1.PageOp_KIND_UNMAP
 	p := g.peers[rank]
+	if unmap {
+		p.forget(pages) // rank 0 unmapped them: a sync from now on leaves them out
+	}
 	if err := p.acquire(ctx); err != nil {
 		if unmap {
 			p.markPending(pages)
@@ -178,22 +234,63 @@ func (g *Group) pageOp(ctx context.Context, rank int, kind v1.PageOp_Kind, pages
 		return &RankError{Rank: rank, Op: op, Err: err}
 	}
 	defer p.release()
-	if err := g.repair(ctx, p); err != nil {
-		if unmap {
+	for retried := false; ; retried = true {
+		reused := p.conn != nil
+		stage, sent, err := g.pageOpOnce(ctx, p, kind, pages)
+		if err == nil {
+			return nil
+		}
+		if !retried && reused && errors.Is(err, ErrPeerUnavailable) && ctx.Err() == nil {
+			g.log.Info("tpgroup connection to a peer broke; dialing it again", "peer", rank, "op", op, "err", err)
+			continue
+		}
+		var re *RemoteError
+		definite := !sent || errors.As(err, &re) || errors.Is(err, ErrTPMismatch)
+		if unmap || !definite && kind == v1.PageOp_KIND_MAP {
 			p.markPending(pages)
 		}
-		return &RankError{Rank: rank, Op: "repair", Err: err}
+		if stage == "" {
+			stage = op
+		}
+		return &RankError{Rank: rank, Op: stage, Err: err}
 	}
-	_, sent, err := g.exchange(ctx, p, pageOpRequest(g.request(rank), kind, pages))
-	if err == nil {
+}
+
+// pageOpOnce is one attempt of pageOp: sync, repair, the op. It returns the
+// step that failed ("sync", "repair", or "" for the op itself) and whether
+// the op may have reached the peer. The caller holds p's slot.
+func (g *Group) pageOpOnce(ctx context.Context, p *peer, kind v1.PageOp_Kind, pages []int) (stage string, sent bool, err error) {
+	if err := g.syncPeer(ctx, p); err != nil {
+		return "sync", false, err
+	}
+	if err := g.repair(ctx, p); err != nil {
+		return "repair", false, err
+	}
+	_, sent, err = g.exchange(ctx, p, pageOpRequest(g.request(p.rank), kind, pages))
+	if err == nil && kind == v1.PageOp_KIND_MAP {
+		p.remember(pages)
+	}
+	return "", sent, err
+}
+
+// syncPeer sends p a KIND_SYNC with every page rank 0 has mapped on it
+// unless p answered one on its connection already: on a connection rank 0
+// dials anew (the first, after a drop, after the follower asked for it),
+// so that a follower that restarted holds rank 0's pages again and one
+// that kept stale pages (rank 0 restarted, a MAP whose answer was lost)
+// drops them, before any other op. The caller holds p's slot. When it
+// fails p stays unsynced and the next op tries again.
+func (g *Group) syncPeer(ctx context.Context, p *peer) error {
+	if p.conn != nil && p.synced {
 		return nil
 	}
-	var re *RemoteError
-	definite := !sent || errors.As(err, &re) || errors.Is(err, ErrTPMismatch)
-	if unmap || !definite && kind == v1.PageOp_KIND_MAP {
-		p.markPending(pages)
+	pages := p.mappedPages()
+	if _, _, err := g.exchange(ctx, p, pageOpRequest(g.request(p.rank), v1.PageOp_KIND_SYNC, pages)); err != nil {
+		return err
 	}
-	return &RankError{Rank: rank, Op: op, Err: err}
+	p.synchronized()
+	g.log.Debug("tpgroup peer synced", "peer", p.rank, "pages", len(pages))
+	return nil
 }
 
 // repair unmaps p's pending pages on the peer; "not mapped" counts as done.

@@ -81,12 +81,20 @@ type PageOp_Kind int32
 const (
 	PageOp_KIND_UNSPECIFIED PageOp_Kind = 0
 	PageOp_KIND_MAP         PageOp_Kind = 1
-	PageOp_KIND_UNMAP       PageOp_Kind = 2
+	// Unmaps the pages; a page the member does not hold counts as done.
+	PageOp_KIND_UNMAP PageOp_Kind = 2
 	// Rank 0 frees blocks: the member stops every use of them (ends the
 	// exports holding them, waits for the transfers that read or write
 	// them, aborting those still running at its deadline) and answers once
 	// none is left; rank 0 frees them only then.
 	PageOp_KIND_FREE PageOp_Kind = 3
+	// The complete set of pages rank 0 has mapped on the member (page 0
+	// aside, possibly none): the member unmaps every other page rank 0
+	// mapped on it and maps those it lacks. Rank 0 sends it first on every
+	// connection it dials to a member, so a member that restarted, or
+	// whose state rank 0 lost track of, holds exactly rank 0's pages before
+	// any other op.
+	PageOp_KIND_SYNC PageOp_Kind = 4
 )
 
 // Enum value maps for PageOp_Kind.
@@ -96,12 +104,14 @@ var (
 		1: "KIND_MAP",
 		2: "KIND_UNMAP",
 		3: "KIND_FREE",
+		4: "KIND_SYNC",
 	}
 	PageOp_Kind_value = map[string]int32{
 		"KIND_UNSPECIFIED": 0,
 		"KIND_MAP":         1,
 		"KIND_UNMAP":       2,
 		"KIND_FREE":        3,
+		"KIND_SYNC":        4,
 	}
 )
 
@@ -132,12 +142,13 @@ func (PageOp_Kind) EnumDescriptor() ([]byte, []int) {
 	return file_kvsidecar_v1_group_proto_rawDescGZIP(), []int{0, 0}
 }
 
-// PageOp asks a group member to map or unmap pages, or tells it that rank
-// 0 is about to free blocks.
+// PageOp asks a group member to map or unmap pages, or to hold exactly a
+// set of pages, or tells it that rank 0 is about to free blocks.
 type PageOp struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Kind  PageOp_Kind            `protobuf:"varint,1,opt,name=kind,proto3,enum=kvsidecar.v1.PageOp_Kind" json:"kind,omitempty"`
-	// Page indices within every region of the member's pool (MAP, UNMAP).
+	// Page indices within every region of the member's pool (MAP, UNMAP,
+	// SYNC).
 	Pages []uint32 `protobuf:"varint,2,rep,packed,name=pages,proto3" json:"pages,omitempty"`
 	// Block ids (FREE).
 	Blocks        []uint32 `protobuf:"varint,3,rep,packed,name=blocks,proto3" json:"blocks,omitempty"`
@@ -211,6 +222,7 @@ type GroupRequest struct {
 	//
 	//	*GroupRequest_PageOp
 	//	*GroupRequest_Ping
+	//	*GroupRequest_Resync
 	Body          isGroupRequest_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -306,6 +318,15 @@ func (x *GroupRequest) GetPing() bool {
 	return false
 }
 
+func (x *GroupRequest) GetResync() bool {
+	if x != nil {
+		if x, ok := x.Body.(*GroupRequest_Resync); ok {
+			return x.Resync
+		}
+	}
+	return false
+}
+
 type isGroupRequest_Body interface {
 	isGroupRequest_Body()
 }
@@ -319,9 +340,20 @@ type GroupRequest_Ping struct {
 	Ping bool `protobuf:"varint,7,opt,name=ping,proto3,oneof"`
 }
 
+type GroupRequest_Resync struct {
+	// A follower of a coordinated group asks rank 0 to bring its pages in
+	// line with rank 0's: rank 0 drops its connection to the follower,
+	// dials it again (KIND_SYNC first) and answers once the follower holds
+	// every page rank 0 has mapped. A follower sends it when it starts,
+	// before its engine's attach is answered.
+	Resync bool `protobuf:"varint,8,opt,name=resync,proto3,oneof"`
+}
+
 func (*GroupRequest_PageOp) isGroupRequest_Body() {}
 
 func (*GroupRequest_Ping) isGroupRequest_Body() {}
+
+func (*GroupRequest_Resync) isGroupRequest_Body() {}
 
 // GroupResponse answers a GroupRequest.
 type GroupResponse struct {
@@ -388,17 +420,18 @@ var File_kvsidecar_v1_group_proto protoreflect.FileDescriptor
 
 const file_kvsidecar_v1_group_proto_rawDesc = "" +
 	"\n" +
-	"\x18kvsidecar/v1/group.proto\x12\fkvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\"\xb0\x01\n" +
+	"\x18kvsidecar/v1/group.proto\x12\fkvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\"\xbf\x01\n" +
 	"\x06PageOp\x12-\n" +
 	"\x04kind\x18\x01 \x01(\x0e2\x19.kvsidecar.v1.PageOp.KindR\x04kind\x12\x14\n" +
 	"\x05pages\x18\x02 \x03(\rR\x05pages\x12\x16\n" +
-	"\x06blocks\x18\x03 \x03(\rR\x06blocks\"I\n" +
+	"\x06blocks\x18\x03 \x03(\rR\x06blocks\"X\n" +
 	"\x04Kind\x12\x14\n" +
 	"\x10KIND_UNSPECIFIED\x10\x00\x12\f\n" +
 	"\bKIND_MAP\x10\x01\x12\x0e\n" +
 	"\n" +
 	"KIND_UNMAP\x10\x02\x12\r\n" +
-	"\tKIND_FREE\x10\x03\"\x87\x02\n" +
+	"\tKIND_FREE\x10\x03\x12\r\n" +
+	"\tKIND_SYNC\x10\x04\"\xa1\x02\n" +
 	"\fGroupRequest\x12<\n" +
 	"\fwire_version\x18\x01 \x01(\x0e2\x19.kvsidecar.v1.WireVersionR\vwireVersion\x12\x1b\n" +
 	"\tengine_id\x18\x02 \x01(\tR\bengineId\x12\x17\n" +
@@ -406,7 +439,8 @@ const file_kvsidecar_v1_group_proto_rawDesc = "" +
 	"\tfrom_rank\x18\x04 \x01(\rR\bfromRank\x12\x17\n" +
 	"\ato_rank\x18\x05 \x01(\rR\x06toRank\x12/\n" +
 	"\apage_op\x18\x06 \x01(\v2\x14.kvsidecar.v1.PageOpH\x00R\x06pageOp\x12\x14\n" +
-	"\x04ping\x18\a \x01(\bH\x00R\x04pingB\x06\n" +
+	"\x04ping\x18\a \x01(\bH\x00R\x04ping\x12\x18\n" +
+	"\x06resync\x18\b \x01(\bH\x00R\x06resyncB\x06\n" +
 	"\x04body\"l\n" +
 	"\rGroupResponse\x12)\n" +
 	"\x05error\x18\x01 \x01(\v2\x13.kvsidecar.v1.ErrorR\x05error\x12\x17\n" +
@@ -461,6 +495,7 @@ func file_kvsidecar_v1_group_proto_init() {
 	file_kvsidecar_v1_group_proto_msgTypes[1].OneofWrappers = []any{
 		(*GroupRequest_PageOp)(nil),
 		(*GroupRequest_Ping)(nil),
+		(*GroupRequest_Resync)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{

@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 from kvsidecar.v1 import common_pb2 as kvsidecar_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvsidecar/v1/group.proto\x12\x0ckvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\"\x9b\x01\n\x06PageOp\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.kvsidecar.v1.PageOp.Kind\x12\r\n\x05pages\x18\x02 \x03(\r\x12\x0e\n\x06\x62locks\x18\x03 \x03(\r\"I\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08KIND_MAP\x10\x01\x12\x0e\n\nKIND_UNMAP\x10\x02\x12\r\n\tKIND_FREE\x10\x03\"\xc8\x01\n\x0cGroupRequest\x12/\n\x0cwire_version\x18\x01 \x01(\x0e\x32\x19.kvsidecar.v1.WireVersion\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x11\n\tfrom_rank\x18\x04 \x01(\r\x12\x0f\n\x07to_rank\x18\x05 \x01(\r\x12\'\n\x07page_op\x18\x06 \x01(\x0b\x32\x14.kvsidecar.v1.PageOpH\x00\x12\x0e\n\x04ping\x18\x07 \x01(\x08H\x00\x42\x06\n\x04\x62ody\"U\n\rGroupResponse\x12\"\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x13.kvsidecar.v1.Error\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07tp_size\x18\x03 \x01(\r*V\n\tOwnership\x12\x19\n\x15OWNERSHIP_UNSPECIFIED\x10\x00\x12\x19\n\x15OWNERSHIP_COORDINATED\x10\x01\x12\x13\n\x0fOWNERSHIP_LOCAL\x10\x02\x42?Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvsidecar/v1/group.proto\x12\x0ckvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\"\xaa\x01\n\x06PageOp\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.kvsidecar.v1.PageOp.Kind\x12\r\n\x05pages\x18\x02 \x03(\r\x12\x0e\n\x06\x62locks\x18\x03 \x03(\r\"X\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08KIND_MAP\x10\x01\x12\x0e\n\nKIND_UNMAP\x10\x02\x12\r\n\tKIND_FREE\x10\x03\x12\r\n\tKIND_SYNC\x10\x04\"\xda\x01\n\x0cGroupRequest\x12/\n\x0cwire_version\x18\x01 \x01(\x0e\x32\x19.kvsidecar.v1.WireVersion\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x11\n\tfrom_rank\x18\x04 \x01(\r\x12\x0f\n\x07to_rank\x18\x05 \x01(\r\x12\'\n\x07page_op\x18\x06 \x01(\x0b\x32\x14.kvsidecar.v1.PageOpH\x00\x12\x0e\n\x04ping\x18\x07 \x01(\x08H\x00\x12\x10\n\x06resync\x18\x08 \x01(\x08H\x00\x42\x06\n\x04\x62ody\"U\n\rGroupResponse\x12\"\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x13.kvsidecar.v1.Error\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07tp_size\x18\x03 \x01(\r*V\n\tOwnership\x12\x19\n\x15OWNERSHIP_UNSPECIFIED\x10\x00\x12\x19\n\x15OWNERSHIP_COORDINATED\x10\x01\x12\x13\n\x0fOWNERSHIP_LOCAL\x10\x02\x42?Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1b\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvsidecar.v1.group_pb2', globals())
@@ -22,14 +22,14 @@ if _descriptor._USE_C_DESCRIPTORS == False:
 
   DESCRIPTOR._options = None
   DESCRIPTOR._serialized_options = b'Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1'
-  _OWNERSHIP._serialized_start=517
-  _OWNERSHIP._serialized_end=603
+  _OWNERSHIP._serialized_start=550
+  _OWNERSHIP._serialized_end=636
   _PAGEOP._serialized_start=70
-  _PAGEOP._serialized_end=225
+  _PAGEOP._serialized_end=240
   _PAGEOP_KIND._serialized_start=152
-  _PAGEOP_KIND._serialized_end=225
-  _GROUPREQUEST._serialized_start=228
-  _GROUPREQUEST._serialized_end=428
-  _GROUPRESPONSE._serialized_start=430
-  _GROUPRESPONSE._serialized_end=515
+  _PAGEOP_KIND._serialized_end=240
+  _GROUPREQUEST._serialized_start=243
+  _GROUPREQUEST._serialized_end=461
+  _GROUPRESPONSE._serialized_start=463
+  _GROUPRESPONSE._serialized_end=548
 # @@protoc_insertion_point(module_scope)

@@ -11,11 +11,12 @@ OWNERSHIP_LOCAL: Ownership
 OWNERSHIP_UNSPECIFIED: Ownership
 
 class GroupRequest(_message.Message):
-    __slots__ = ["engine_id", "from_rank", "page_op", "ping", "to_rank", "tp_size", "wire_version"]
+    __slots__ = ["engine_id", "from_rank", "page_op", "ping", "resync", "to_rank", "tp_size", "wire_version"]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_RANK_FIELD_NUMBER: _ClassVar[int]
     PAGE_OP_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
     TO_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -23,10 +24,11 @@ class GroupRequest(_message.Message):
     from_rank: int
     page_op: PageOp
     ping: bool
+    resync: bool
     to_rank: int
     tp_size: int
     wire_version: _common_pb2.WireVersion
-    def __init__(self, wire_version: _Optional[_Union[_common_pb2.WireVersion, str]] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., from_rank: _Optional[int] = ..., to_rank: _Optional[int] = ..., page_op: _Optional[_Union[PageOp, _Mapping]] = ..., ping: bool = ...) -> None: ...
+    def __init__(self, wire_version: _Optional[_Union[_common_pb2.WireVersion, str]] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., from_rank: _Optional[int] = ..., to_rank: _Optional[int] = ..., page_op: _Optional[_Union[PageOp, _Mapping]] = ..., ping: bool = ..., resync: bool = ...) -> None: ...
 
 class GroupResponse(_message.Message):
     __slots__ = ["error", "tp_rank", "tp_size"]
@@ -46,6 +48,7 @@ class PageOp(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     KIND_FREE: PageOp.Kind
     KIND_MAP: PageOp.Kind
+    KIND_SYNC: PageOp.Kind
     KIND_UNMAP: PageOp.Kind
     KIND_UNSPECIFIED: PageOp.Kind
     PAGES_FIELD_NUMBER: _ClassVar[int]
