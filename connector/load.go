@@ -652,3 +652,37 @@ func (r *Rank) FreeBlocks(ctx context.Context, ids []int) error {
 	}
 	return r.pool.Free(ctx, ids)
 }
+
+// FreeSessionBlocks frees the blocks an engine session left allocated when
+// it ended (the local API's detach), whatever the ownership: those no lease
+// holds at once, all or nothing, and those held under a prefill lease when
+// their last lease ends (under local ownership the Rank frees those anyway;
+// under coordinated ownership the engine would have freed them after
+// done_sending, but it is gone, so rank 0 frees them and tells the
+// followers). It returns the blocks freed now and those left to their
+// leases. Errors, with nothing freed now (the leased blocks are still
+// taken over): a block a load still writes into (ErrBusy), the pool's
+// (double free, out of range).
+func (r *Rank) FreeSessionBlocks(ctx context.Context, ids []int) (freed, leased []int, err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var now []int
+	for _, b := range ids {
+		if r.refs[b] > 0 {
+			r.orphans[b] = struct{}{}
+			leased = append(leased, b)
+			continue
+		}
+		now = append(now, b)
+	}
+	if len(now) == 0 {
+		return nil, leased, nil
+	}
+	if err := r.busyLocked("block_ids", now, false); err != nil {
+		return nil, leased, err
+	}
+	if err := r.pool.Free(ctx, now); err != nil {
+		return nil, leased, err
+	}
+	return now, leased, nil
+}

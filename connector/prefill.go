@@ -218,24 +218,34 @@ func (r *Rank) unrefLocked(blocks []int) []int {
 
 // released is called once per lease (or for blocks freed at once): drops
 // the request's references, frees the blocks no other request holds under
-// local ownership (under coordinated ownership the engine frees them once
-// every rank reported done_sending), and reports the request in
-// done_sending. A block the pool refuses to free does not keep the others:
-// they are freed one by one and the refused ones are logged.
+// local ownership, and under coordinated ownership those whose engine
+// session ended (orphans: the engine would have freed them once every rank
+// reported done_sending, but it is gone; on rank 0, whose Free tells the
+// followers), and reports the request in done_sending. A block the pool
+// refuses to free does not keep the others: they are freed one by one and
+// the refused ones are logged.
 func (r *Rank) released(l *lease, expired bool) {
 	// Dropping the last reference and freeing are one step under r.mu: no
 	// RequestFinished can take a reference to a block about to be freed.
 	r.mu.Lock()
-	last := r.unrefLocked(l.blocks)
-	if len(last) > 0 && r.cfg.Ownership == v1.Ownership_OWNERSHIP_LOCAL {
-		if err := r.pool.Free(context.Background(), last); err != nil {
+	var free []int
+	for _, b := range r.unrefLocked(l.blocks) {
+		_, orphan := r.orphans[b]
+		delete(r.orphans, b)
+		if orphan || r.cfg.Ownership == v1.Ownership_OWNERSHIP_LOCAL {
+			free = append(free, b)
+		}
+	}
+	if len(free) > 0 {
+		// Free's error means nothing was freed: one by one, the others go.
+		if err := r.pool.Free(context.Background(), free); err != nil {
 			var bad []int
-			for _, b := range last {
+			for _, b := range free {
 				if r.pool.Free(context.Background(), []int{b}) != nil {
 					bad = append(bad, b)
 				}
 			}
-			r.cfg.Logger.Error("freeing released blocks failed", "request_id", l.id, "blocks", len(last), "refused", bad, "err", err)
+			r.cfg.Logger.Error("freeing released blocks failed", "request_id", l.id, "blocks", len(free), "refused", bad, "err", err)
 		}
 	}
 	r.mu.Unlock()

@@ -211,6 +211,7 @@ type Rank struct {
 	loads    map[string]*load
 	busy     map[int]blockUse // blocks a load writes into or a free is freeing
 	refs     map[int]int      // references to blocks taken over by RequestFinished
+	orphans  map[int]struct{} // leased blocks of ended engine sessions: freed when their last lease ends
 	items    []finishedItem   // results for GetFinished
 	sessions map[uint64]bool  // live engine sessions of the local API
 	changed  chan struct{}    // closed and replaced when a finished item is added
@@ -260,7 +261,7 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 		return nil, err
 	}
 	r := &Rank{cfg: c, pool: c.Pool, regions: c.Pool.Regions(), shape: shape, modelHash: handshake.ModelHash(c.Geometry),
-		capKey: transfer.NewCapabilityKeyFromSecret(c.CapabilitySecret), loads: map[string]*load{}, busy: map[int]blockUse{}, refs: map[int]int{}, sessions: map[uint64]bool{}, changed: make(chan struct{})}
+		capKey: transfer.NewCapabilityKeyFromSecret(c.CapabilitySecret), loads: map[string]*load{}, busy: map[int]blockUse{}, refs: map[int]int{}, orphans: map[int]struct{}{}, sessions: map[uint64]bool{}, changed: make(chan struct{})}
 	r.crcOrder = checksumOrder(r.regions)
 	var inc [8]byte
 	_, _ = rand.Read(inc[:])

@@ -143,6 +143,51 @@ func TestFaultCoordinatedFollowerRestart(t *testing.T) {
 	require.Zero(t, ranks[0].Stats(t)["blocks_used"])
 }
 
+// TestFaultCoordinatedSessionEndLeased: the engine of a coordinated group
+// goes away while blocks rank 0 allocated are held under a prefill lease
+// (exported, decode not done): the session's other blocks are freed at once,
+// the leased ones when their lease ends, by rank 0, so blocks_used returns
+// to 0 with no engine attached and every rank's pages return to idle
+// (before, they stayed allocated for good: under coordinated ownership the
+// engine frees after done_sending, and the engine was gone).
+//
+// fault-matrix: coordinated-session-end-leased
+func TestFaultCoordinatedSessionEndLeased(t *testing.T) {
+	const ttl = 3 * time.Second
+	env := NewEnv(t)
+	ranks, es := coordGroup(t, env, "coord-leased", "--lease-ttl", flagDur(ttl))
+	idle := []uint64{ranks[0].Stats(t)["pages_mapped"], ranks[1].Stats(t)["pages_mapped"]}
+	perPage := int(es[0].info.GetPageSize() / es[0].info.GetBlockLen())
+
+	leased, err := es[0].Alloc(t.Context(), perPage+4) // beyond page 0
+	require.NoError(t, err)
+	other, err := es[0].Alloc(t.Context(), 3)
+	require.NoError(t, err)
+	require.NoError(t, es[1].Sync(t.Context())) // rank 1 learns of the pages rank 0 mapped
+	for r := 1; r >= 0; r-- {
+		es[r].fillAt(t, heads(r, 2), 3, leased)
+		_, err := es[r].RequestFinished(t.Context(), "leased", leased, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
+		require.NoError(t, err, "rank %d", r)
+		require.Equal(t, uint64(1), ranks[r].Stats(t)["leases_held"], "rank %d", r)
+	}
+
+	require.NoError(t, es[1].Close())
+	require.NoError(t, es[0].Close())
+	gone := ranks[0].WaitLog(t, "engine gone: released its state", StartTimeout)
+	require.EqualValues(t, len(other), gone["blocks_freed"], "the blocks no lease holds are freed at once")
+	require.EqualValues(t, 0, gone["blocks_free_failed"])
+	require.Equal(t, uint64(len(leased)), ranks[0].Stats(t)["blocks_used"], "leased blocks stay until their lease ends")
+
+	for r := range ranks {
+		waitStat(t, ranks[r], "leases_held", 0, ttl+slack)
+	}
+	waitStat(t, ranks[0], "blocks_used", 0, slack)
+	for r := range ranks {
+		waitStat(t, ranks[r], "pages_mapped", idle[r], slack)
+	}
+	requireNoDoubleFree(t, ranks[0].Proc)
+}
+
 // TestFaultCoordinatedFollowerKilledFreesOnce: rank 1 of a coordinated group
 // is SIGKILLed while rank 0's engine holds blocks over several pages. The
 // engine's free returns OK (its blocks are freed once, whatever rank 1's

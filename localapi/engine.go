@@ -2,7 +2,6 @@ package localapi
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"maps"
 	"slices"
@@ -93,12 +92,13 @@ func sameCache(have, want *v1.CreateKVCache) error {
 // detach runs when a connection ends. When it was the last connection
 // attached to the cache, the engine session ends: every load it started is
 // aborted (Rank.Abort returns once the READ stopped) and the blocks it
-// allocated and still owns are freed. Blocks held under a prefill lease are
-// refused (connector.ErrBusy) and skipped: under local ownership the Rank frees them
-// when the lease ends. The session's results that no GetFinished took (and
-// those that arrive later, such as a lease released afterwards) are logged
-// once and dropped: the next engine never sees them. Nothing is freed while
-// the server closes (Close closes the rank and the pool).
+// allocated and still owns are freed, each exactly once: those held under a
+// prefill lease when their last lease ends (Rank.FreeSessionBlocks; under
+// coordinated ownership the engine would have freed them after
+// done_sending, but it is gone). The session's results that no GetFinished
+// took (and those that arrive later, such as a lease released afterwards)
+// are logged once and dropped: the next engine never sees them. Nothing is
+// freed while the server closes (Close closes the rank and the pool).
 func (s *Server) detach(st *connState) {
 	if !st.attached {
 		return
@@ -135,31 +135,32 @@ func (s *Server) detach(st *connState) {
 	}
 	freed, leased, failed := s.freeAll(ctx, cache.Rank, blocks)
 	log.Info("engine gone: released its state", "loads_aborted", aborted, "blocks_freed", freed,
-		"blocks_leased_skipped", leased, "blocks_free_failed", failed)
+		"blocks_freed_when_leases_end", leased, "blocks_free_failed", failed)
 }
 
-// freeAll frees blocks through rank, all at once when it can, else one by
-// one, and counts the blocks freed, refused as busy (leased) and failed.
-func (s *Server) freeAll(ctx context.Context, rank *connector.Rank, blocks []int) (freed, busy, failed int) {
+// freeAll frees the blocks of an ended session through rank, all at once
+// when it can, else one by one (an error frees nothing, so no block is
+// freed twice), and counts the blocks freed now, left to their leases, and
+// refused.
+func (s *Server) freeAll(ctx context.Context, rank *connector.Rank, blocks []int) (freed, leased, failed int) {
 	if len(blocks) == 0 {
 		return 0, 0, 0
 	}
-	if err := rank.FreeBlocks(ctx, blocks); err == nil {
-		return len(blocks), 0, 0
+	now, held, err := rank.FreeSessionBlocks(ctx, blocks)
+	if err == nil {
+		return len(now), len(held), 0
 	}
+	leased = len(held)
 	for _, b := range blocks {
-		err := rank.FreeBlocks(ctx, []int{b})
-		switch {
-		case err == nil:
-			freed++
-		case errors.Is(err, connector.ErrBusy):
-			busy++
-		default:
+		now, _, err := rank.FreeSessionBlocks(ctx, []int{b}) // a leased one was counted above
+		if err != nil {
 			failed++
 			s.cfg.Logger.Error("engine gone: freeing its block failed", "block", b, "err", err)
+			continue
 		}
+		freed += len(now)
 	}
-	return freed, busy, failed
+	return freed, leased, failed
 }
 
 // engineState is what the server remembers of the engine session attached
