@@ -130,7 +130,7 @@ func TestLocalSharedMapping(t *testing.T) {
 	require.Equal(t, uint32(4), info.GetNumRegions(), "2 layers × K/V")
 	pool := s.srv.Cache().Pool
 
-	ids, err := c.Alloc(t.Context(), 200)
+	ids, err := c.Alloc(t.Context(), 300) // three pages of blocks (128 to a page; block 0 is the null block)
 	require.NoError(t, err)
 	// The engine writes through its own mapping; the sidecar sees it.
 	for r := range int(info.GetNumRegions()) {
@@ -153,10 +153,13 @@ func TestLocalSharedMapping(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "from the sidecar", string(b[:16]))
 
-	// Freeing everything unmaps the pages in the engine too.
-	before := pool.Stats().PagesMapped
+	// Freeing everything unmaps the pages in the engine too: the pool keeps
+	// the null block's page and its reserve, which its refill goroutine may
+	// be topping up meanwhile (so no count from before the free is
+	// compared: it failed 2 in 300 runs under load).
+	require.Greater(t, pool.Stats().PagesMapped, 1+vmm.DefaultPreallocPages, "the blocks' three pages")
 	require.NoError(t, c.Free(t.Context(), ids))
-	require.Less(t, pool.Stats().PagesMapped, before)
+	require.LessOrEqual(t, pool.Stats().PagesMapped, 1+vmm.DefaultPreallocPages)
 	_, err = c.Block(0, int(ids[len(ids)-1]))
 	require.ErrorIs(t, err, localapi.ErrInvalidArgument, "the engine dropped its mapping of the unmapped page")
 
