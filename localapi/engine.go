@@ -30,8 +30,6 @@ func (s *Server) create(c *call) (*v1.LocalReply, error) {
 		req.Geometry = proto.Clone(s.cfg.Geometry).(*v1.ModelGeometry)
 	}
 	switch {
-	case req.GetGeometry() == nil:
-		return nil, fmt.Errorf("%w: create: the sidecar was started without --model or an explicit geometry", ErrGeometryRequired)
 	case req.GetTpSize() < 1 || req.GetTpSize() > connector.MaxTPSize:
 		return nil, fmt.Errorf("%w: create: tp_size %d must be in [1, %d]", ErrInvalidArgument, req.GetTpSize(), connector.MaxTPSize)
 	case req.GetTpRank() >= req.GetTpSize():
@@ -40,6 +38,16 @@ func (s *Server) create(c *call) (*v1.LocalReply, error) {
 	s.openMu.Lock()
 	defer s.openMu.Unlock()
 	cache := s.Cache()
+	if req.GetGeometry() == nil && cache != nil {
+		// An attach to the cache that exists takes its geometry, whichever
+		// connection created it (a scheduler process attaching after its
+		// workers, say).
+		req = proto.Clone(req).(*v1.CreateKVCache)
+		req.Geometry = proto.Clone(cache.Create.GetGeometry()).(*v1.ModelGeometry)
+	}
+	if req.GetGeometry() == nil {
+		return nil, fmt.Errorf("%w: create: the sidecar was started without --model or an explicit geometry, and no engine created its KV cache yet", ErrGeometryRequired)
+	}
 	if cache == nil {
 		c, err := s.cfg.Open(ctx, req)
 		if err != nil {

@@ -20,8 +20,10 @@ var (
 	// (CODE_UNAVAILABLE, reason NOT_ATTACHED: attach first).
 	ErrNotAttached = codes.NewReason(v1.Code_CODE_UNAVAILABLE, codes.ReasonNotAttached, "localapi: no KV cache attached")
 	// ErrGeometryRequired: a CreateKVCache without a geometry to a sidecar
-	// started without one (CODE_INVALID_ARGUMENT, reason GEOMETRY_REQUIRED:
-	// attach again with the engine's geometry).
+	// started without one, before any engine created the cache
+	// (CODE_INVALID_ARGUMENT, reason GEOMETRY_REQUIRED: attach again with
+	// the engine's geometry). Once a cache exists, such a create takes its
+	// geometry.
 	ErrGeometryRequired = codes.NewReason(v1.Code_CODE_INVALID_ARGUMENT, codes.ReasonGeometryRequired, "localapi: geometry is required")
 	// ErrBrokenConn: an earlier call on this Client failed mid-exchange
 	// (timeout, bad reply), so the stream's state is unknown; dial again.

@@ -238,7 +238,9 @@ func TestLocalBadInput(t *testing.T) {
 		{"unknown call", frame(t, &v1.LocalRequest{WireVersion: 1}), v1.Code_CODE_INVALID_ARGUMENT},
 		{"alloc before attach", frame(t, &v1.LocalRequest{WireVersion: 1, Call: &v1.LocalRequest_Alloc{Alloc: &v1.AllocBlocks{Count: 1}}}), v1.Code_CODE_UNAVAILABLE},
 		{"other geometry", frame(t, &v1.LocalRequest{WireVersion: 1, Call: &v1.LocalRequest_Create{Create: createReq(gqa2, 256)}}), v1.Code_CODE_ALREADY_EXISTS},
-		{"create without geometry", frame(t, &v1.LocalRequest{WireVersion: 1, Call: &v1.LocalRequest_Create{Create: &v1.CreateKVCache{TpSize: 1}}}), v1.Code_CODE_INVALID_ARGUMENT},
+		// A create without geometry attaches to the cache that exists
+		// (TestLocalCreateTakesTheSidecarsGeometry); a TP size of 0 never does.
+		{"create with tp_size 0", frame(t, &v1.LocalRequest{WireVersion: 1, Call: &v1.LocalRequest_Create{Create: &v1.CreateKVCache{}}}), v1.Code_CODE_INVALID_ARGUMENT},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -646,7 +648,9 @@ func TestLocalEngineGone(t *testing.T) {
 // TestLocalCreateTakesTheSidecarsGeometry: a sidecar started with a model's
 // geometry (serve --model) serves a create call that carries none; one
 // started without refuses it with reason GEOMETRY_REQUIRED, which the
-// client's error matches as the sentinel.
+// client's error matches as the sentinel, until an engine created the cache:
+// then such a create attaches to it in the creator's geometry (a zero-copy
+// vLLM scheduler attaching after its worker created H2ND).
 func TestLocalCreateTakesTheSidecarsGeometry(t *testing.T) {
 	s := newLocalSidecarGeom(t, "with-model", nil, gqa8)
 	info, err := dialLocal(t, s).Attach(t.Context(), &v1.CreateKVCache{TpSize: 1, NumBlocks: 64})
@@ -659,4 +663,15 @@ func TestLocalCreateTakesTheSidecarsGeometry(t *testing.T) {
 	require.Equal(t, codes.ReasonGeometryRequired, codes.ReasonOf(err), "%v", err)
 	require.ErrorIs(t, err, localapi.ErrGeometryRequired)
 	require.NotErrorIs(t, err, localapi.ErrNotAttached)
+
+	compound := proto.Clone(gqa8).(*v1.ModelGeometry)
+	compound.Layout = v1.Layout_LAYOUT_H2ND
+	_, err = dialLocal(t, bare).Attach(t.Context(), createReq(compound, 64))
+	require.NoError(t, err)
+	info, err = dialLocal(t, bare).Attach(t.Context(), &v1.CreateKVCache{TpSize: 1})
+	require.NoError(t, err)
+	require.True(t, proto.Equal(compound, info.GetGeometry()), "%v", info.GetGeometry())
+	require.Equal(t, uint32(64), info.GetNumBlocks())
+	_, err = dialLocal(t, bare).Attach(t.Context(), createReq(gqa8, 64))
+	require.Equal(t, v1.Code_CODE_ALREADY_EXISTS, codeOf(err), "a geometry given must still be the cache's: %v", err)
 }

@@ -20,8 +20,8 @@ type Reason string
 const (
 	// ReasonGeometryRequired (CODE_INVALID_ARGUMENT): CreateKVCache
 	// without a geometry to a sidecar that has none (started without
-	// --model or the geometry flags). Attach again with the engine's
-	// geometry.
+	// --model or the geometry flags) and no KV cache yet. Attach again
+	// with the engine's geometry.
 	ReasonGeometryRequired Reason = "GEOMETRY_REQUIRED"
 	// ReasonNotAttached (CODE_UNAVAILABLE): a call that needs the KV cache
 	// on a connection that did not send create, or before any engine

@@ -32,7 +32,8 @@ __all__ = [
 ]
 
 #: CODE_INVALID_ARGUMENT: CreateKVCache without a geometry to a sidecar that has none (started
-#: without --model or the geometry flags). Attach again with the engine's geometry.
+#: without --model or the geometry flags) and no KV cache yet. Attach again with the engine's
+#: geometry.
 GEOMETRY_REQUIRED = "GEOMETRY_REQUIRED"
 
 #: CODE_UNAVAILABLE: a call that needs the KV cache on a connection that did not send create, or
