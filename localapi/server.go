@@ -253,6 +253,13 @@ func (s *Server) serveConn(c *fdpass.Conn) {
 			if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) {
 				return
 			}
+			var opErr *net.OpError
+			if errors.As(err, &opErr) || errors.Is(err, io.ErrUnexpectedEOF) {
+				// The engine's end went away (killed mid-call, say):
+				// the socket failed, no frame was bad.
+				s.cfg.Logger.Info("local API: engine connection lost", "err", err)
+				return
+			}
 			// The stream cannot be resynchronized after a bad frame: say
 			// why, then close.
 			s.m.calls.WithLabelValues("bad_frame", v1.Code_CODE_INVALID_ARGUMENT.String()).Inc()

@@ -204,6 +204,53 @@ func TestLocalMemoryLimit(t *testing.T) {
 	require.NoError(t, c.Free(t.Context(), append(ids, more...)))
 }
 
+// TestLocalLostEngineIsNoBadFrame: an engine killed in the middle of a
+// request (half a frame, then its socket closed) is a lost connection, not
+// a bad frame: a new user's sidecar warned "bad frame" for every engine it
+// lost. A garbage frame still counts as one.
+func TestLocalLostEngineIsNoBadFrame(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	s := newLocalSidecar(t, "lost-engine", reg)
+	// The sum of metric name's samples with a label of value label ("": all).
+	metric := func(name, label string) float64 {
+		mfs, err := reg.Gather()
+		require.NoError(t, err)
+		sum := 0.0
+		for _, mf := range mfs {
+			for _, m := range mf.GetMetric() {
+				match := label == ""
+				for _, l := range m.GetLabel() {
+					match = match || l.GetValue() == label
+				}
+				if mf.GetName() == name && match {
+					sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+				}
+			}
+		}
+		return sum
+	}
+	badFrames := func() float64 { return metric("kvsidecar_local_calls_total", "bad_frame") }
+	send := func(b []byte, readReply bool) {
+		nc, err := net.Dial("unix", s.srv.Path())
+		require.NoError(t, err)
+		defer nc.Close()
+		_, err = nc.Write(b)
+		require.NoError(t, err)
+		if readReply {
+			require.NoError(t, nc.SetDeadline(time.Now().Add(testutil.Scaled(10*time.Second)))) // wallclock: a real unix socket; a server that never answers fails the test instead of hanging it
+			rep := &v1.LocalReply{}
+			require.NoError(t, wire.NewReader(nc, 0).ReadMsg(rep))
+			require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, rep.GetError().GetCode())
+		}
+	}
+	send([]byte{0x05, 0xff, 0xff, 0xff, 0xff, 0xff}, true)
+	require.Equal(t, 1.0, badFrames())
+	send([]byte{0x10, 0x08}, false) // a frame of 16 bytes, 1 sent
+	// wallclock: the server sees the closed socket on its own goroutine.
+	require.Eventually(t, func() bool { return metric("kvsidecar_local_connections", "") == 0 }, testutil.Scaled(10*time.Second), time.Millisecond)
+	require.Equal(t, 1.0, badFrames(), "a lost engine is not a bad frame")
+}
+
 func TestLocalBadInput(t *testing.T) {
 	s := newLocalSidecar(t, "bad-input", nil)
 	good := dialLocal(t, s)
