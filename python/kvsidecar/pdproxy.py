@@ -12,8 +12,9 @@ library only::
     python -m kvsidecar.pdproxy --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 
 Errors: a prefill that fails, or returns no ``kv_transfer_params``, is
-answered with 502 and the prefill's status and text; the decode's status is
-passed through.
+answered with 502 and the prefill's status and text; a server that cannot be
+reached (refused, timed out) with 502 naming it and the error; the decode's
+status is passed through.
 """
 
 from __future__ import annotations
@@ -114,7 +115,11 @@ class PDProxy:
         pre_url, dec_url = self._next()
         pre = dict(req, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         pre.pop("stream_options", None)
-        conn, r = _post(pre_url, pre)
+        try:
+            conn, r = _post(pre_url, pre)
+        except OSError as e:
+            h._reply(502, {"error": f"pdproxy: prefill {pre_url} cannot be reached: {e}"})
+            return
         finished = False
         try:
             data = r.read()
@@ -138,7 +143,11 @@ class PDProxy:
 
     def _stream(self, h: Any, dec_url: str, body: dict[str, Any]) -> None:
         """Sends ``body`` to the decode server and relays its answer."""
-        conn, r = _post(dec_url, body)
+        try:
+            conn, r = _post(dec_url, body)
+        except OSError as e:
+            h._reply(502, {"error": f"pdproxy: decode {dec_url} cannot be reached: {e}"})
+            return
         try:
             h.send_response(r.status)
             h.send_header("Content-Type", r.getheader("Content-Type", "application/json"))

@@ -1,8 +1,8 @@
 """kvsidecar.pdproxy's refusals (its happy path runs against real vLLM
 engines in test_vllm_engines.py): a prefill that answers without
 kv_transfer_params, or with an error, is the client's 502 naming it, and
-the decode is never asked; a prompt that ends at its first token is the
-decode's to answer whole."""
+the decode is never asked; a server that cannot be reached is a 502 naming
+it; a prompt that ends at its first token is the decode's to answer whole."""
 
 from __future__ import annotations
 
@@ -102,3 +102,22 @@ def test_params_go_to_decode_unchanged():
         proxy.close()
         pre.close()
         dec.close()
+
+
+@pytest.mark.parametrize("down", ["prefill", "decode"])
+def test_a_server_that_cannot_be_reached_is_a_502_naming_it(down):
+    # A new user's run: with the decode down, the proxy printed a traceback
+    # and closed the client's connection without an answer.
+    params = {"do_remote_prefill": True, "tp_size": 1}
+    up = Upstream(200, {"kv_transfer_params": params})
+    gone = Upstream(200, {})
+    gone.close()  # its port now refuses
+    pre, dec = (gone, up) if down == "prefill" else (up, gone)
+    proxy = PDProxy([pre.url], [dec.url]).start()
+    try:
+        code, out = post(proxy, {"model": "m", "prompt": [1], "max_tokens": 4})
+        assert code == 502
+        assert out["error"].startswith(f"pdproxy: {down} {gone.url} cannot be reached: ")
+    finally:
+        proxy.close()
+        up.close()
