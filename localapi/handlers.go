@@ -141,7 +141,8 @@ func (s *Server) stats(c *call) (*v1.LocalReply, error) {
 }
 
 func (s *Server) available(c *call) (*v1.LocalReply, error) {
-	return &v1.LocalReply{Result: &v1.LocalReply_Available{Available: &v1.AvailableReply{Blocks: uint64(c.cache.Pool.Available())}}}, nil
+	blocks, over := c.cache.Pool.AvailableOverLimit()
+	return &v1.LocalReply{Result: &v1.LocalReply_Available{Available: &v1.AvailableReply{Blocks: uint64(blocks), OverLimit: over}}}, nil
 }
 
 // setLimit applies a memory limit: 0 (none) or [one page of every region,

@@ -465,12 +465,21 @@ func (p *Pool) validateFreeLocked(ids []int) error {
 // mapped pages plus those of pages the limit still allows to map. Never
 // negative.
 func (p *Pool) Available() int {
+	n, _ := p.AvailableOverLimit()
+	return n
+}
+
+// AvailableOverLimit returns Available and whether more pages are mapped
+// than the memory limit allows (a limit lowered below them): blocks freed
+// then unmap their emptied pages without making room for others until the
+// mapped pages fall to the limit, so they may leave fewer blocks available.
+func (p *Pool) AvailableOverLimit() (blocks int, overLimit bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
-		return 0
+		return 0, false
 	}
-	return p.availableLocked()
+	return p.availableLocked(), p.limit != 0 && p.committed > p.limitPagesLocked()
 }
 
 // SetMemoryLimit sets the limit on mapped bytes across all regions (0 = no

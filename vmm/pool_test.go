@@ -353,8 +353,12 @@ func TestPoolMemoryLimit(t *testing.T) {
 	a, err := p.Alloc(ctx, 40)
 	require.NoError(t, err)
 	// Lowering below use stops new maps at once...
+	_, over := p.AvailableOverLimit()
+	require.False(t, over, "two pages mapped under a limit of two")
 	require.NoError(t, p.SetMemoryLimit(pageBytes))
-	require.Equal(t, 23, p.Available(), "only free blocks of mapped pages")
+	n, over := p.AvailableOverLimit()
+	require.Equal(t, 23, n, "only free blocks of mapped pages")
+	require.True(t, over, "two pages mapped under a limit of one")
 	_, err = p.Alloc(ctx, 24)
 	require.ErrorIs(t, err, ErrOverLimit)
 	require.Equal(t, 2, p.Stats().PagesMapped)
@@ -367,7 +371,9 @@ func TestPoolMemoryLimit(t *testing.T) {
 	}
 	require.NoError(t, p.Free(ctx, hi))
 	require.Equal(t, 1, p.Stats().PagesMapped)
-	require.Equal(t, 31-(40-len(hi)), p.Available())
+	n, over = p.AvailableOverLimit()
+	require.Equal(t, 31-(40-len(hi)), n)
+	require.False(t, over, "back to the limit")
 	// Raising re-enables growth.
 	require.NoError(t, p.SetMemoryLimit(0))
 	b, err := p.Alloc(ctx, 100)

@@ -401,9 +401,10 @@ class LocalClient:
         """
         self._call("free", local_pb2.FreeBlocks(block_ids=list(block_ids)), timeout)
 
-    def available(self, *, timeout: float | None = None) -> int:
-        """Blocks that can still be allocated under the current limit."""
-        return self._call("available", None, timeout).available.blocks
+    def available(self, *, timeout: float | None = None) -> local_pb2.AvailableReply:
+        """``blocks`` that can still be allocated under the current limit, and
+        ``over_limit``: more pages are mapped than the limit allows."""
+        return self._call("available", None, timeout).available
 
     def set_memory_limit(self, limit_bytes: int, strict: bool = False, *, timeout: float | None = None) -> None:
         """Sets the limit on mapped bytes across all regions (0 = none). With

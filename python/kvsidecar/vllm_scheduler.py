@@ -112,6 +112,9 @@ class SchedulerSide:
         is computed locally and the prefill is not notified."""
         params = getattr(request, "kv_transfer_params", None) or {}
         rid = request.request_id
+        if self.pool is not None:
+            bs = self.cfg.block_size
+            self.pool.note_waiting(rid, -(-int(request.num_tokens) // bs) - num_computed_tokens // bs)
         if not (self.cfg.consumer and params.get("do_remote_prefill")):
             return 0, False
         try:
@@ -175,8 +178,7 @@ class SchedulerSide:
         meta = KVSidecarConnectorMetadata(loads=self._loads, saves=saves, aborts=self._aborts, exported=self._exported)
         self._loads, self._aborts, self._exported = [], [], []
         if self.pool is not None:
-            self.pool.release_due()
-            self.pool.refresh_available()
+            self.pool.step_done()
             # Under coordinated ownership rank 0 maps a page on every rank
             # before it tells this client, so a page new to rank 0's client
             # is mapped on every rank by now.

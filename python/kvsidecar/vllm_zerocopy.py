@@ -93,8 +93,9 @@ BACKEND_LAYOUTS = {
 #: it is released (``kv_connector_extra_config`` ``free_hold_seconds``).
 DEFAULT_FREE_HOLD_SECONDS = 30.0
 
-#: Seconds between two reads of the blocks the sidecar can still allocate
-#: (its memory limit may change under ``kvsidecar ctl limit``).
+#: Seconds a read of the blocks the sidecar can still allocate stays good
+#: (its memory limit may change under ``kvsidecar ctl limit``); a read is
+#: also good for one scheduler step at most.
 AVAILABLE_REFRESH_SECONDS = 0.5
 
 
@@ -220,10 +221,17 @@ class SidecarBlockPool(BlockPool):
     Holds, beside vLLM's state: the rank-0 client that allocates and frees,
     the blocks vLLM freed that keep prefix-cache content, by the time they
     were freed (oldest first), and the blocks the sidecar can still allocate
-    under its memory limit (read at most every
-    :data:`AVAILABLE_REFRESH_SECONDS`, counted between reads), which
-    bound what vLLM's scheduler sees as free: it queues or preempts at the
-    limit instead of allocating past it.
+    under its memory limit, which bound what vLLM's scheduler sees as free:
+    it queues or preempts at the limit instead of allocating past it. That
+    count is read at the first use in a scheduler step and when the last
+    read is :data:`AVAILABLE_REFRESH_SECONDS` old (allocations and frees
+    since are counted), so a limit lowered under an idle engine is seen by
+    the request that wakes it. The held blocks count as free (a release
+    gives their slots back) unless the sidecar maps more than its limit
+    allows: then a release may unmap pages without making room, so they
+    count for nothing, and each step's end releases them. A limit lowered
+    in the middle of a step meets the sidecar's refusal, which stops the
+    engine with the reason (vLLM has no way back from a failed allocation).
     """
 
     _sc_client: LocalClient
@@ -233,7 +241,10 @@ class SidecarBlockPool(BlockPool):
     _sc_wake: Callable[[], None] | None
     _sc_timer: threading.Timer | None
     _sc_avail: int
+    _sc_over_limit: bool
     _sc_avail_read: float
+    _sc_stale: bool
+    _sc_warned: collections.OrderedDict[str, None]
 
     @classmethod
     def install(cls, pool: BlockPool, client: LocalClient, hold_seconds: float = DEFAULT_FREE_HOLD_SECONDS,
@@ -255,28 +266,56 @@ class SidecarBlockPool(BlockPool):
         sp._sc_client, sp._sc_hold, sp._sc_hold_seconds, sp._sc_clock = client, collections.OrderedDict(), \
             hold_seconds, clock
         sp._sc_wake, sp._sc_timer = None, None
+        sp._sc_warned = collections.OrderedDict()
         sp.refresh_available(force=True)
         return sp
 
     def refresh_available(self, force: bool = False) -> None:
         """Reads how many blocks the sidecar can allocate now (its memory
-        limit and what it holds), unless it was read less than
-        :data:`AVAILABLE_REFRESH_SECONDS` ago (the allocations and frees
-        since are counted); the scheduler side calls it every step, and a
-        step waiting on a load runs every few milliseconds."""
+        limit and what it holds) when forced, when a step ended since the
+        last read, or when that read is :data:`AVAILABLE_REFRESH_SECONDS`
+        old; between reads the allocations and frees are counted."""
         now = self._sc_clock()
-        if not force and now - self._sc_avail_read < AVAILABLE_REFRESH_SECONDS:
+        if not force and not self._sc_stale and now - self._sc_avail_read < AVAILABLE_REFRESH_SECONDS:
             return
         try:
-            self._sc_avail = self._sc_client.available()
+            r = self._sc_client.available()
         except errors.KVSidecarError as e:
             raise self._gone(e) from e
-        self._sc_avail_read = now
+        self._sc_avail, self._sc_over_limit, self._sc_avail_read, self._sc_stale = r.blocks, r.over_limit, now, False
+
+    def step_done(self) -> None:
+        """The end of a scheduler step (vLLM's ``build_connector_meta``,
+        after every block of the step was handed out): releases the held
+        blocks that are due, and all of them when the sidecar maps more than
+        its limit allows; the next use reads the count again."""
+        self.release_due()
+        if self._sc_over_limit and self._sc_hold:
+            log.info("sidecar %s maps more than its memory limit allows; releasing %d held blocks",
+                     self._sc_client.path, len(self._sc_hold))
+            self._sc_release(list(self._sc_hold))
+        self._sc_stale = True
 
     def get_num_free_blocks(self) -> int:
         # vLLM's free blocks, at most what the sidecar can still allocate
         # plus the held blocks a release would give back.
-        return min(super().get_num_free_blocks(), self._sc_avail + len(self._sc_hold))
+        self.refresh_available()
+        return min(super().get_num_free_blocks(),
+                   self._sc_avail + (0 if self._sc_over_limit else len(self._sc_hold)))
+
+    def note_waiting(self, request_id: str, blocks: int) -> None:
+        """vLLM's scheduler considers waiting request ``request_id``, which
+        needs ``blocks`` new blocks: when the sidecar's memory limit, not
+        vLLM's free blocks, keeps it waiting, one warning names the
+        request, its need and what the limit leaves (once per request)."""
+        have = self.get_num_free_blocks()
+        if have < blocks <= super().get_num_free_blocks() and request_id not in self._sc_warned:
+            self._sc_warned[request_id] = None
+            if len(self._sc_warned) > 4096:
+                self._sc_warned.popitem(last=False)
+            log.warning("request %s needs %d blocks; sidecar %s's memory limit leaves %d (vLLM has %d free): it waits "
+                        "for blocks to be freed or the limit to be raised (kvsidecar ctl limit)", request_id, blocks,
+                        self._sc_client.path, have, super().get_num_free_blocks())
 
     def set_waker(self, wake: Callable[[], None]) -> None:
         """``wake`` makes vLLM's engine loop step once while it is idle, so

@@ -82,7 +82,7 @@ def test_attach_alloc_write_free(cluster):
                 assert bytes(b.block(r, ids[k])) == pattern(1, r, ids[k], info.block_len)
         assert a.packing.offset(129) == (2 << 20) + 1 * info.block_len
         assert a.stats().blocks_used == 400
-        assert a.available() == 1024 - 1 - 400
+        assert a.available().blocks == 1024 - 1 - 400
 
         a.free(ids)
         assert a.stats().blocks_used == 0

@@ -37,6 +37,7 @@ from conftest import stats, wait_for
 
 from kvsidecar import devserve, devvllm
 from kvsidecar.devserve import rss_bytes, time_scale
+from kvsidecar.local import LocalClient
 from kvsidecar.pdproxy import PDProxy
 
 BLOCK = devvllm.BLOCK_SIZE
@@ -391,6 +392,43 @@ def test_zero_copy_maps_only_the_working_set(lab: Lab):
     # Idle, a sidecar keeps two pages of every region mapped: the page of
     # the null block (block 0, never freed) and its reserve of one page.
     assert after <= 2 * regions * page, "mapped pages fall back within the reserve's bound"
+
+
+# fault-matrix: zero-copy-memory-limit
+def test_a_lowered_limit_makes_requests_wait_and_never_stops_the_engine(lab: Lab):
+    """A new user's run: `kvsidecar ctl limit` lowered under an idle
+    zero-copy decode holding prefix-cache blocks, then a request of more
+    blocks than the limit leaves, stopped the engine. Now it waits, one
+    warning naming its need, and is answered token-exact once the limit is
+    raised; a request that fits is answered under the limit."""
+    if not lab.zero_copy:
+        pytest.skip("the limit bounds vLLM's block pool only in zero copy")
+    sc, d = lab.d1_sc[0], lab.d1
+    rnd = random.Random(20261202)
+    warm, small, big = ([rnd.randrange(3, 2000) for _ in range(n)] for n in (1500, 300, 3000))
+    _, out = devvllm.pd_complete(lab.p1, d, warm, max_tokens=MAX_TOKENS)
+    assert out.token_ids == lab.reference(warm)
+    assert stats(sc)["blocks_used"] >= blocks(1500), "the prompt's blocks are held for prefix hits"
+    # One page of each layer: 31 blocks of 32 tokens beside the null block,
+    # under the two pages the held blocks keep mapped.
+    limit = lab.model.layers * (2 << 20)
+    c = LocalClient(sc.socket)
+    try:
+        c.set_memory_limit(limit)
+        _, out = devvllm.pd_complete(lab.p1, d, small, max_tokens=MAX_TOKENS)
+        assert out.token_ids == lab.reference(small)
+        got: list[object] = []
+        t = threading.Thread(target=lambda: got.append(devvllm.pd_complete(lab.p1, d, big, max_tokens=MAX_TOKENS)[1]))
+        t.start()
+        wait_for("the decode's warning about the limit", lambda: f"needs {blocks(3000)} blocks" in d.tail(400))
+        assert t.is_alive() and d.proc.poll() is None, "the request waits, the engine runs"
+        wait_for("the held blocks released to the limit", lambda: sc.metric("kvsidecar_vmm_mapped_bytes") <= limit)
+    finally:
+        c.set_memory_limit(0)
+        c.close()
+    t.join()
+    assert len(got) == 1 and got[0].token_ids == lab.reference(big)  # type: ignore[attr-defined]
+    assert d.proc.poll() is None
 
 
 # fault-matrix: vllm-prefill-sidecar-killed

@@ -116,10 +116,8 @@ def test_at_the_memory_limit_held_blocks_make_room(pool):
     # Two pages of each region: the held blocks' and the reserve. One
     # page more than the reserve holds needs the held blocks' page.
     pool.client.set_memory_limit(2 * 2 * (2 << 20))
-    pool.pool.refresh_available()
-    assert pool.pool.get_num_free_blocks() == NUM_BLOCKS - 1, "read again only after a while"
-    pool.clock.now += AVAILABLE_REFRESH_SECONDS
-    pool.pool.refresh_available()
+    assert pool.pool.get_num_free_blocks() == NUM_BLOCKS - 1, "read again only after a while or a step"
+    pool.pool.step_done()
     # vLLM's scheduler sees the limit: the two pages of each region, less
     # the null block's slot, not the whole cache (the held blocks count:
     # releasing them gives their slots back).
@@ -131,11 +129,47 @@ def test_at_the_memory_limit_held_blocks_make_room(pool):
     with pytest.raises(ValueError, match=f"Cannot get {PER_PAGE} free blocks"):
         pool.pool.get_new_blocks(PER_PAGE)
     assert len(pool.pool.get_new_blocks(PER_PAGE - 2)) == PER_PAGE - 2
-    # Should the count be stale (a limit lowered between two reads, or a
-    # follower's), the sidecar refuses: nothing is allocated past the limit.
+    # Should the count be stale (a limit lowered in the middle of a step),
+    # the sidecar refuses: nothing is allocated past the limit.
     pool.pool._sc_avail = NUM_BLOCKS
     with pytest.raises(RuntimeError, match=r"refused 1 blocks at its memory limit.*raise the limit"):
         pool.pool.get_new_blocks(1)
+
+
+# fault-matrix: zero-copy-memory-limit
+def test_a_limit_lowered_under_an_idle_engine_is_seen_by_the_next_request(pool, caplog):
+    """A new user's run: `kvsidecar ctl limit 8MiB` under an idle zero-copy
+    engine, then a request of more blocks than the limit leaves, stopped the
+    engine (the pool answered with a count read before the limit changed,
+    and counted held blocks whose release unmapped pages over the limit)."""
+    a = pool.pool.get_new_blocks(3 * PER_PAGE)
+    for i, b in enumerate(a[:2 * PER_PAGE]):
+        cache(pool.pool, b, b"i%d" % i)
+    pool.pool.free_blocks(a[:2 * PER_PAGE])  # held, their two pages mapped
+    pool.pool.step_done()
+    assert pool.pool.get_num_free_blocks() == NUM_BLOCKS - 1 - PER_PAGE
+    # The limit falls to two pages of each region, under the four mapped.
+    pool.client.set_memory_limit(2 * 2 * (2 << 20))
+    pool.clock.now += AVAILABLE_REFRESH_SECONDS  # idle: no step ends
+    left = pool.pool.get_num_free_blocks()
+    assert pool.client.available().over_limit
+    assert left == pool.client.available().blocks < PER_PAGE, "held blocks count for nothing over the limit"
+    with caplog.at_level(logging.WARNING, logger="vllm.kvsidecar"):
+        pool.pool.note_waiting("r-big", 2 * PER_PAGE)
+        pool.pool.note_waiting("r-big", 2 * PER_PAGE)
+        pool.pool.note_waiting("r-small", 1)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and f"request r-big needs {2 * PER_PAGE} blocks" in lines[0] \
+        and f"memory limit leaves {left}" in lines[0], lines
+    # Nothing vLLM would ask for now is refused...
+    assert len(pool.pool.get_new_blocks(left)) == left
+    # ...and the step's end releases the held blocks: the pages over the
+    # limit go, and the count is what the sidecar then allows.
+    pool.pool.step_done()
+    assert stats(pool.sc)["blocks_used"] == PER_PAGE + left
+    # Still over the limit (blocks in use hold three pages), the free slots
+    # of mapped pages are left: page 0's 63 and block 128's.
+    assert pool.pool.get_num_free_blocks() == pool.client.available().blocks == PER_PAGE
 
 
 # fault-matrix: zero-copy-sidecar-gone

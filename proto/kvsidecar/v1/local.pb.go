@@ -532,7 +532,11 @@ func (x *FreeBlocks) GetBlockIds() []uint32 {
 type AvailableReply struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Blocks that can still be allocated under the current limit.
-	Blocks        uint64 `protobuf:"varint,1,opt,name=blocks,proto3" json:"blocks,omitempty"`
+	Blocks uint64 `protobuf:"varint,1,opt,name=blocks,proto3" json:"blocks,omitempty"`
+	// More pages are mapped than the memory limit allows (it was lowered
+	// below them): blocks freed now may unmap their pages without making room
+	// for others, until the mapped pages fall to the limit.
+	OverLimit     bool `protobuf:"varint,2,opt,name=over_limit,json=overLimit,proto3" json:"over_limit,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -572,6 +576,13 @@ func (x *AvailableReply) GetBlocks() uint64 {
 		return x.Blocks
 	}
 	return 0
+}
+
+func (x *AvailableReply) GetOverLimit() bool {
+	if x != nil {
+		return x.OverLimit
+	}
+	return false
 }
 
 type SetMemoryLimit struct {
@@ -1716,9 +1727,11 @@ const file_kvsidecar_v1_local_proto_rawDesc = "" +
 	"\bmappings\x18\x02 \x03(\v2\x19.kvsidecar.v1.PageMappingR\bmappings\")\n" +
 	"\n" +
 	"FreeBlocks\x12\x1b\n" +
-	"\tblock_ids\x18\x01 \x03(\rR\bblockIds\"(\n" +
+	"\tblock_ids\x18\x01 \x03(\rR\bblockIds\"G\n" +
 	"\x0eAvailableReply\x12\x16\n" +
-	"\x06blocks\x18\x01 \x01(\x04R\x06blocks\">\n" +
+	"\x06blocks\x18\x01 \x01(\x04R\x06blocks\x12\x1d\n" +
+	"\n" +
+	"over_limit\x18\x02 \x01(\bR\toverLimit\">\n" +
 	"\x0eSetMemoryLimit\x12\x14\n" +
 	"\x05bytes\x18\x01 \x01(\x04R\x05bytes\x12\x16\n" +
 	"\x06strict\x18\x02 \x01(\bR\x06strict\"\xb9\x01\n" +

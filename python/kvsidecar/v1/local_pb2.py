@@ -16,7 +16,7 @@ from kvsidecar.v1 import group_pb2 as kvsidecar_dot_v1_dot_group__pb2
 from kvsidecar.v1 import params_pb2 as kvsidecar_dot_v1_dot_params__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvsidecar/v1/local.proto\x12\x0ckvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\x1a\x18kvsidecar/v1/group.proto\x1a\x19kvsidecar/v1/params.proto\"\xa0\x01\n\rCreateKVCache\x12-\n\x08geometry\x18\x01 \x01(\x0b\x32\x1b.kvsidecar.v1.ModelGeometry\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12*\n\townership\x18\x05 \x01(\x0e\x32\x17.kvsidecar.v1.Ownership\"f\n\x0bPageMapping\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x15\n\rregion_offset\x18\x02 \x01(\x04\x12\x0b\n\x03len\x18\x03 \x01(\x04\x12\x10\n\x08\x66\x64_index\x18\x04 \x01(\r\x12\x11\n\tfd_offset\x18\x05 \x01(\x04\"\xdc\x02\n\x0bKVCacheInfo\x12-\n\x08geometry\x18\x01 \x01(\x0b\x32\x1b.kvsidecar.v1.ModelGeometry\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x16\n\x0eheads_per_rank\x18\x05 \x01(\r\x12\x11\n\tblock_len\x18\x06 \x01(\x04\x12\x12\n\nregion_len\x18\x07 \x01(\x04\x12\x13\n\x0bnum_regions\x18\x08 \x01(\r\x12\x11\n\tpage_size\x18\t \x01(\x04\x12+\n\x08mappings\x18\n \x03(\x0b\x32\x19.kvsidecar.v1.PageMapping\x12\x11\n\tengine_id\x18\x0b \x01(\t\x12\x15\n\rdevice_memory\x18\x0c \x01(\x08\x12*\n\townership\x18\r \x01(\x0e\x32\x17.kvsidecar.v1.Ownership\"\x1c\n\x0b\x41llocBlocks\x12\r\n\x05\x63ount\x18\x01 \x01(\r\"R\n\x10\x41llocBlocksReply\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12+\n\x08mappings\x18\x02 \x03(\x0b\x32\x19.kvsidecar.v1.PageMapping\"\x1f\n\nFreeBlocks\x12\x11\n\tblock_ids\x18\x01 \x03(\r\" \n\x0e\x41vailableReply\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x04\"/\n\x0eSetMemoryLimit\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06strict\x18\x02 \x01(\x08\"\x94\x01\n\x0fRequestFinished\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12*\n\x06status\x18\x03 \x01(\x0e\x32\x1a.kvsidecar.v1.FinishStatus\x12.\n\x06params\x18\x04 \x01(\x0b\x32\x1e.kvsidecar.v1.KVTransferParams\"Z\n\x14RequestFinishedReply\x12.\n\x06params\x18\x01 \x01(\x0b\x32\x1e.kvsidecar.v1.KVTransferParams\x12\x12\n\ndelay_free\x18\x02 \x01(\x08\"0\n\tStartLoad\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.kvsidecar.v1.ReqMeta\"\r\n\x0bGetFinished\"Z\n\rFailedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\"\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x13.kvsidecar.v1.Error\"\x86\x01\n\x10GetFinishedReply\x12\x14\n\x0c\x64one_sending\x18\x01 \x03(\t\x12\x14\n\x0c\x64one_recving\x18\x02 \x03(\t\x12+\n\x06\x66\x61iled\x18\x03 \x03(\x0b\x32\x1b.kvsidecar.v1.FailedRequest\x12\x19\n\x11invalid_block_ids\x18\x04 \x03(\r\"\x1b\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x07\n\x05Stats\"\xb2\x02\n\nStatsReply\x12\x14\n\x0cpages_mapped\x18\x01 \x01(\x04\x12\x14\n\x0c\x62ytes_mapped\x18\x02 \x01(\x04\x12\x13\n\x0b\x62locks_used\x18\x03 \x01(\x04\x12\x14\n\x0c\x62locks_total\x18\x04 \x01(\x04\x12\x1a\n\x12memory_limit_bytes\x18\x05 \x01(\x04\x12\x13\n\x0bleases_held\x18\x06 \x01(\x04\x12\x17\n\x0floads_in_flight\x18\x07 \x01(\x04\x12\x14\n\x0c\x64\x65vice_bytes\x18\x08 \x01(\x04\x12\x15\n\rreserve_pages\x18\t \x01(\x04\x12\x19\n\x11reservation_bytes\x18\n \x01(\x04\x12\x11\n\tpage_size\x18\x0b \x01(\x04\x12\x13\n\x0bnum_regions\x18\x0c \x01(\x04\x12\x13\n\x0b\x63\x61\x63he_ready\x18\r \x01(\x08\"_\n\x0cMappingDelta\x12&\n\x03map\x18\x01 \x03(\x0b\x32\x19.kvsidecar.v1.PageMapping\x12\x16\n\x0eunmapped_pages\x18\x02 \x03(\r\x12\x0f\n\x07num_fds\x18\x03 \x01(\r\"\x9e\x04\n\x0cLocalRequest\x12/\n\x0cwire_version\x18\x01 \x01(\x0e\x32\x19.kvsidecar.v1.WireVersion\x12\x0f\n\x07\x63\x61ll_id\x18\x02 \x01(\x04\x12-\n\x06\x63reate\x18\x03 \x01(\x0b\x32\x1b.kvsidecar.v1.CreateKVCacheH\x00\x12*\n\x05\x61lloc\x18\x04 \x01(\x0b\x32\x19.kvsidecar.v1.AllocBlocksH\x00\x12(\n\x04\x66ree\x18\x05 \x01(\x0b\x32\x18.kvsidecar.v1.FreeBlocksH\x00\x12\x13\n\tavailable\x18\x06 \x01(\x08H\x00\x12\x31\n\tset_limit\x18\x07 \x01(\x0b\x32\x1c.kvsidecar.v1.SetMemoryLimitH\x00\x12\x39\n\x10request_finished\x18\x08 \x01(\x0b\x32\x1d.kvsidecar.v1.RequestFinishedH\x00\x12-\n\nstart_load\x18\t \x01(\x0b\x32\x17.kvsidecar.v1.StartLoadH\x00\x12\x31\n\x0cget_finished\x18\n \x01(\x0b\x32\x19.kvsidecar.v1.GetFinishedH\x00\x12$\n\x05\x61\x62ort\x18\x0b \x01(\x0b\x32\x13.kvsidecar.v1.AbortH\x00\x12$\n\x05stats\x18\x0c \x01(\x0b\x32\x13.kvsidecar.v1.StatsH\x00\x12\x0e\n\x04sync\x18\r \x01(\x08H\x00\x42\x06\n\x04\x63\x61ll\"\xac\x03\n\nLocalReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.kvsidecar.v1.Error\x12*\n\x05\x63\x61\x63he\x18\x03 \x01(\x0b\x32\x19.kvsidecar.v1.KVCacheInfoH\x00\x12/\n\x05\x61lloc\x18\x04 \x01(\x0b\x32\x1e.kvsidecar.v1.AllocBlocksReplyH\x00\x12\x31\n\tavailable\x18\x05 \x01(\x0b\x32\x1c.kvsidecar.v1.AvailableReplyH\x00\x12>\n\x10request_finished\x18\x06 \x01(\x0b\x32\".kvsidecar.v1.RequestFinishedReplyH\x00\x12\x36\n\x0cget_finished\x18\x07 \x01(\x0b\x32\x1e.kvsidecar.v1.GetFinishedReplyH\x00\x12)\n\x05stats\x18\x08 \x01(\x0b\x32\x18.kvsidecar.v1.StatsReplyH\x00\x12,\n\x08mappings\x18\t \x01(\x0b\x32\x1a.kvsidecar.v1.MappingDeltaB\x08\n\x06result*\x93\x01\n\x0c\x46inishStatus\x12\x1d\n\x19\x46INISH_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_STATUS_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_STATUS_STOP\x10\x02\x12\x19\n\x15\x46INISH_STATUS_ABORTED\x10\x03\x12\x17\n\x13\x46INISH_STATUS_ERROR\x10\x04\x42?Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvsidecar/v1/local.proto\x12\x0ckvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\x1a\x18kvsidecar/v1/group.proto\x1a\x19kvsidecar/v1/params.proto\"\xa0\x01\n\rCreateKVCache\x12-\n\x08geometry\x18\x01 \x01(\x0b\x32\x1b.kvsidecar.v1.ModelGeometry\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12*\n\townership\x18\x05 \x01(\x0e\x32\x17.kvsidecar.v1.Ownership\"f\n\x0bPageMapping\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x15\n\rregion_offset\x18\x02 \x01(\x04\x12\x0b\n\x03len\x18\x03 \x01(\x04\x12\x10\n\x08\x66\x64_index\x18\x04 \x01(\r\x12\x11\n\tfd_offset\x18\x05 \x01(\x04\"\xdc\x02\n\x0bKVCacheInfo\x12-\n\x08geometry\x18\x01 \x01(\x0b\x32\x1b.kvsidecar.v1.ModelGeometry\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x16\n\x0eheads_per_rank\x18\x05 \x01(\r\x12\x11\n\tblock_len\x18\x06 \x01(\x04\x12\x12\n\nregion_len\x18\x07 \x01(\x04\x12\x13\n\x0bnum_regions\x18\x08 \x01(\r\x12\x11\n\tpage_size\x18\t \x01(\x04\x12+\n\x08mappings\x18\n \x03(\x0b\x32\x19.kvsidecar.v1.PageMapping\x12\x11\n\tengine_id\x18\x0b \x01(\t\x12\x15\n\rdevice_memory\x18\x0c \x01(\x08\x12*\n\townership\x18\r \x01(\x0e\x32\x17.kvsidecar.v1.Ownership\"\x1c\n\x0b\x41llocBlocks\x12\r\n\x05\x63ount\x18\x01 \x01(\r\"R\n\x10\x41llocBlocksReply\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12+\n\x08mappings\x18\x02 \x03(\x0b\x32\x19.kvsidecar.v1.PageMapping\"\x1f\n\nFreeBlocks\x12\x11\n\tblock_ids\x18\x01 \x03(\r\"4\n\x0e\x41vailableReply\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x04\x12\x12\n\nover_limit\x18\x02 \x01(\x08\"/\n\x0eSetMemoryLimit\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06strict\x18\x02 \x01(\x08\"\x94\x01\n\x0fRequestFinished\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12*\n\x06status\x18\x03 \x01(\x0e\x32\x1a.kvsidecar.v1.FinishStatus\x12.\n\x06params\x18\x04 \x01(\x0b\x32\x1e.kvsidecar.v1.KVTransferParams\"Z\n\x14RequestFinishedReply\x12.\n\x06params\x18\x01 \x01(\x0b\x32\x1e.kvsidecar.v1.KVTransferParams\x12\x12\n\ndelay_free\x18\x02 \x01(\x08\"0\n\tStartLoad\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.kvsidecar.v1.ReqMeta\"\r\n\x0bGetFinished\"Z\n\rFailedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\"\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x13.kvsidecar.v1.Error\"\x86\x01\n\x10GetFinishedReply\x12\x14\n\x0c\x64one_sending\x18\x01 \x03(\t\x12\x14\n\x0c\x64one_recving\x18\x02 \x03(\t\x12+\n\x06\x66\x61iled\x18\x03 \x03(\x0b\x32\x1b.kvsidecar.v1.FailedRequest\x12\x19\n\x11invalid_block_ids\x18\x04 \x03(\r\"\x1b\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x07\n\x05Stats\"\xb2\x02\n\nStatsReply\x12\x14\n\x0cpages_mapped\x18\x01 \x01(\x04\x12\x14\n\x0c\x62ytes_mapped\x18\x02 \x01(\x04\x12\x13\n\x0b\x62locks_used\x18\x03 \x01(\x04\x12\x14\n\x0c\x62locks_total\x18\x04 \x01(\x04\x12\x1a\n\x12memory_limit_bytes\x18\x05 \x01(\x04\x12\x13\n\x0bleases_held\x18\x06 \x01(\x04\x12\x17\n\x0floads_in_flight\x18\x07 \x01(\x04\x12\x14\n\x0c\x64\x65vice_bytes\x18\x08 \x01(\x04\x12\x15\n\rreserve_pages\x18\t \x01(\x04\x12\x19\n\x11reservation_bytes\x18\n \x01(\x04\x12\x11\n\tpage_size\x18\x0b \x01(\x04\x12\x13\n\x0bnum_regions\x18\x0c \x01(\x04\x12\x13\n\x0b\x63\x61\x63he_ready\x18\r \x01(\x08\"_\n\x0cMappingDelta\x12&\n\x03map\x18\x01 \x03(\x0b\x32\x19.kvsidecar.v1.PageMapping\x12\x16\n\x0eunmapped_pages\x18\x02 \x03(\r\x12\x0f\n\x07num_fds\x18\x03 \x01(\r\"\x9e\x04\n\x0cLocalRequest\x12/\n\x0cwire_version\x18\x01 \x01(\x0e\x32\x19.kvsidecar.v1.WireVersion\x12\x0f\n\x07\x63\x61ll_id\x18\x02 \x01(\x04\x12-\n\x06\x63reate\x18\x03 \x01(\x0b\x32\x1b.kvsidecar.v1.CreateKVCacheH\x00\x12*\n\x05\x61lloc\x18\x04 \x01(\x0b\x32\x19.kvsidecar.v1.AllocBlocksH\x00\x12(\n\x04\x66ree\x18\x05 \x01(\x0b\x32\x18.kvsidecar.v1.FreeBlocksH\x00\x12\x13\n\tavailable\x18\x06 \x01(\x08H\x00\x12\x31\n\tset_limit\x18\x07 \x01(\x0b\x32\x1c.kvsidecar.v1.SetMemoryLimitH\x00\x12\x39\n\x10request_finished\x18\x08 \x01(\x0b\x32\x1d.kvsidecar.v1.RequestFinishedH\x00\x12-\n\nstart_load\x18\t \x01(\x0b\x32\x17.kvsidecar.v1.StartLoadH\x00\x12\x31\n\x0cget_finished\x18\n \x01(\x0b\x32\x19.kvsidecar.v1.GetFinishedH\x00\x12$\n\x05\x61\x62ort\x18\x0b \x01(\x0b\x32\x13.kvsidecar.v1.AbortH\x00\x12$\n\x05stats\x18\x0c \x01(\x0b\x32\x13.kvsidecar.v1.StatsH\x00\x12\x0e\n\x04sync\x18\r \x01(\x08H\x00\x42\x06\n\x04\x63\x61ll\"\xac\x03\n\nLocalReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.kvsidecar.v1.Error\x12*\n\x05\x63\x61\x63he\x18\x03 \x01(\x0b\x32\x19.kvsidecar.v1.KVCacheInfoH\x00\x12/\n\x05\x61lloc\x18\x04 \x01(\x0b\x32\x1e.kvsidecar.v1.AllocBlocksReplyH\x00\x12\x31\n\tavailable\x18\x05 \x01(\x0b\x32\x1c.kvsidecar.v1.AvailableReplyH\x00\x12>\n\x10request_finished\x18\x06 \x01(\x0b\x32\".kvsidecar.v1.RequestFinishedReplyH\x00\x12\x36\n\x0cget_finished\x18\x07 \x01(\x0b\x32\x1e.kvsidecar.v1.GetFinishedReplyH\x00\x12)\n\x05stats\x18\x08 \x01(\x0b\x32\x18.kvsidecar.v1.StatsReplyH\x00\x12,\n\x08mappings\x18\t \x01(\x0b\x32\x1a.kvsidecar.v1.MappingDeltaB\x08\n\x06result*\x93\x01\n\x0c\x46inishStatus\x12\x1d\n\x19\x46INISH_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_STATUS_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_STATUS_STOP\x10\x02\x12\x19\n\x15\x46INISH_STATUS_ABORTED\x10\x03\x12\x17\n\x13\x46INISH_STATUS_ERROR\x10\x04\x42?Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1b\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvsidecar.v1.local_pb2', globals())
@@ -24,8 +24,8 @@ if _descriptor._USE_C_DESCRIPTORS == False:
 
   DESCRIPTOR._options = None
   DESCRIPTOR._serialized_options = b'Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1'
-  _FINISHSTATUS._serialized_start=2928
-  _FINISHSTATUS._serialized_end=3075
+  _FINISHSTATUS._serialized_start=2948
+  _FINISHSTATUS._serialized_end=3095
   _CREATEKVCACHE._serialized_start=123
   _CREATEKVCACHE._serialized_end=283
   _PAGEMAPPING._serialized_start=285
@@ -39,31 +39,31 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _FREEBLOCKS._serialized_start=854
   _FREEBLOCKS._serialized_end=885
   _AVAILABLEREPLY._serialized_start=887
-  _AVAILABLEREPLY._serialized_end=919
-  _SETMEMORYLIMIT._serialized_start=921
-  _SETMEMORYLIMIT._serialized_end=968
-  _REQUESTFINISHED._serialized_start=971
-  _REQUESTFINISHED._serialized_end=1119
-  _REQUESTFINISHEDREPLY._serialized_start=1121
-  _REQUESTFINISHEDREPLY._serialized_end=1211
-  _STARTLOAD._serialized_start=1213
-  _STARTLOAD._serialized_end=1261
-  _GETFINISHED._serialized_start=1263
-  _GETFINISHED._serialized_end=1276
-  _FAILEDREQUEST._serialized_start=1278
-  _FAILEDREQUEST._serialized_end=1368
-  _GETFINISHEDREPLY._serialized_start=1371
-  _GETFINISHEDREPLY._serialized_end=1505
-  _ABORT._serialized_start=1507
-  _ABORT._serialized_end=1534
-  _STATS._serialized_start=1536
-  _STATS._serialized_end=1543
-  _STATSREPLY._serialized_start=1546
-  _STATSREPLY._serialized_end=1852
-  _MAPPINGDELTA._serialized_start=1854
-  _MAPPINGDELTA._serialized_end=1949
-  _LOCALREQUEST._serialized_start=1952
-  _LOCALREQUEST._serialized_end=2494
-  _LOCALREPLY._serialized_start=2497
-  _LOCALREPLY._serialized_end=2925
+  _AVAILABLEREPLY._serialized_end=939
+  _SETMEMORYLIMIT._serialized_start=941
+  _SETMEMORYLIMIT._serialized_end=988
+  _REQUESTFINISHED._serialized_start=991
+  _REQUESTFINISHED._serialized_end=1139
+  _REQUESTFINISHEDREPLY._serialized_start=1141
+  _REQUESTFINISHEDREPLY._serialized_end=1231
+  _STARTLOAD._serialized_start=1233
+  _STARTLOAD._serialized_end=1281
+  _GETFINISHED._serialized_start=1283
+  _GETFINISHED._serialized_end=1296
+  _FAILEDREQUEST._serialized_start=1298
+  _FAILEDREQUEST._serialized_end=1388
+  _GETFINISHEDREPLY._serialized_start=1391
+  _GETFINISHEDREPLY._serialized_end=1525
+  _ABORT._serialized_start=1527
+  _ABORT._serialized_end=1554
+  _STATS._serialized_start=1556
+  _STATS._serialized_end=1563
+  _STATSREPLY._serialized_start=1566
+  _STATSREPLY._serialized_end=1872
+  _MAPPINGDELTA._serialized_start=1874
+  _MAPPINGDELTA._serialized_end=1969
+  _LOCALREQUEST._serialized_start=1972
+  _LOCALREQUEST._serialized_end=2514
+  _LOCALREPLY._serialized_start=2517
+  _LOCALREPLY._serialized_end=2945
 # @@protoc_insertion_point(module_scope)

@@ -35,10 +35,12 @@ class AllocBlocksReply(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., mappings: _Optional[_Iterable[_Union[PageMapping, _Mapping]]] = ...) -> None: ...
 
 class AvailableReply(_message.Message):
-    __slots__ = ["blocks"]
+    __slots__ = ["blocks", "over_limit"]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OVER_LIMIT_FIELD_NUMBER: _ClassVar[int]
     blocks: int
-    def __init__(self, blocks: _Optional[int] = ...) -> None: ...
+    over_limit: bool
+    def __init__(self, blocks: _Optional[int] = ..., over_limit: bool = ...) -> None: ...
 
 class CreateKVCache(_message.Message):
     __slots__ = ["geometry", "num_blocks", "ownership", "tp_rank", "tp_size"]
