@@ -4,12 +4,14 @@ import (
 	"context"
 	"crypto/tls"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 	"golang.org/x/sys/unix"
 
 	"github.com/kvsidecar/kvsidecar/internal/devtls"
+	"github.com/kvsidecar/kvsidecar/internal/testutil"
 )
 
 // TestMain makes the package's shared dev CA before any test runs, on the
@@ -79,6 +81,12 @@ func startAgent(t testing.TB, cfg Config) *Agent {
 		if cfg.ClientTLS == nil {
 			cfg.ClientTLS = cli
 		}
+	}
+	if cfg.ProgressTimeout == 0 {
+		// Real loopback on a loaded machine (the race detector, other
+		// builds) can starve an agent for seconds; a test that times the
+		// progress watchdog sets its own.
+		cfg.ProgressTimeout = testutil.Scaled(time.Minute) // wallclock: real UDP between two agents
 	}
 	a, err := New(&cfg)
 	require.NoError(t, err)
