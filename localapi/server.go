@@ -254,9 +254,11 @@ func (s *Server) serveConn(c *fdpass.Conn) {
 				return
 			}
 			var opErr *net.OpError
-			if errors.As(err, &opErr) || errors.Is(err, io.ErrUnexpectedEOF) {
-				// The engine's end went away (killed mid-call, say):
-				// the socket failed, no frame was bad.
+			if errors.As(err, &opErr) {
+				// The engine's end went away (killed with a reply
+				// unread, say): the socket failed, no frame was bad. A
+				// frame cut short by the end of the stream is a bad one:
+				// its sender may still wait for the answer.
 				s.cfg.Logger.Info("local API: engine connection lost", "err", err)
 				return
 			}

@@ -12,6 +12,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -204,10 +205,10 @@ func TestLocalMemoryLimit(t *testing.T) {
 	require.NoError(t, c.Free(t.Context(), append(ids, more...)))
 }
 
-// TestLocalLostEngineIsNoBadFrame: an engine killed in the middle of a
-// request (half a frame, then its socket closed) is a lost connection, not
-// a bad frame: a new user's sidecar warned "bad frame" for every engine it
-// lost. A garbage frame still counts as one.
+// TestLocalLostEngineIsNoBadFrame: an engine killed with a reply unread
+// (its socket reset) is a lost connection, not a bad frame: a new user's
+// sidecar warned "bad frame" for every engine it lost. A garbage frame
+// still counts as one.
 func TestLocalLostEngineIsNoBadFrame(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	s := newLocalSidecar(t, "lost-engine", reg)
@@ -230,22 +231,38 @@ func TestLocalLostEngineIsNoBadFrame(t *testing.T) {
 		return sum
 	}
 	badFrames := func() float64 { return metric("kvsidecar_local_calls_total", "bad_frame") }
-	send := func(b []byte, readReply bool) {
+	send := func(b []byte) {
 		nc, err := net.Dial("unix", s.srv.Path())
 		require.NoError(t, err)
 		defer nc.Close()
 		_, err = nc.Write(b)
 		require.NoError(t, err)
-		if readReply {
-			require.NoError(t, nc.SetDeadline(time.Now().Add(testutil.Scaled(10*time.Second)))) // wallclock: a real unix socket; a server that never answers fails the test instead of hanging it
-			rep := &v1.LocalReply{}
-			require.NoError(t, wire.NewReader(nc, 0).ReadMsg(rep))
-			require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, rep.GetError().GetCode())
-		}
+		require.NoError(t, nc.SetDeadline(time.Now().Add(testutil.Scaled(10*time.Second)))) // wallclock: a real unix socket; a server that never answers fails the test instead of hanging it
+		rep := &v1.LocalReply{}
+		require.NoError(t, wire.NewReader(nc, 0).ReadMsg(rep))
+		require.Equal(t, v1.Code_CODE_INVALID_ARGUMENT, rep.GetError().GetCode())
 	}
-	send([]byte{0x05, 0xff, 0xff, 0xff, 0xff, 0xff}, true)
+	send([]byte{0x05, 0xff, 0xff, 0xff, 0xff, 0xff})
 	require.Equal(t, 1.0, badFrames())
-	send([]byte{0x10, 0x08}, false) // a frame of 16 bytes, 1 sent
+	// An engine that sent a call and died before reading the answer: its
+	// socket closes with the reply unread, so the server's next read fails
+	// with ECONNRESET, as a killed vLLM's did.
+	nc, err := net.Dial("unix", s.srv.Path())
+	require.NoError(t, err)
+	b, err := wire.AppendFrame(nil, &v1.LocalRequest{WireVersion: 1}, 0)
+	require.NoError(t, err)
+	_, err = nc.Write(b)
+	require.NoError(t, err)
+	raw, err := nc.(*net.UnixConn).SyscallConn()
+	require.NoError(t, err)
+	var peeked int
+	require.NoError(t, raw.Read(func(fd uintptr) bool {
+		peeked, _, err = unix.Recvfrom(int(fd), make([]byte, 1), unix.MSG_PEEK)
+		return err != unix.EAGAIN
+	}))
+	require.NoError(t, err)
+	require.Equal(t, 1, peeked, "the reply arrived, unread")
+	require.NoError(t, nc.Close())
 	// wallclock: the server sees the closed socket on its own goroutine.
 	require.Eventually(t, func() bool { return metric("kvsidecar_local_connections", "") == 0 }, testutil.Scaled(10*time.Second), time.Millisecond)
 	require.Equal(t, 1.0, badFrames(), "a lost engine is not a bad frame")
