@@ -32,7 +32,7 @@ func TestParseReasons(t *testing.T) {
 	rs, err := parseReasons("reason.go", b)
 	require.NoError(t, err)
 	require.Equal(t, reason{goName: "ReasonGeometryRequired", value: "GEOMETRY_REQUIRED", code: "CODE_INVALID_ARGUMENT",
-		doc: "CreateKVCache without a geometry to a sidecar that has none (started without --model or the geometry flags). Attach again with the engine's geometry."}, rs[0])
+		doc: "CreateKVCache without a geometry to a sidecar that has none (started without --model or the geometry flags) and no KV cache yet. Attach again with the engine's geometry."}, rs[0])
 	require.Equal(t, "CODE_UNAVAILABLE", rs[1].code)
 }
 
