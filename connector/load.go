@@ -286,6 +286,10 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 		return fmt.Errorf("connector: load %q: %w", l.id, errors.Join(missing...))
 	}
 	ts := r.targets(l)
+	// The metadata exchange and the READs to a source run side by side: a
+	// READ that starts after the exchange met the source's refusal gets it
+	// rather than dialing the refusing source again.
+	ctx = r.agent.MarkCalls(ctx)
 	mds := make([]*handshake.Metadata, len(ts))
 	errs := make([]error, len(ts))
 	var hsWG sync.WaitGroup

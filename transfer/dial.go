@@ -138,6 +138,29 @@ func (a *Agent) noteFailedDial(addr string, err error) {
 	d.mu.Unlock()
 }
 
+// callMark is the context key under which MarkCalls keeps the number of
+// the first call made after it, per agent.
+type callMark struct{ a *Agent }
+
+// MarkCalls returns ctx marked with this moment: a call made with it (or
+// with a context derived from it) counts as started now for the rule that
+// a connection that ended refused, or a dial that failed, answers the calls
+// already started instead of dialing again. A connector marks the context
+// of a load whose metadata exchange and READ it pipelines to a new peer:
+// a READ whose goroutine starts only after the exchange met the peer's
+// refusal gets that refusal, and the peer sees one dial per load.
+func (a *Agent) MarkCalls(ctx context.Context) context.Context {
+	return context.WithValue(ctx, callMark{a}, a.calls.Load()+1)
+}
+
+// markedCall is call, or the call number ctx was marked with when lower.
+func (a *Agent) markedCall(ctx context.Context, call uint64) uint64 {
+	if m, ok := ctx.Value(callMark{a}).(uint64); ok {
+		return min(call, m)
+	}
+	return call
+}
+
 // peerFor returns a usable connection to addr for call (its number from
 // Agent.calls), dialing (with 0-RTT when a session ticket is cached) if
 // there is none, unless a connection to addr ended refused or failed to

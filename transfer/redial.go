@@ -21,7 +21,7 @@ import (
 // dialing again (two requests that race to a peer that refuses them cost
 // one refused dial, not two).
 func (a *Agent) withConn(ctx context.Context, addr string, op func(p *peer, redialed bool) error) error {
-	call := a.calls.Add(1)
+	call := a.markedCall(ctx, a.calls.Add(1))
 	p, err := a.peerFor(ctx, addr, call)
 	if err != nil {
 		return err

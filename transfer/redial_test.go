@@ -287,6 +287,10 @@ func TestRefusalNotRedialed(t *testing.T) {
 					// and asks for the connection only after it was
 					// refused and dropped gets the refusal, not a dial.
 					early := cli.calls.Add(1)
+					// So does a call whose goroutine starts only after
+					// the refusal, on a context marked before it (a
+					// connector marks each load's).
+					marked := cli.MarkCalls(t.Context())
 					_, err = cli.Handshake(t.Context(), simServer, &v1.HandshakeRequest{})
 					require.Error(t, err)
 					var te *quic.TransportError
@@ -296,6 +300,9 @@ func TestRefusalNotRedialed(t *testing.T) {
 					synctest.Wait()
 					_, lateErr := cli.peerFor(t.Context(), simServer, early)
 					require.Equal(t, err.Error(), lateErr.Error(), "the call that raced it meets the same refusal")
+					_, markedErr := cli.Handshake(marked, simServer, &v1.HandshakeRequest{})
+					require.Error(t, markedErr)
+					require.Equal(t, err.Error(), markedErr.Error(), "a call marked before the refusal meets it too")
 					require.Equal(t, call, cli.DialCount(simServer), "without a dial of its own")
 					// Let the refused connection finish closing: quic-go fails
 					// its streams before it ends it, and a call in between
