@@ -53,7 +53,7 @@ lint: venv ## gofmt and go vet (with and without cgo); ruff and mypy over python
 	$(GO) vet $(PKGS)
 	CGO_ENABLED=0 $(GO) vet $(PKGS)
 	cd python && $(PYTHON) -m ruff check .
-	cd python && $(PYTHON) -m mypy
+	$(PYTHON) -m mypy
 
 # The files `make generate` writes beside the protobuf code: Go's limits and
 # error reasons for the Python client (internal/pygen).

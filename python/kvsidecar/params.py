@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from google.protobuf import json_format, message_factory
-from google.protobuf.descriptor import Descriptor
 
 from kvsidecar import errors, reasons
 from kvsidecar.limits import MAX_TP_SIZE
@@ -46,8 +45,9 @@ def params_from_json(d: dict[str, Any]) -> params_pb2.KVTransferParams:
     return p
 
 
-def _undecodable_field(md: Descriptor, d: object) -> str:
-    # The first field, in key order, whose value alone does not decode;
+def _undecodable_field(md: Any, d: object) -> str:
+    # md: a message's Descriptor (protobuf's Python one or its upb one, as
+    # the runtime has it). The first field, in key order, whose value alone does not decode;
     # inside a message (or a list of them) the innermost. "" when none does
     # alone. It reads the JSON, not the parser's message.
     if not isinstance(d, dict):
