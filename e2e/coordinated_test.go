@@ -8,7 +8,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/kvsidecar/kvsidecar/internal/kvgen"
 	"github.com/kvsidecar/kvsidecar/internal/testutil"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
@@ -47,19 +46,6 @@ func waitStat(t testing.TB, s *Sidecar, key string, want uint64, timeout time.Du
 			t.Fatalf("%s: %s is %d, want %d after %v", s.Name, key, got, want, testutil.Scaled(timeout))
 		}
 		time.Sleep(5 * time.Millisecond) // wallclock: e2e polls the real sidecar's stats
-	}
-}
-
-// fillAt writes key's KV of shape s (a rank's heads) into blocks through
-// e's mapping; checkAt (integrity_test.go) reads it back.
-func (e *engine) fillAt(t testing.TB, s kvgen.Shape, key uint64, blocks []uint32) {
-	t.Helper()
-	for r := range int(e.info.GetNumRegions()) {
-		for k, id := range blocks {
-			b, err := e.Block(r, int(id))
-			require.NoError(t, err, "region %d block %d", r, id)
-			kvgen.FillBlock(b, s, key, r, k*16)
-		}
 	}
 }
 
@@ -128,7 +114,7 @@ func TestFaultCoordinatedFollowerRestart(t *testing.T) {
 	require.NoError(t, err)
 	require.GreaterOrEqual(t, int(slices.Max(ids)), perPage, "a block beyond page 0, in a page rank 0 mapped before rank 1 restarted")
 	require.NoError(t, e1.Sync(t.Context()))
-	e1.fillAt(t, heads(1, 2), 7, ids) // an unmapped page fails here instead of faulting
+	e1.fillShape(t, heads(1, 2), 7, ids) // an unmapped page fails here instead of faulting
 	e1.checkAt(t, heads(1, 2), 7, ids, 0)
 	_, err = e1.RequestFinished(t.Context(), "after-restart", ids, v1.FinishStatus_FINISH_STATUS_STOP, nil)
 	require.NoError(t, err, "rank 1 holds every block rank 0 allocated")
@@ -165,7 +151,7 @@ func TestFaultCoordinatedSessionEndLeased(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, es[1].Sync(t.Context())) // rank 1 learns of the pages rank 0 mapped
 	for r := 1; r >= 0; r-- {
-		es[r].fillAt(t, heads(r, 2), 3, leased)
+		es[r].fillShape(t, heads(r, 2), 3, leased)
 		_, err := es[r].RequestFinished(t.Context(), "leased", leased, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
 		require.NoError(t, err, "rank %d", r)
 		require.Equal(t, uint64(1), ranks[r].Stats(t)["leases_held"], "rank %d", r)

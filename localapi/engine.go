@@ -38,17 +38,10 @@ func (s *Server) create(c *call) (*v1.LocalReply, error) {
 	s.openMu.Lock()
 	defer s.openMu.Unlock()
 	cache := s.Cache()
-	if req.GetGeometry() == nil && cache != nil {
-		// An attach to the cache that exists takes its geometry, whichever
-		// connection created it (a scheduler process attaching after its
-		// workers, say).
-		req = proto.Clone(req).(*v1.CreateKVCache)
-		req.Geometry = proto.Clone(cache.Create.GetGeometry()).(*v1.ModelGeometry)
-	}
-	if req.GetGeometry() == nil {
-		return nil, fmt.Errorf("%w: create: the sidecar was started without --model or an explicit geometry, and no engine created its KV cache yet", ErrGeometryRequired)
-	}
 	if cache == nil {
+		if req.GetGeometry() == nil {
+			return nil, fmt.Errorf("%w: create: the sidecar was started without --model or an explicit geometry, and no engine created its KV cache yet", ErrGeometryRequired)
+		}
 		c, err := s.cfg.Open(ctx, req)
 		if err != nil {
 			return nil, err
@@ -77,13 +70,15 @@ func (s *Server) create(c *call) (*v1.LocalReply, error) {
 	return &v1.LocalReply{Result: &v1.LocalReply_Cache{Cache: cacheInfo(cache)}}, nil
 }
 
-// sameCache checks that an attach asks for the cache that exists.
+// sameCache checks that an attach asks for the cache that exists; a field
+// left unset takes the cache's (the geometry: whichever connection created
+// the cache, a scheduler process attaching after its workers, say).
 func sameCache(have, want *v1.CreateKVCache) error {
 	diff := func(field string, h, w any) error {
 		return codes.New(v1.Code_CODE_ALREADY_EXISTS, "localapi: a KV cache with %s=%v exists; this engine asks for %v", field, h, w)
 	}
 	switch {
-	case !proto.Equal(have.GetGeometry(), want.GetGeometry()):
+	case want.GetGeometry() != nil && !proto.Equal(have.GetGeometry(), want.GetGeometry()):
 		return diff("geometry", have.GetGeometry(), want.GetGeometry())
 	case have.GetTpRank() != want.GetTpRank():
 		return diff("tp_rank", have.GetTpRank(), want.GetTpRank())
