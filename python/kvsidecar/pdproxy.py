@@ -35,11 +35,16 @@ __all__ = ["PDProxy", "main"]
 UPSTREAM_TIMEOUT_SECONDS = 300.0
 
 
-def _post(url: str, body: dict[str, Any]) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+def _request(url: str, body: dict[str, Any] | None, path: str = "/v1/completions"
+             ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """POSTs ``body`` as JSON (None: GETs) to ``path`` under base URL ``url``."""
     u = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=UPSTREAM_TIMEOUT_SECONDS)
-    conn.request("POST", u.path.rstrip("/") + "/v1/completions", json.dumps(body),
-                 {"Content-Type": "application/json"})
+    target = u.path.rstrip("/") + path
+    if body is None:
+        conn.request("GET", target)
+    else:
+        conn.request("POST", target, json.dumps(body), {"Content-Type": "application/json"})
     return conn, conn.getresponse()
 
 
@@ -67,19 +72,9 @@ class PDProxy:
 
             def do_GET(self) -> None:
                 # /v1/models and the like: the decode servers serve the model.
-                u = urllib.parse.urlsplit(next(proxy._decode))
-                conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=30)
-                try:
-                    conn.request("GET", self.path)
-                    r = conn.getresponse()
-                    data = r.read()
-                    self.send_response(r.status)
-                    self.send_header("Content-Type", r.getheader("Content-Type", "application/json"))
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                finally:
-                    conn.close()
+                with proxy._lock:
+                    dec_url = next(proxy._decode)
+                proxy._stream(self, dec_url, None, self.path)
 
             def do_POST(self) -> None:
                 if self.path.rstrip("/") != "/v1/completions":
@@ -116,7 +111,7 @@ class PDProxy:
         pre = dict(req, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         pre.pop("stream_options", None)
         try:
-            conn, r = _post(pre_url, pre)
+            conn, r = _request(pre_url, pre)
         except OSError as e:
             h._reply(502, {"error": f"pdproxy: prefill {pre_url} cannot be reached: {e}"})
             return
@@ -141,10 +136,11 @@ class PDProxy:
             return
         self._stream(h, dec_url, dict(req, kv_transfer_params=params))
 
-    def _stream(self, h: Any, dec_url: str, body: dict[str, Any]) -> None:
-        """Sends ``body`` to the decode server and relays its answer."""
+    def _stream(self, h: Any, dec_url: str, body: dict[str, Any] | None, path: str = "/v1/completions") -> None:
+        """Sends ``body`` (None: a GET of ``path``) to the decode server and
+        relays its answer."""
         try:
-            conn, r = _post(dec_url, body)
+            conn, r = _request(dec_url, body, path)
         except OSError as e:
             h._reply(502, {"error": f"pdproxy: decode {dec_url} cannot be reached: {e}"})
             return

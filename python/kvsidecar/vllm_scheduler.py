@@ -39,11 +39,9 @@ class SchedulerSide:
         self.ranks = RankSet(cfg.socket, cfg.tp_size, cfg.geometry, cfg.num_blocks, cfg.timeout,
                              default_blocks=cfg.num_vllm_blocks)
         # Decode: prefix hit tokens and the prompt tokens the export holds,
-        # noted by get_num_new_matched_tokens, and requests whose params it
-        # refused.
+        # noted by get_num_new_matched_tokens.
         self._hit_tokens: dict[str, int] = {}
         self._covered: dict[str, int] = {}
-        self._refused: set[str] = set()
         self._loads: list[LoadSpec] = []
         self._aborts: list[str] = []
         self._loading: set[str] = set()
@@ -124,9 +122,9 @@ class SchedulerSide:
                 raise errors.ParamsError("kv_transfer_params: remote_block_ids: missing", field="remote_block_ids",
                                          reason=reasons.PARAMS_MISSING)
         except errors.KVSidecarError as e:
-            if rid not in self._refused:
-                log.warning("request %s: kv_transfer_params refused, the prompt is computed here: %s", rid, e)
-            self._refused.add(rid)
+            log.warning("request %s: kv_transfer_params refused, the prompt is computed here: %s", rid, e)
+            # Consumed, as a load's are: nothing is loaded or notified.
+            params["do_remote_prefill"] = False
             return 0, False
         covered = min(len(request.prompt_token_ids or ()), len(p.remote_block_ids) * self.cfg.block_size)
         if p.prompt_tokens:
@@ -149,9 +147,6 @@ class SchedulerSide:
         # Consumed: a second update_state_after_alloc (after the load) must
         # not load again.
         params["do_remote_prefill"] = False
-        if rid in self._refused:
-            self._refused.discard(rid)
-            return
         if num_external_tokens <= 0:
             self._loads.append(LoadSpec(rid, [], spec, notify_only=True))
             return
@@ -230,9 +225,6 @@ class SchedulerSide:
         rid = request.request_id
         self._hit_tokens.pop(rid, None)
         self._covered.pop(rid, None)
-        if rid in self._refused:
-            self._refused.discard(rid)
-            return False, None
         exp = self._exports.pop(rid, None)
         if exp is not None and self.zero_copy:
             return self._finish_in_place(request, exp, block_ids)
