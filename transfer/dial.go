@@ -122,19 +122,28 @@ type PeerInfo struct {
 // alert, a close with a code) or was never had (the dial failed): err, the
 // error of the call that met it, answers every call numbered up to call.
 type failedDial struct {
+	p    *peer // whose connection it was
 	call uint64
 	err  error
 }
 
-// noteFailedDial records that the connection to addr ended refused or could
-// not be had, with err: the calls already started (they raced the one that
-// met the refusal, as a connector's metadata exchange and READ to a new
-// peer do) get err instead of dialing again; calls started from now on
-// dial anew, once each.
-func (a *Agent) noteFailedDial(addr string, err error) {
+// dropFailed drops p, whose connection ended refused or could not be had,
+// from the cache and records err for its address in the same step (a call
+// in between would find neither and dial again): the calls already started
+// (they raced the one that met the refusal, as a connector's metadata
+// exchange and READ to a new peer do) get err instead of dialing again;
+// calls started from now on dial anew, once each. With keep, a record of
+// p's failure made already stays: a call's error (what a caller reads
+// off the stream) names it better than the cause the watcher has.
+func (a *Agent) dropFailed(p *peer, err error, keep bool) {
 	d := &a.dialer
 	d.mu.Lock()
-	d.failedDials[addr] = failedDial{call: a.calls.Load(), err: err}
+	if d.peers[p.addr] == p {
+		delete(d.peers, p.addr)
+	}
+	if f, ok := d.failedDials[p.addr]; !keep || !ok || f.p != p {
+		d.failedDials[p.addr] = failedDial{p: p, call: a.calls.Load(), err: err}
+	}
 	d.mu.Unlock()
 }
 
@@ -205,8 +214,7 @@ func (a *Agent) peerFor(ctx context.Context, addr string, call uint64) (*peer, e
 			return p, nil
 		}
 		if p.err != nil {
-			a.dropPeer(p)
-			a.noteFailedDial(addr, p.err)
+			a.dropFailed(p, p.err, false)
 			return nil, p.err
 		}
 		// The connection died and its watcher may not have said so yet:
@@ -216,11 +224,16 @@ func (a *Agent) peerFor(ctx context.Context, addr string, call uint64) (*peer, e
 	}
 }
 
-// peerGone drops p's connection, which has ended, from the cache and tells
-// OnPeerGone, once per connection, whoever notices first: the watcher, a
-// caller finding it dead, or the redial rule.
+// peerGone drops p's connection, which has ended, from the cache (recording
+// a refusal that ended it, as dropFailed does, whoever noticed it first) and
+// tells OnPeerGone, once per connection, whoever notices first: the
+// watcher, a caller finding it dead, or the redial rule.
 func (a *Agent) peerGone(p *peer) {
-	a.dropPeer(p)
+	if cause := context.Cause(p.conn.Context()); connEnded(cause) && !connDied(cause) {
+		a.dropFailed(p, a.streamErr(context.Background(), p.addr, cause), true)
+	} else {
+		a.dropPeer(p)
+	}
 	a.closeLanes(p)
 	p.gone.Do(func() {
 		if a.isClosed() {

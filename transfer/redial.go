@@ -77,8 +77,7 @@ func (a *Agent) withConn(ctx context.Context, addr string, op func(p *peer, redi
 				// anew instead of meeting this close again on the cached
 				// connection, whose context quic-go may not have ended
 				// yet.
-				a.dropPeer(p)
-				a.noteFailedDial(addr, err)
+				a.dropFailed(p, err, false)
 			}
 			return err
 		}
