@@ -30,8 +30,8 @@ type load struct {
 	// exports[i] is source i's export (nil when the params carry none).
 	exports []*v1.RankExport
 	session uint64
-	// reached[i]: source i is to be notified (its handshake succeeded, or
-	// the load failed before any handshake).
+	// reached[i]: source i is to be notified (its handshake did not
+	// refuse, see refusedHandshake).
 	reached []bool
 	cancel  context.CancelCauseFunc
 	// unpin releases the pool's pin of blocks (Pool.Pin), once no READ
@@ -257,7 +257,7 @@ func (r *Rank) targets(l *load) []handshake.Target {
 // load handshakes with every source and READs every reading source's
 // slice of the blocks to read, each through the source's own export, all
 // in parallel. It marks in l.reached the sources to notify afterwards:
-// those whose handshake succeeded.
+// those whose handshake did not refuse (refusedHandshake).
 //
 // In piggyback mode a READ does not wait for its source's handshake: it
 // names the source's memory by region and block (transfer.BlockDescs,
@@ -308,7 +308,7 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 		hsWG.Wait()
 		if errors.Join(errs...) != nil {
 			for i, err := range errs {
-				l.reached[i] = err == nil
+				l.reached[i] = !refusedHandshake(err)
 			}
 			return fmt.Errorf("connector: load %q: %w", l.id, errors.Join(errs...))
 		}
@@ -335,7 +335,7 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 	wg.Wait()
 	// What the handshake found explains a refused READ best: report it first.
 	for i, err := range errs {
-		l.reached[i] = err == nil
+		l.reached[i] = !refusedHandshake(err)
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("connector: load %q: %w", l.id, err)
@@ -506,6 +506,22 @@ func (r *Rank) notifyAll(l *load) error {
 		}
 	}
 	return nil
+}
+
+// refusedHandshake reports whether a source's handshake error is its
+// answer (wrong engine, layout, incarnation...): a source that refused the
+// handshake would refuse the notification too, and is not sent one; so is
+// one that cannot be reached (CODE_UNAVAILABLE: gone, or refusing the
+// connection). A handshake that went unanswered instead (the load aborted
+// or timed out first: CODE_ABORTED, CODE_TIMEOUT; the source stopped, say)
+// may have left the source holding the export's lease, so it is notified,
+// and again while the notification is lost (retryNotify).
+func refusedHandshake(err error) bool {
+	switch codes.Of(err) {
+	case v1.Code_CODE_OK, v1.Code_CODE_ABORTED, v1.Code_CODE_TIMEOUT:
+		return false
+	}
+	return true
 }
 
 // notifyTimeout bounds the notifications at the end of a load.

@@ -10,6 +10,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvsidecar/kvsidecar/connector"
+	"github.com/kvsidecar/kvsidecar/internal/codes"
+	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
 // stoppableConn drops every datagram, both ways, while stopped: a process
@@ -46,16 +48,7 @@ func (c *stoppableConn) WriteTo(b []byte, addr net.Addr) (int, error) {
 func TestLostNotificationRetried(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		const ttl = 2 * time.Minute
-		o := simOpts(t, time.Millisecond)
-		o.engine, o.tp, o.geom, o.leaseTTL = "prefill", 1, gqa8, ttl
-		stop := &stoppableConn{}
-		o.tap = func(_ int, pc net.PacketConn) net.PacketConn { stop.PacketConn = pc; return stop }
-		pre := newInstance(t, o)
-		o.engine, o.tap = "decode", nil
-		dec := newInstance(t, o)
-		blocks := pre.alloc(t, 2)
-		pre.fill(t, 3, blocks)
-		params := pre.finish(t, "a", blocks)
+		pre, dec, stop, params := stoppablePrefill(t, ttl)
 		start := time.Now()
 		// The prefill stops once the READ landed, before the notification.
 		connector.SetAfterRead(dec.ranks[0], func(string) { stop.stopped.Store(true) })
@@ -66,12 +59,65 @@ func TestLostNotificationRetried(t *testing.T) {
 		require.Less(t, time.Since(start), 30*time.Second)
 
 		time.Sleep(start.Add(40 * time.Second).Sub(time.Now()))
-		require.Equal(t, 1, pre.ranks[0].Stats().LeasesHeld, "stopped: the notification has not arrived")
-		stop.stopped.Store(false) // SIGCONT
-		pre.waitSent(t, 0, "a")
-		released := time.Since(start)
-		t.Logf("released %v after the export, the TTL being %v", released, ttl)
-		require.Less(t, released, ttl/2, "the notification was sent again, the lease did not run its TTL")
-		require.Zero(t, pre.ranks[0].Stats().LeasesHeld)
+		requireReleasedOnResume(t, pre, stop, start, ttl, "the notification was sent again")
 	})
+}
+
+// TestAbortWhileHandshakingStillNotifies is a regression test: a load
+// aborted while its source's handshake was still unanswered (the prefill
+// stopped, the decode never talked to it before) notified nobody, because
+// only sources whose handshake succeeded counted as reached, so the
+// prefill held the export's blocks for the lease's whole TTL. A handshake
+// that went unanswered (aborted or timed out first) is no refusal: the
+// source is notified like one that answered, again until it runs.
+//
+// fault-matrix: lost-notification
+func TestAbortWhileHandshakingStillNotifies(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const ttl = 2 * time.Minute
+		pre, dec, stop, params := stoppablePrefill(t, ttl)
+		start := time.Now()
+		stop.stopped.Store(true) // SIGSTOP before the decode's first packet
+		dec.startLoad(t, "a", dec.alloc(t, 2), params)
+		time.Sleep(time.Second)
+		require.Equal(t, 1, dec.ranks[0].Stats().LoadsInFlight, "the handshake is unanswered")
+		require.NoError(t, dec.ranks[0].Abort(t.Context(), "a"))
+		f := dec.ranks[0].GetFinished()
+		require.Len(t, f.Failed, 1)
+		require.Equal(t, v1.Code_CODE_ABORTED, codes.Of(f.Failed[0].Err), "%v", f.Failed[0].Err)
+
+		time.Sleep(5 * time.Second)
+		requireReleasedOnResume(t, pre, stop, start, ttl, "the aborted load notified the prefill")
+	})
+}
+
+// stoppablePrefill starts a prefill (TP 1, whose packets stop can drop) and
+// a decode in the test's synctest bubble, with the prefill's lease TTL ttl,
+// and exports request "a" (2 blocks filled with seed 3) from the prefill.
+func stoppablePrefill(t *testing.T, ttl time.Duration) (pre, dec *instance, stop *stoppableConn, params *v1.KVTransferParams) {
+	o := simOpts(t, time.Millisecond)
+	o.engine, o.tp, o.geom, o.leaseTTL = "prefill", 1, gqa8, ttl
+	stop = &stoppableConn{}
+	o.tap = func(_ int, pc net.PacketConn) net.PacketConn { stop.PacketConn = pc; return stop }
+	pre = newInstance(t, o)
+	o.engine, o.tap = "decode", nil
+	dec = newInstance(t, o)
+	blocks := pre.alloc(t, 2)
+	pre.fill(t, 3, blocks)
+	return pre, dec, stop, pre.finish(t, "a", blocks)
+}
+
+// requireReleasedOnResume checks that the stopped prefill still holds
+// request "a"'s lease, resumes it (SIGCONT), and requires the lease
+// released (the decode's notification arrived) within half the TTL from
+// start; why says what sent it.
+func requireReleasedOnResume(t *testing.T, pre *instance, stop *stoppableConn, start time.Time, ttl time.Duration, why string) {
+	t.Helper()
+	require.Equal(t, 1, pre.ranks[0].Stats().LeasesHeld, "stopped: the notification has not arrived")
+	stop.stopped.Store(false) // SIGCONT
+	pre.waitSent(t, 0, "a")
+	released := time.Since(start)
+	t.Logf("released %v after the export, the TTL being %v", released, ttl)
+	require.Less(t, released, ttl/2, "%s, the lease did not run its TTL", why)
+	require.Zero(t, pre.ranks[0].Stats().LeasesHeld)
 }
