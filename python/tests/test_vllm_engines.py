@@ -160,11 +160,13 @@ def lab(request: pytest.FixtureRequest, binary: str, model: devvllm.TinyModel, r
     engines = [lab.p1, lab.p2, lab.d1]
     print(f"{mode}: engine start seconds:", {e.name: round(e.ready_seconds or 0, 1) for e in engines})
     yield lab
-    for e in engines:
-        e.stop()
     if request.node.session.testsfailed:
         for e in engines:
-            print(f"--- {e.name} ---\n{e.tail(30)}")
+            print(f"--- {e.name} ---\n{e.tail(60)}")
+        for s in cl.sidecars:
+            print(f"--- {s.name} (exit {s.proc.poll()}) ---\n{s.tail(60)}")
+    for e in engines:
+        e.stop()
     cl.close()
 
 
