@@ -67,6 +67,8 @@ __all__ = [
     "AVAILABLE_REFRESH_SECONDS",
     "BACKEND_LAYOUTS",
     "DEFAULT_FREE_HOLD_SECONDS",
+    "LIMIT_RETRY_SECONDS",
+    "LIMIT_WAIT_SECONDS",
     "ModeHandshake",
     "Refused",
     "SidecarBlockPool",
@@ -97,6 +99,17 @@ DEFAULT_FREE_HOLD_SECONDS = 30.0
 #: (its memory limit may change under ``kvsidecar ctl limit``); a read is
 #: also good for one scheduler step at most.
 AVAILABLE_REFRESH_SECONDS = 0.5
+
+#: Seconds an allocation the sidecar refused at its memory limit (one
+#: lowered after the step read the count) waits for the limit to allow it,
+#: trying again every :data:`LIMIT_RETRY_SECONDS`, before the engine stops:
+#: vLLM's scheduler has already promised the blocks, and has no way back
+#: from a failed allocation (vLLM 0.32.0 ``KVCacheManager.allocate_slots``
+#: checks the free count, then takes the blocks).
+LIMIT_WAIT_SECONDS = 10.0
+
+#: Seconds between two tries of a refused allocation (LIMIT_WAIT_SECONDS).
+LIMIT_RETRY_SECONDS = 0.05
 
 
 class Refused(Exception):
@@ -238,6 +251,7 @@ class SidecarBlockPool(BlockPool):
     _sc_hold: collections.OrderedDict[int, float]
     _sc_hold_seconds: float
     _sc_clock: Callable[[], float]
+    _sc_sleep: Callable[[float], None]
     _sc_wake: Callable[[], None] | None
     _sc_timer: threading.Timer | None
     _sc_avail: int
@@ -248,9 +262,11 @@ class SidecarBlockPool(BlockPool):
 
     @classmethod
     def install(cls, pool: BlockPool, client: LocalClient, hold_seconds: float = DEFAULT_FREE_HOLD_SECONDS,
-                clock: Callable[[], float] = time.monotonic) -> SidecarBlockPool:
+                clock: Callable[[], float] = time.monotonic,
+                sleep: Callable[[float], None] = time.sleep) -> SidecarBlockPool:
         """Turns ``pool`` (vLLM's, no block handed out yet) into a
-        SidecarBlockPool over the blocks of ``client``'s cache.
+        SidecarBlockPool over the blocks of ``client``'s cache. ``clock``
+        (seconds) and ``sleep`` time the holds and the waits at the limit.
 
         Raises:
             Refused: vLLM already handed out blocks, or the cache's block
@@ -265,7 +281,7 @@ class SidecarBlockPool(BlockPool):
         sp: SidecarBlockPool = pool  # type: ignore[assignment]
         sp._sc_client, sp._sc_hold, sp._sc_hold_seconds, sp._sc_clock = client, collections.OrderedDict(), \
             hold_seconds, clock
-        sp._sc_wake, sp._sc_timer = None, None
+        sp._sc_sleep, sp._sc_wake, sp._sc_timer = sleep, None, None
         sp._sc_warned = collections.OrderedDict()
         sp.refresh_available(force=True)
         return sp
@@ -422,20 +438,52 @@ class SidecarBlockPool(BlockPool):
         self._sc_avail += len(ids)
 
     def _sc_alloc(self, n: int) -> list[int]:
+        """``n`` blocks from the sidecar. At its memory limit the held blocks
+        are released first; should it still refuse (the limit was lowered
+        after the step read the count), the step waits up to
+        :data:`LIMIT_WAIT_SECONDS` for the limit to allow them.
+
+        Raises:
+            RuntimeError: still refused after the wait, or the sidecar is
+                gone; either stops the engine, with the reason.
+        """
         try:
             try:
                 return self._sc_client.alloc(n)
             except errors.Busy as e:
-                if not self._sc_hold:
-                    raise
-                log.info("sidecar at its memory limit (%s); releasing %d held blocks", e.message, len(self._sc_hold))
-                self._sc_release(list(self._sc_hold))
-                return self._sc_client.alloc(n)
+                if self._sc_hold:
+                    log.info("sidecar at its memory limit (%s); releasing %d held blocks", e.message,
+                             len(self._sc_hold))
+                    self._sc_release(list(self._sc_hold))
+                    return self._sc_client.alloc(n)
+                raise
         except errors.Busy as e:
-            raise RuntimeError(f"kvsidecar: the sidecar refused {n} blocks at its memory limit ({e.message}); "
-                               "raise the limit (kvsidecar ctl limit) or lower vLLM's KV cache size") from e
+            return self._sc_alloc_at_limit(n, e)
         except errors.KVSidecarError as e:
             raise self._gone(e) from e
+
+    def _sc_alloc_at_limit(self, n: int, refusal: errors.Busy) -> list[int]:
+        """Tries the refused allocation of ``n`` blocks again until the
+        sidecar's limit allows it or :data:`LIMIT_WAIT_SECONDS` pass."""
+        log.warning("sidecar %s refused %d blocks at its memory limit, lowered during this scheduler step (%s); the "
+                    "step waits up to %.0f s for the limit to allow them", self._sc_client.path, n, refusal.message,
+                    LIMIT_WAIT_SECONDS)
+        deadline = self._sc_clock() + LIMIT_WAIT_SECONDS
+        while self._sc_clock() < deadline:
+            self._sc_sleep(LIMIT_RETRY_SECONDS)
+            try:
+                ids = self._sc_client.alloc(n)
+            except errors.Busy as e:
+                refusal = e
+                continue
+            except errors.KVSidecarError as e:
+                raise self._gone(e) from e
+            log.warning("sidecar %s allocated the %d blocks its limit had refused; the step goes on",
+                        self._sc_client.path, n)
+            return ids
+        raise RuntimeError(f"kvsidecar: the sidecar refused {n} blocks at its memory limit for {LIMIT_WAIT_SECONDS:.0f} s "
+                           f"({refusal.message}); raise the limit (kvsidecar ctl limit) or lower vLLM's KV cache "
+                           "size") from refusal
 
     def _gone(self, e: errors.KVSidecarError) -> RuntimeError:
         return RuntimeError(f"kvsidecar {self._sc_client.path}: {e}; in zero-copy mode the sidecar holds this "

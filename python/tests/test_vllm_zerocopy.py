@@ -6,6 +6,7 @@ staging, saying why once."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +17,15 @@ from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 from kvsidecar import vllm_plugin
 from kvsidecar.local import LocalClient
 from kvsidecar.vllm import KVConnectorRole, KVSidecarConnector
-from kvsidecar.vllm_zerocopy import AVAILABLE_REFRESH_SECONDS, ModeHandshake, Refused, SidecarBlockPool, backend_layout
+from kvsidecar.vllm_zerocopy import (
+    AVAILABLE_REFRESH_SECONDS,
+    LIMIT_RETRY_SECONDS,
+    LIMIT_WAIT_SECONDS,
+    ModeHandshake,
+    Refused,
+    SidecarBlockPool,
+    backend_layout,
+)
 
 NUM_BLOCKS = 256
 # 2 layers, 2 KV heads of 64, float32, 32 tokens: 32 KiB a block of a
@@ -27,11 +36,21 @@ PER_PAGE = 64
 
 
 class Clock:
+    """The pool's clock; its sleep advances it and runs ``on_sleep`` (a
+    test's hook) first."""
+
     def __init__(self) -> None:
         self.now = 1000.0
+        self.slept = 0
+        self.on_sleep: Callable[[int], None] = lambda n: None
 
     def __call__(self) -> float:
         return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept += 1
+        self.on_sleep(self.slept)
+        self.now += seconds
 
 
 @pytest.fixture
@@ -41,7 +60,7 @@ def pool(cluster):
     c.attach()
     clock = Clock()
     p = SidecarBlockPool.install(BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=32), c, hold_seconds=10,
-                                 clock=clock)
+                                 clock=clock, sleep=clock.sleep)
     yield SimpleNamespace(sc=sc, client=c, pool=p, clock=clock)
     c.close()
 
@@ -130,10 +149,41 @@ def test_at_the_memory_limit_held_blocks_make_room(pool):
         pool.pool.get_new_blocks(PER_PAGE)
     assert len(pool.pool.get_new_blocks(PER_PAGE - 2)) == PER_PAGE - 2
     # Should the count be stale (a limit lowered in the middle of a step),
-    # the sidecar refuses: nothing is allocated past the limit.
+    # the sidecar refuses: nothing is allocated past the limit; the step
+    # waits for the limit, then stops the engine naming it.
     pool.pool._sc_avail = NUM_BLOCKS
-    with pytest.raises(RuntimeError, match=r"refused 1 blocks at its memory limit.*raise the limit"):
+    start = pool.clock.now
+    with pytest.raises(RuntimeError, match=rf"refused 1 blocks at its memory limit for {LIMIT_WAIT_SECONDS:.0f} s"
+                                           r".*raise the limit"):
         pool.pool.get_new_blocks(1)
+    assert pool.clock.now - start == pytest.approx(LIMIT_WAIT_SECONDS, abs=LIMIT_RETRY_SECONDS)
+    assert pool.clock.slept == pytest.approx(LIMIT_WAIT_SECONDS / LIMIT_RETRY_SECONDS, abs=1)
+    assert stats(pool.sc)["blocks_used"] == 2 * PER_PAGE - 1, "nothing past the limit"
+
+
+# fault-matrix: zero-copy-memory-limit
+def test_a_limit_lowered_during_a_step_and_raised_again_is_waited_for(pool, caplog):
+    """A new user's run: switching `kvsidecar ctl limit 8MiB` and `limit
+    none` every 0.15 s under load stopped a decode engine: a limit lowered
+    after the step read the count refused blocks vLLM's scheduler had
+    already promised (47 wanted, 45 allowed). The step waits for the limit
+    instead, and goes on once it is raised."""
+    assert pool.pool.get_num_free_blocks() == NUM_BLOCKS - 1  # read in this step
+    pool.client.set_memory_limit(2 * (2 << 20))  # the reserve's page of each region: 63 blocks
+    want = PER_PAGE + 1
+
+    def raise_limit(n: int) -> None:
+        if n == 3:
+            pool.client.set_memory_limit(0)
+
+    pool.clock.on_sleep = raise_limit
+    with caplog.at_level(logging.WARNING, logger="vllm.kvsidecar"):
+        got = pool.pool.get_new_blocks(want)
+    assert len(got) == want and stats(pool.sc)["blocks_used"] == want
+    assert pool.clock.slept == 3, "tried again until the limit allowed them"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and f"refused {want} blocks at its memory limit, lowered during this scheduler step" in \
+        lines[0] and f"allocated the {want} blocks its limit had refused" in lines[1], lines
 
 
 # fault-matrix: zero-copy-memory-limit
