@@ -5,6 +5,9 @@ PKGS      ?= ./...
 FUZZTIME  ?= 10s
 BIN       ?= bin/kvsidecar
 PROTOC    ?= protoc
+# bin/kvsidecar carries the git revision (`kvsidecar version`, kvsidecar_build_info)
+# whenever git can read this checkout, even where GOFLAGS says -buildvcs=false.
+BUILDVCS  := $(shell git status --porcelain >/dev/null 2>&1 && echo -buildvcs=auto || echo -buildvcs=false)
 # The Python tests, tools and the vLLM runs use the project's environment,
 # built by `make venv` from python/requirements.txt with PYTHON_BASE (3.11).
 VENV      ?= .venv
@@ -17,7 +20,7 @@ help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
 
 build: ## build bin/kvsidecar
-	$(GO) build -o $(BIN) ./cmd/kvsidecar
+	$(GO) build $(BUILDVCS) -o $(BIN) ./cmd/kvsidecar
 
 venv: ## build the pinned Python environment .venv (vLLM, torch, pytest, ...) unless it is up to date
 	VENV=$(VENV) PYTHON_BASE=$(PYTHON_BASE) python/tools/mkvenv.sh
@@ -76,7 +79,7 @@ ci: lint verify test demo bench-once fuzz-short ## everything CI runs: the READM
 
 demo: ## the main job: prefill→decode on the host backend over a real trace
 	@echo "make demo: building $(BIN) first (a cold build takes a minute or two)..."
-	$(GO) build -o $(BIN) ./cmd/kvsidecar
+	$(GO) build $(BUILDVCS) -o $(BIN) ./cmd/kvsidecar
 	./$(BIN) demo
 
 vllm-demo: build venv ## the main job for a vLLM user: prefill and decode vLLM engines on the CPU, token-exact against a single engine (VLLM_DEMO_FLAGS=--zero-copy: vLLM's KV cache in the sidecars' pages)
