@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"slices"
 	"strconv"
 	"sync"
@@ -486,24 +487,30 @@ func (r *Rank) notifyAll(l *load) error {
 		wg.Go(func() { errs[i] = r.agent.Notify(ctx, addr, r.notification(l, i)) })
 	}
 	wg.Wait()
+	var failed []error
 	for i, err := range errs {
 		if err == nil {
 			continue
 		}
 		r.cfg.Logger.Warn("notification failed", "request_id", l.id, "peer", l.addrs[i], "err", err)
+		again := ""
 		if retryableNotify(err) {
 			// A prefill stopped or cut off for a while: its lease would
 			// run its whole TTL. Try again in the background until it
 			// would end anyway.
 			r.wg.Go(func() { r.retryNotify(l, i) })
+			again = " (sent again in the background until the lease would end)"
 		}
 		// After READs that completed, a refused or lost notification fails
 		// nothing: every byte was served under the export's lease, pinned
 		// from the check before the first byte to the last, so none can be
 		// stale; the prefill frees its blocks at lease expiry (or is gone).
 		if len(l.dst) == 0 {
-			return fmt.Errorf("connector: load %q (full prefix hit): prefill rank %d: %w", l.id, l.plan.Sources[i].PrefillRank, err)
+			failed = append(failed, fmt.Errorf("prefill rank %d%s: %w", l.plan.Sources[i].PrefillRank, again, err))
 		}
+	}
+	if len(failed) > 0 {
+		return fmt.Errorf("connector: load %q (full prefix hit): %w", l.id, errors.Join(failed...))
 	}
 	return nil
 }
@@ -511,17 +518,19 @@ func (r *Rank) notifyAll(l *load) error {
 // refusedHandshake reports whether a source's handshake error is its
 // answer (wrong engine, layout, incarnation...): a source that refused the
 // handshake would refuse the notification too, and is not sent one; so is
-// one that cannot be reached (CODE_UNAVAILABLE: gone, or refusing the
-// connection). A handshake that went unanswered instead (the load aborted
-// or timed out first: CODE_ABORTED, CODE_TIMEOUT; the source stopped, say)
-// may have left the source holding the export's lease, so it is notified,
-// and again while the notification is lost (retryNotify).
+// one that refused the connection (CODE_UNAVAILABLE: a TLS alert, a closed
+// port). A handshake that went unanswered instead (the load aborted first,
+// CODE_ABORTED; or a timeout, the dial's or QUIC's idle one included: the
+// source stopped, say) may have left the source holding the export's lease,
+// so it is notified, and again while the notification is lost
+// (retryNotify).
 func refusedHandshake(err error) bool {
 	switch codes.Of(err) {
 	case v1.Code_CODE_OK, v1.Code_CODE_ABORTED, v1.Code_CODE_TIMEOUT:
 		return false
 	}
-	return true
+	var ne net.Error
+	return !errors.As(err, &ne) || !ne.Timeout()
 }
 
 // notifyTimeout bounds the notifications at the end of a load.

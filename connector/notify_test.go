@@ -121,3 +121,42 @@ func requireReleasedOnResume(t *testing.T, pre *instance, stop *stoppableConn, s
 	require.Less(t, released, ttl/2, "%s, the lease did not run its TTL", why)
 	require.Zero(t, pre.ranks[0].Stats().LeasesHeld)
 }
+
+// TestFullPrefixHitRetriesEveryLostNotification is a regression test: a
+// full prefix hit (nothing to read, every source only notified) returned
+// at the first lost notification, before it had set the others' retries
+// going, so a prefill TP 2 stopped under a decode TP 1 got one rank's
+// lease released on resume and the other's only at its TTL.
+//
+// fault-matrix: lost-notification
+func TestFullPrefixHitRetriesEveryLostNotification(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const ttl = 2 * time.Minute
+		o := simOpts(t, time.Millisecond)
+		o.engine, o.tp, o.geom, o.leaseTTL = "prefill", 2, gqa8, ttl
+		stops := []*stoppableConn{{}, {}}
+		o.tap = func(r int, pc net.PacketConn) net.PacketConn { stops[r].PacketConn = pc; return stops[r] }
+		pre := newInstance(t, o)
+		o.engine, o.tp, o.tap = "decode", 1, nil
+		dec := newInstance(t, o)
+		params := pre.finish(t, "full", pre.alloc(t, 2))
+		start := time.Now()
+		for _, s := range stops {
+			s.stopped.Store(true)
+		}
+		dec.startLoad(t, "full", nil, params)
+		f := dec.wait(t, "full")[0]
+		require.NotNil(t, f, "the prefill ranks never answered")
+		t.Logf("failed after %v: %v", time.Since(start), f.Err)
+		time.Sleep(5 * time.Second)
+		for r, s := range stops {
+			require.Equal(t, 1, pre.ranks[r].Stats().LeasesHeld, "rank %d stopped: nothing has arrived", r)
+			s.stopped.Store(false) // SIGCONT
+		}
+		for r := range stops {
+			pre.waitSent(t, r, "full")
+			require.Less(t, time.Since(start), ttl/2, "rank %d: the lost notification was sent again", r)
+			require.Zero(t, pre.ranks[r].Stats().LeasesHeld, "rank %d", r)
+		}
+	})
+}

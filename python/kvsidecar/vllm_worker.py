@@ -371,12 +371,8 @@ class WorkerSide:
                 c.free(ld.staging)
         if silent:
             if failed is not None:
-                # A lost one (no answer in time, the prefill unreachable) is
-                # sent again by the sidecar in the background.
-                again = failed.error.code in (common_pb2.CODE_TIMEOUT, common_pb2.CODE_UNAVAILABLE)
-                log.info("request %s: prefill notification failed%s: %s", rid,
-                         " (the sidecar sends it again until the lease would end)" if again else "",
-                         failed.error.message)
+                # The sidecar's message says whether it sends it again.
+                log.info("request %s: prefill notification failed: %s", rid, failed.error.message)
             return
         if ld.aborted:
             self._recving.add(rid)
