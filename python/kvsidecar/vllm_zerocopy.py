@@ -440,50 +440,47 @@ class SidecarBlockPool(BlockPool):
     def _sc_alloc(self, n: int) -> list[int]:
         """``n`` blocks from the sidecar. At its memory limit the held blocks
         are released first; should it still refuse (the limit was lowered
-        after the step read the count), the step waits up to
-        :data:`LIMIT_WAIT_SECONDS` for the limit to allow them.
+        after the step read the count), the step tries again every
+        :data:`LIMIT_RETRY_SECONDS` for up to :data:`LIMIT_WAIT_SECONDS`.
 
         Raises:
             RuntimeError: still refused after the wait, or the sidecar is
                 gone; either stops the engine, with the reason.
         """
-        try:
-            try:
-                return self._sc_client.alloc(n)
-            except errors.Busy as e:
-                if self._sc_hold:
-                    log.info("sidecar at its memory limit (%s); releasing %d held blocks", e.message,
-                             len(self._sc_hold))
-                    self._sc_release(list(self._sc_hold))
-                    return self._sc_client.alloc(n)
-                raise
-        except errors.Busy as e:
-            return self._sc_alloc_at_limit(n, e)
-        except errors.KVSidecarError as e:
-            raise self._gone(e) from e
-
-    def _sc_alloc_at_limit(self, n: int, refusal: errors.Busy) -> list[int]:
-        """Tries the refused allocation of ``n`` blocks again until the
-        sidecar's limit allows it or :data:`LIMIT_WAIT_SECONDS` pass."""
+        got = self._sc_try_alloc(n)
+        if isinstance(got, errors.Busy) and self._sc_hold:
+            log.info("sidecar at its memory limit (%s); releasing %d held blocks", got.message, len(self._sc_hold))
+            self._sc_release(list(self._sc_hold))
+            got = self._sc_try_alloc(n)
+        if not isinstance(got, errors.Busy):
+            return got
         log.warning("sidecar %s refused %d blocks at its memory limit, lowered during this scheduler step (%s); the "
-                    "step waits up to %.0f s for the limit to allow them", self._sc_client.path, n, refusal.message,
+                    "step waits up to %.0f s for the limit to allow them", self._sc_client.path, n, got.message,
                     LIMIT_WAIT_SECONDS)
         deadline = self._sc_clock() + LIMIT_WAIT_SECONDS
         while self._sc_clock() < deadline:
             self._sc_sleep(LIMIT_RETRY_SECONDS)
-            try:
-                ids = self._sc_client.alloc(n)
-            except errors.Busy as e:
-                refusal = e
-                continue
-            except errors.KVSidecarError as e:
-                raise self._gone(e) from e
-            log.warning("sidecar %s allocated the %d blocks its limit had refused; the step goes on",
-                        self._sc_client.path, n)
-            return ids
+            got = self._sc_try_alloc(n)
+            if not isinstance(got, errors.Busy):
+                log.warning("sidecar %s allocated the %d blocks its limit had refused; the step goes on",
+                            self._sc_client.path, n)
+                return got
         raise RuntimeError(f"kvsidecar: the sidecar refused {n} blocks at its memory limit for {LIMIT_WAIT_SECONDS:.0f} s "
-                           f"({refusal.message}); raise the limit (kvsidecar ctl limit) or lower vLLM's KV cache "
-                           "size") from refusal
+                           f"({got.message}); raise the limit (kvsidecar ctl limit) or lower vLLM's KV cache "
+                           "size") from got
+
+    def _sc_try_alloc(self, n: int) -> list[int] | errors.Busy:
+        """``n`` blocks from the sidecar, or its refusal at the memory limit.
+
+        Raises:
+            RuntimeError: any other error (the sidecar is gone).
+        """
+        try:
+            return self._sc_client.alloc(n)
+        except errors.Busy as e:
+            return e
+        except errors.KVSidecarError as e:
+            raise self._gone(e) from e
 
     def _gone(self, e: errors.KVSidecarError) -> RuntimeError:
         return RuntimeError(f"kvsidecar {self._sc_client.path}: {e}; in zero-copy mode the sidecar holds this "

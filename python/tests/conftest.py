@@ -71,9 +71,15 @@ def cluster(binary: str, request: pytest.FixtureRequest) -> Iterator[devserve.Cl
     yield cl
     failed = getattr(request.node, "rep_call", None)
     if failed is not None and failed.failed:
-        for s in cl.sidecars:
-            print(f"--- {s.name} (exit {s.proc.poll()}) ---\n{s.tail(40)}")
+        print_logs(cl, 40)
     cl.close()
+
+
+def print_logs(cl: devserve.Cluster, n: int) -> None:
+    """Prints the last ``n`` log lines of every sidecar of ``cl`` (for a
+    failed test's report)."""
+    for s in cl.sidecars:
+        print(f"--- {s.name} (exit {s.proc.poll()}) ---\n{s.tail(n)}")
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)

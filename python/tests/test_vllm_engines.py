@@ -33,7 +33,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from conftest import stats, wait_for
+from conftest import print_logs, stats, wait_for
 
 from kvsidecar import devserve, devvllm
 from kvsidecar.devserve import rss_bytes, time_scale
@@ -163,8 +163,7 @@ def lab(request: pytest.FixtureRequest, binary: str, model: devvllm.TinyModel, r
     if request.node.session.testsfailed:
         for e in engines:
             print(f"--- {e.name} ---\n{e.tail(60)}")
-        for s in cl.sidecars:
-            print(f"--- {s.name} (exit {s.proc.poll()}) ---\n{s.tail(60)}")
+        print_logs(cl, 60)
     for e in engines:
         e.stop()
     cl.close()
