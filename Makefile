@@ -6,8 +6,9 @@ FUZZTIME  ?= 10s
 BIN       ?= bin/kvsidecar
 PROTOC    ?= protoc
 # bin/kvsidecar carries the git revision (`kvsidecar version`, kvsidecar_build_info)
-# whenever git can read this checkout, even where GOFLAGS says -buildvcs=false.
-BUILDVCS  := $(shell git status --porcelain >/dev/null 2>&1 && echo -buildvcs=auto || echo -buildvcs=false)
+# whenever git can read this checkout's last commit, even where GOFLAGS says
+# -buildvcs=false. Expanded only by the recipes that build it.
+BUILDVCS   = $(shell git log -1 --format=%H >/dev/null 2>&1 && echo -buildvcs=auto || echo -buildvcs=false)
 # The Python tests, tools and the vLLM runs use the project's environment,
 # built by `make venv` from python/requirements.txt with PYTHON_BASE (3.11).
 VENV      ?= .venv
