@@ -46,7 +46,7 @@ func TestBoundarySwappedRankExports(t *testing.T) {
 	require.Contains(t, msg, "was made by prefill rank 0, not by this rank 1")
 	require.NotContains(t, msg, "earlier process")
 	dec[0].e.check(t, 99, dst)
-	require.Zero(t, metricWith(t, pre[0].Sidecar, "kvsidecar_transfer_bytes_total", `role="server"`), "nothing was served")
+	require.Zero(t, pre[0].Sidecar.Metric(t, "kvsidecar_transfer_bytes_total", `role="server"`), "nothing was served")
 	require.NoError(t, dec[0].e.Free(t.Context(), dst))
 
 	dst2 := loadGroup(t, dec, "as-issued", params)
@@ -138,11 +138,11 @@ func TestBoundaryEditedBlockIDsNotifyNothing(t *testing.T) {
 			dec.e.check(t, 9, dst)
 			require.NoError(t, dec.e.Free(t.Context(), dst))
 			require.Equal(t, uint64(1), pre.Stats(t)["leases_held"], "the edited params ended no lease")
-			require.Zero(t, metricWith(t, pre.Sidecar, "kvsidecar_transfer_bytes_total", `role="server"`), "the prefill served 0 bytes")
-			require.Zero(t, metricWith(t, dec.Sidecar, "kvsidecar_transfer_bytes_total"), "the decode read 0 bytes")
+			require.Zero(t, pre.Sidecar.Metric(t, "kvsidecar_transfer_bytes_total", `role="server"`), "the prefill served 0 bytes")
+			require.Zero(t, dec.Sidecar.Metric(t, "kvsidecar_transfer_bytes_total"), "the decode read 0 bytes")
 		})
 	}
-	require.Zero(t, metricWith(t, pre.Sidecar, "kvsidecar_transfer_notifications_total"), "no notification reached the prefill")
+	require.Zero(t, pre.Sidecar.Metric(t, "kvsidecar_transfer_notifications_total"), "no notification reached the prefill")
 	dst := dec.load(t, "as-issued", p)
 	dec.requireDone(t, "as-issued", key, dst)
 	pre.waitSent(t, "req-ed", 30*time.Second)
@@ -177,16 +177,16 @@ func TestBoundaryForeignCADecodeRefusesFirst(t *testing.T) {
 		require.NotNil(t, failed, "the load must fail")
 		require.Equal(t, v1.Code_CODE_UNAVAILABLE, failed.GetError().GetCode(), failed.GetError().GetMessage())
 		require.Contains(t, failed.GetError().GetMessage(), "certificate signed by unknown authority")
-		require.InDelta(t, float64(req), metricWith(t, dec, "kvsidecar_transfer_tls_refused_total", `reason="unknown_authority"`), 0,
+		require.InDelta(t, float64(req), dec.Metric(t, "kvsidecar_transfer_tls_refused_total", `reason="unknown_authority"`), 0,
 			"the refusing decode counts each refusal by reason")
-		require.InDelta(t, float64(req), metricWith(t, dec, "kvsidecar_transfer_dials_total"), 0, "one attempt per request")
+		require.InDelta(t, float64(req), dec.Metric(t, "kvsidecar_transfer_dials_total"), 0, "one attempt per request")
 	}
 	refused := dec.WaitLog(t, "transfer: refused a peer's TLS handshake", StartTimeout)
 	require.Equal(t, "unknown_authority", refused["reason"])
 	require.Equal(t, "WARN", refused["level"])
 	require.Equal(t, pre.QUICAddr(t), refused["peer"], "the prefill's address")
-	require.Zero(t, metricWith(t, pre, "kvsidecar_transfer_tls_refused_total", `reason="no_certificate"`), "the prefill names no wrong reason")
-	require.Zero(t, metricWith(t, pre, "kvsidecar_transfer_bytes_total"), "nothing was served")
+	require.Zero(t, pre.Metric(t, "kvsidecar_transfer_tls_refused_total", `reason="no_certificate"`), "the prefill names no wrong reason")
+	require.Zero(t, pre.Metric(t, "kvsidecar_transfer_bytes_total"), "nothing was served")
 }
 
 // TestBoundaryDecodeDrainKeepsResults: a decode sidecar SIGTERMed while it

@@ -81,7 +81,7 @@ func TestChecksumsOffServeFlag(t *testing.T) {
 	got, err := dec.e.Block(1, int(dst[0]))
 	require.NoError(t, err)
 	require.Equal(t, flip, got, "the flipped byte landed as flipped")
-	require.Zero(t, metricWith(t, dec.Sidecar, "kvsidecar_connector_checksum_mismatches_total"), "nothing to check, no mismatch")
+	require.Zero(t, dec.Sidecar.Metric(t, "kvsidecar_connector_checksum_mismatches_total"), "nothing to check, no mismatch")
 	pre.waitSent(t, "req-co", 30*time.Second)
 	dec.free(t, dst)
 

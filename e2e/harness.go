@@ -385,19 +385,24 @@ func (s *Sidecar) Get(t testing.TB, path string) (int, string) {
 	return resp.StatusCode, string(b)
 }
 
-// Metric returns the sum of every sample of the metric family name in a
-// /metrics scrape (0 when absent).
-func (s *Sidecar) Metric(t testing.TB, name string) float64 {
+// Metric returns the sum of the samples of the metric family name in a
+// /metrics scrape whose label set contains every one of labels
+// (`role="server"` ...); with no labels, every sample (0 when absent).
+func (s *Sidecar) Metric(t testing.TB, name string, labels ...string) float64 {
 	t.Helper()
 	code, body := s.Get(t, "/metrics")
 	require.Equal(t, http.StatusOK, code)
 	var sum float64
 	for _, line := range strings.Split(body, "\n") {
-		if !strings.HasPrefix(line, name) || strings.HasPrefix(line, "#") {
+		rest, ok := strings.CutPrefix(line, name)
+		if !ok || rest == "" || (rest[0] != ' ' && rest[0] != '{') {
 			continue
 		}
-		rest := line[len(name):]
-		if rest == "" || (rest[0] != ' ' && rest[0] != '{') {
+		match := true
+		for _, l := range labels {
+			match = match && strings.Contains(rest, l)
+		}
+		if !match {
 			continue
 		}
 		f := strings.Fields(line)
@@ -406,6 +411,26 @@ func (s *Sidecar) Metric(t testing.TB, name string) float64 {
 		sum += v
 	}
 	return sum
+}
+
+// WaitMetric polls Metric(name, labels...) until it reads want, and fails
+// with the last value after 30 s (scaled). For counters the serving side
+// updates after its peer already saw the result: a served READ's bytes and
+// its result are counted once the last write returned, which can be after
+// the reader's load finished.
+func (s *Sidecar) WaitMetric(t testing.TB, name string, want float64, labels ...string) {
+	t.Helper()
+	deadline := time.Now().Add(testutil.Scaled(30 * time.Second))
+	for {
+		got := s.Metric(t, name, labels...)
+		if got == want {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %s%v is %v, want %v after %v", s.Name, name, labels, got, want, testutil.Scaled(30*time.Second))
+		}
+		time.Sleep(time.Millisecond) // wallclock: e2e polls the real sidecar's metrics
+	}
 }
 
 // Ctl runs `kvsidecar ctl --socket <socket> args...` and returns its exit

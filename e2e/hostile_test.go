@@ -6,9 +6,7 @@ import (
 	"errors"
 	"io"
 	"net"
-	"net/http"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -173,33 +171,6 @@ func descList(descs ...transfer.Desc) *v1.DescriptorList {
 func blockDesc(md *handshake.Metadata, r int, b uint32) transfer.Desc {
 	reg := md.Regions[r]
 	return transfer.Desc{Addr: reg.Base + reg.BlockOffset(int(b)), Len: reg.BlockLen, DevID: reg.DevID}
-}
-
-// metricWith sums the samples of family name in s's /metrics whose label
-// set contains every one of labels (`role="server"` ...).
-func metricWith(t testing.TB, s *Sidecar, name string, labels ...string) float64 {
-	t.Helper()
-	code, body := s.Get(t, "/metrics")
-	require.Equal(t, http.StatusOK, code)
-	var sum float64
-	for _, line := range strings.Split(body, "\n") {
-		rest, ok := strings.CutPrefix(line, name)
-		if !ok || rest == "" || (rest[0] != ' ' && rest[0] != '{') {
-			continue
-		}
-		match := true
-		for _, l := range labels {
-			match = match && strings.Contains(rest, l)
-		}
-		if !match {
-			continue
-		}
-		f := strings.Fields(line)
-		v, err := strconv.ParseFloat(f[len(f)-1], 64)
-		require.NoError(t, err, line)
-		sum += v
-	}
-	return sum
 }
 
 // rankAddr is the QUIC address of prefill rank 0 from its params.

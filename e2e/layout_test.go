@@ -200,13 +200,13 @@ func TestLayoutReaderNamesAnotherOrder(t *testing.T) {
 			require.Zero(t, bad, "reader region %d (prefill region %d) block %d: %d bytes differ, first at %d", 2+i, region, k, bad, first)
 		}
 	}
-	servedBefore := metricWith(t, pre.Sidecar, "kvsidecar_transfer_bytes_total", `role="server"`)
+	servedBefore := pre.Sidecar.Metric(t, "kvsidecar_transfer_bytes_total", `role="server"`)
 	require.Equal(t, float64(2*n)*float64(bl), servedBefore)
 
 	got = read(layoutOf(0, kindK, 0, kindV, 1, kindK, 1, kindK))
 	require.Equal(t, v1.Code_CODE_INCOMPATIBLE_MODEL, got.Code, got.Msg)
 	require.Contains(t, got.Msg, "the reader lists layer 1 K twice (this agent: [layer 0 K, layer 0 V, layer 1 K, layer 1 V]; the reader: [layer 0 K, layer 0 V, layer 1 K, layer 1 K])")
-	require.Equal(t, servedBefore, metricWith(t, pre.Sidecar, "kvsidecar_transfer_bytes_total", `role="server"`), "no byte served")
+	require.Equal(t, servedBefore, pre.Sidecar.Metric(t, "kvsidecar_transfer_bytes_total", `role="server"`), "no byte served")
 	l := pre.WaitLog(t, "transfer: refused a READ", 10*time.Second)
 	require.Contains(t, l["err"], "region layouts differ")
 

@@ -56,7 +56,7 @@ func TestAllowPeersNoDatagram(t *testing.T) {
 	require.NoError(t, trap.SetReadDeadline(time.Now()))
 	_, _, err = trap.ReadFrom(make([]byte, 2048))
 	require.ErrorIs(t, err, os.ErrDeadlineExceeded, "the listener outside --allow-peers received no datagram")
-	require.Zero(t, metricWith(t, dec, "kvsidecar_transfer_dials_total"), "no QUIC dial was started")
+	require.Zero(t, dec.Metric(t, "kvsidecar_transfer_dials_total"), "no QUIC dial was started")
 
 	_, p = prefillRequest(t, pe, "req-ok", 6, 2)
 	require.Nil(t, de.load(t, "req-ok", dst, p), "an allowed prefill is read")
@@ -135,11 +135,11 @@ func TestIncompatibleGeometryNamesBothValues(t *testing.T) {
 			}
 			require.Equal(t, v1.Code_CODE_INCOMPATIBLE_MODEL, code, msg)
 			require.Contains(t, msg, tc.want)
-			require.Zero(t, metricWith(t, pre, "kvsidecar_transfer_bytes_total", `role="server"`), "nothing was served")
+			require.Zero(t, pre.Metric(t, "kvsidecar_transfer_bytes_total", `role="server"`), "nothing was served")
 			de.check(t, sentinel, dst)
 		})
 	}
-	require.Zero(t, metricWith(t, dec, "kvsidecar_transfer_bytes_total"), "the decode read nothing at all")
+	require.Zero(t, dec.Metric(t, "kvsidecar_transfer_bytes_total"), "the decode read nothing at all")
 }
 
 // attachOwnGeometry is attach with a create call that carries no geometry:
@@ -204,10 +204,10 @@ func TestForeignCAPeerRefusedOnce(t *testing.T) {
 		require.Equal(t, v1.Code_CODE_UNAVAILABLE, failed.GetError().GetCode(), failed.GetError().GetMessage())
 		require.Contains(t, failed.GetError().GetMessage(), "refused this agent's TLS handshake")
 		require.Contains(t, failed.GetError().GetMessage(), "tls: bad certificate")
-		require.InDelta(t, float64(req), metricWith(t, pre, "kvsidecar_transfer_tls_refused_total", `reason="unknown_authority"`), 0,
+		require.InDelta(t, float64(req), pre.Metric(t, "kvsidecar_transfer_tls_refused_total", `reason="unknown_authority"`), 0,
 			"the serving side counts each refusal by reason")
-		require.InDelta(t, float64(req), metricWith(t, pre, "kvsidecar_transfer_tls_refused_total"), 0, "and nothing else")
-		require.InDelta(t, float64(req), metricWith(t, dec, "kvsidecar_transfer_dials_total"), 0, "one attempt per request")
+		require.InDelta(t, float64(req), pre.Metric(t, "kvsidecar_transfer_tls_refused_total"), 0, "and nothing else")
+		require.InDelta(t, float64(req), dec.Metric(t, "kvsidecar_transfer_dials_total"), 0, "one attempt per request")
 	}
 	refused := pre.WaitLog(t, "transfer: refused a peer's TLS handshake", StartTimeout)
 	require.Equal(t, "unknown_authority", refused["reason"])
@@ -216,7 +216,7 @@ func TestForeignCAPeerRefusedOnce(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "127.0.0.1", host, "the peer's address")
 	require.Contains(t, refused["err"], "certificate signed by unknown authority")
-	require.Zero(t, metricWith(t, pre, "kvsidecar_transfer_bytes_total"), "nothing was served")
+	require.Zero(t, pre.Metric(t, "kvsidecar_transfer_bytes_total"), "nothing was served")
 	de.check(t, sentinel, dst)
 }
 

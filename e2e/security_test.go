@@ -220,7 +220,7 @@ func TestHostilePeer(t *testing.T) {
 		{"prepare zero length", prep(6, transfer.Desc{Addr: a0.Addr}), v1.Code_CODE_INVALID_ARGUMENT, "length must be > 0"},
 		{"wire version 0", &v1.PeerRequest{Body: readReq("req-a", exA, capA, a0).GetBody()}, v1.Code_CODE_INCOMPATIBLE_MODEL, "wire version"},
 	}
-	failuresBefore := metricWith(t, pre, "kvsidecar_transfer_failures_total")
+	failuresBefore := pre.Metric(t, "kvsidecar_transfer_failures_total")
 	refusedXfers := 0
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -236,12 +236,13 @@ func TestHostilePeer(t *testing.T) {
 	t.Run("control after", control)
 
 	// Only the two control READs were served; every hostile transfer was
-	// refused and counted.
-	require.Equal(t, float64(2*bl), metricWith(t, pre, "kvsidecar_transfer_bytes_total", `role="server"`))
-	require.Equal(t, float64(2), metricWith(t, pre, "kvsidecar_transfer_xfers_total", `role="server"`, `result="ok"`))
-	require.Equal(t, float64(refusedXfers-1), metricWith(t, pre, "kvsidecar_transfer_xfers_total", `role="server"`, `result="error"`),
-		"every refused transfer but the wrong wire version is counted by result")
-	require.Equal(t, float64(refusedXfers), metricWith(t, pre, "kvsidecar_transfer_failures_total")-failuresBefore)
+	// refused and counted (every refused transfer but the wrong wire
+	// version by result too). The prefill counts a served READ once its
+	// last write returned, which may be after the reader has it: waited for.
+	pre.WaitMetric(t, "kvsidecar_transfer_bytes_total", float64(2*bl), `role="server"`)
+	pre.WaitMetric(t, "kvsidecar_transfer_xfers_total", 2, `role="server"`, `result="ok"`)
+	pre.WaitMetric(t, "kvsidecar_transfer_xfers_total", float64(refusedXfers-1), `role="server"`, `result="error"`)
+	pre.WaitMetric(t, "kvsidecar_transfer_failures_total", failuresBefore+float64(refusedXfers))
 	require.False(t, pre.Exited())
 	// The refusing side says so: the first refusal of each code
 	// is logged with the peer; repeats within 10 s are counted, not logged.
@@ -335,8 +336,8 @@ func TestUntrustedClient(t *testing.T) {
 			require.Equal(t, make([]byte, len(local)), local, "no byte arrived")
 		})
 	}
-	require.Zero(t, metricWith(t, pre, "kvsidecar_transfer_xfers_total"), "nothing was served or even refused at the transfer layer")
-	require.Zero(t, metricWith(t, pre, "kvsidecar_transfer_bytes_total"))
+	require.Zero(t, pre.Metric(t, "kvsidecar_transfer_xfers_total"), "nothing was served or even refused at the transfer layer")
+	require.Zero(t, pre.Metric(t, "kvsidecar_transfer_bytes_total"))
 
 	// The control: a certified client is served by the same sidecar, reads
 	// the block byte-exact and releases the request with its notification.
@@ -417,7 +418,7 @@ func TestBadParams(t *testing.T) {
 			ids = append(ids, id)
 			_, p := prefillRequest(t, pe, id, uint64(100+i), n)
 			tc.edit(p)
-			served := metricWith(t, pre, "kvsidecar_transfer_bytes_total", `role="server"`)
+			served := pre.Metric(t, "kvsidecar_transfer_bytes_total", `role="server"`)
 			meta := &v1.ReqMeta{RequestId: id, LocalBlockIds: dst, Params: p, RemoteHitBlocks: new(uint32(0))}
 			if tc.sync {
 				err := de.StartLoad(t.Context(), meta)
@@ -430,11 +431,11 @@ func TestBadParams(t *testing.T) {
 				require.Contains(t, failed.GetError().GetMessage(), tc.field)
 				require.ElementsMatch(t, dst, failed.GetBlockIds(), "every local block is reported for recompute")
 			}
-			require.Equal(t, served, metricWith(t, pre, "kvsidecar_transfer_bytes_total", `role="server"`), "nothing was read")
+			require.Equal(t, served, pre.Metric(t, "kvsidecar_transfer_bytes_total", `role="server"`), "nothing was read")
 			de.check(t, sentinel, dst)
 		})
 	}
-	require.Zero(t, metricWith(t, dec, "kvsidecar_transfer_bytes_total"), "decode read nothing at all")
+	require.Zero(t, dec.Metric(t, "kvsidecar_transfer_bytes_total"), "decode read nothing at all")
 
 	// The same sidecars serve good params afterwards.
 	_, p := prefillRequest(t, pe, "good", 7, n)
