@@ -334,22 +334,28 @@ def test_client_abort_while_loading_leaves_nothing_behind(lab: Lab):
 
 @pytest.mark.parametrize("lab", ["zero_copy"], indirect=True)
 def test_zero_copy_maps_only_the_working_set(lab: Lab):
-    # 8 concurrent prompts of 4096 tokens need 256 MiB of KV (8 KiB a token)
-    # in a cache of 4 GiB: the sidecar maps about that much, the engine's
-    # resident memory grows by about that much, and once the requests are
-    # done and their blocks' hold has passed, the sidecar keeps only its
-    # reserve.
+    # 8 concurrent prompts of 4096 tokens need up to 256 MiB of KV (8 KiB a
+    # token) in a cache of 4 GiB: the sidecar maps what the engine's blocks
+    # hold at each moment, the engine's resident memory grows by about that
+    # much, and once the requests are done and their blocks' hold has
+    # passed, the sidecar keeps only its reserve. How many of the 8 are in
+    # flight at once is up to the scheduler (vLLM reuses a finished
+    # request's cached blocks for the next one), so the working set is
+    # sampled, not assumed: a loaded machine held 224 of the 256 MiB.
     sc, e = lab.d1_sc[0], lab.d1
     page = 2 << 20
     kv_used = 8 * 4096 * lab.model.kv_bytes_per_token()
+    one_prompt = 4096 * lab.model.kv_bytes_per_token()
+    block_bytes = BLOCK * lab.model.kv_bytes_per_token()
     wait_for("the decode's held blocks released", lambda: stats(sc)["blocks_used"] == 0, timeout=3 * HOLD_SECONDS)
     base_mapped = sc.metric("kvsidecar_vmm_mapped_bytes")
     base_rss = rss_bytes(e.proc.pid, group=True)
-    peak = {"mapped": 0.0, "rss": 0}
+    peak = {"mapped": 0.0, "used": 0, "rss": 0}
     done = threading.Event()
 
     def sample() -> None:
         while not done.wait(0.05):
+            peak["used"] = max(peak["used"], stats(sc)["blocks_used"] * block_bytes)
             peak["mapped"] = max(peak["mapped"], sc.metric("kvsidecar_vmm_mapped_bytes"))
             peak["rss"] = max(peak["rss"], rss_bytes(e.proc.pid, group=True))
 
@@ -375,17 +381,20 @@ def test_zero_copy_maps_only_the_working_set(lab: Lab):
     assert not errs, errs
     mib = 1 << 20
     after_rss = rss_bytes(e.proc.pid, group=True)
-    print(f"\nzero copy, KV capacity {ZERO_COPY_KV_BYTES // mib} MiB, the run's KV {kv_used // mib} MiB: sidecar mapped "
-          f"{base_mapped / mib:.0f} -> peak {peak['mapped'] / mib:.0f} MiB; engine RSS {base_rss / mib:.0f} -> peak "
-          f"{peak['rss'] / mib:.0f} MiB")
-    # Each request's decode tokens may take one more block, each region's
-    # last page may be part used, and the reserve (serve's one page per
-    # region) is mapped besides.
+    print(f"\nzero copy, KV capacity {ZERO_COPY_KV_BYTES // mib} MiB, the run's KV {kv_used // mib} MiB: blocks used "
+          f"peak {peak['used'] / mib:.0f} MiB; sidecar mapped {base_mapped / mib:.0f} -> peak {peak['mapped'] / mib:.0f} "
+          f"MiB; engine RSS {base_rss / mib:.0f} -> peak {peak['rss'] / mib:.0f} MiB")
+    # The pool fills mapped pages before it maps a new one, so mapped pages
+    # stay within the blocks' high-water mark plus each region's part-used
+    # last page and the reserve (serve's one page per region). The samples
+    # may miss the high-water mark by one allocation: one request's blocks,
+    # at most one prompt here.
     regions = lab.model.layers
-    slack = 8 * BLOCK * lab.model.kv_bytes_per_token() + 2 * regions * page
-    assert kv_used <= peak["mapped"] <= kv_used + slack, "the sidecar maps the working set"
+    slack = 2 * regions * page + one_prompt
+    assert one_prompt <= peak["used"] <= kv_used + 8 * block_bytes, "the run held its prompts' blocks"
+    assert one_prompt <= peak["mapped"] <= peak["used"] + slack, "the sidecar maps the working set, not the capacity"
     # vLLM's own activations for 8 prompts of 4096 tokens come on top of it.
-    assert peak["rss"] - base_rss <= kv_used + slack + 512 * mib, "the engine holds the working set, not the capacity"
+    assert peak["rss"] - base_rss <= peak["used"] + slack + 512 * mib, "the engine holds the working set, not the capacity"
     wait_for("the blocks released after their hold", lambda: stats(sc)["blocks_used"] == 0, timeout=3 * HOLD_SECONDS)
     after = sc.metric("kvsidecar_vmm_mapped_bytes")
     print(f"after the hold: sidecar mapped {after / mib:.0f} MiB, engine RSS {after_rss / mib:.0f} MiB at the "
