@@ -8,7 +8,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/kvsidecar/kvsidecar/internal/testutil"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 )
 
@@ -36,17 +35,7 @@ func coordGroup(t *testing.T, env *Env, name string, extra ...string) ([]*Sideca
 // (scaled).
 func waitStat(t testing.TB, s *Sidecar, key string, want uint64, timeout time.Duration) {
 	t.Helper()
-	deadline := time.Now().Add(testutil.Scaled(timeout))
-	for {
-		got := s.Stats(t)[key]
-		if got == want {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: %s is %d, want %d after %v", s.Name, key, got, want, testutil.Scaled(timeout))
-		}
-		time.Sleep(5 * time.Millisecond) // wallclock: e2e polls the real sidecar's stats
-	}
+	waitEqual(t, timeout, want, func() uint64 { return s.Stats(t)[key] }, "%s: %s", s.Name, key)
 }
 
 // logsWith returns the log lines of p whose msg is msg.

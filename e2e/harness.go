@@ -420,16 +420,22 @@ func (s *Sidecar) Metric(t testing.TB, name string, labels ...string) float64 {
 // the reader's load finished.
 func (s *Sidecar) WaitMetric(t testing.TB, name string, want float64, labels ...string) {
 	t.Helper()
-	deadline := time.Now().Add(testutil.Scaled(30 * time.Second))
+	waitEqual(t, 30*time.Second, want, func() float64 { return s.Metric(t, name, labels...) }, "%s: %s%v", s.Name, name, labels)
+}
+
+// waitEqual polls read until it returns want, and after timeout (scaled)
+// fails the test with the last value read: the real processes e2e drives
+// announce no event for what it waits on.
+func waitEqual[T comparable](t testing.TB, timeout time.Duration, want T, read func() T, msgAndArgs ...any) {
+	t.Helper()
+	deadline := time.Now().Add(testutil.Scaled(timeout))
 	for {
-		got := s.Metric(t, name, labels...)
-		if got == want {
+		got := read()
+		if got == want || time.Now().After(deadline) {
+			require.Equal(t, want, got, msgAndArgs...)
 			return
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: %s%v is %v, want %v after %v", s.Name, name, labels, got, want, testutil.Scaled(30*time.Second))
-		}
-		time.Sleep(time.Millisecond) // wallclock: e2e polls the real sidecar's metrics
+		time.Sleep(time.Millisecond) // wallclock: e2e polls the real sidecar
 	}
 }
 

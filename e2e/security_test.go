@@ -87,15 +87,7 @@ func (e *engine) settledPages(t testing.TB) uint64 {
 // last Free returns.
 func (e *engine) requirePages(t testing.TB, want uint64, msgAndArgs ...any) {
 	t.Helper()
-	deadline := time.Now().Add(testutil.Scaled(30 * time.Second))
-	for {
-		got := e.stats(t).GetPagesMapped()
-		if got == want || time.Now().After(deadline) {
-			require.Equal(t, want, got, msgAndArgs...)
-			return
-		}
-		time.Sleep(time.Millisecond) // wallclock: e2e polls the real sidecar's stats
-	}
+	waitEqual(t, 30*time.Second, want, func() uint64 { return e.stats(t).GetPagesMapped() }, msgAndArgs...)
 }
 
 // waitSent polls the prefill engine until every id is in done_sending.

@@ -341,7 +341,7 @@ def test_zero_copy_maps_only_the_working_set(lab: Lab):
     # passed, the sidecar keeps only its reserve. How many of the 8 are in
     # flight at once is up to the scheduler (vLLM reuses a finished
     # request's cached blocks for the next one), so the working set is
-    # sampled, not assumed: a loaded machine held 224 of the 256 MiB.
+    # sampled, not assumed: runs here held 224 of the 256 MiB.
     sc, e = lab.d1_sc[0], lab.d1
     page = 2 << 20
     kv_used = 8 * 4096 * lab.model.kv_bytes_per_token()
