@@ -86,6 +86,22 @@ type Metadata struct {
 	// CapabilityKeyID is the fingerprint of the peer's capability key
 	// (transfer.CapabilityKey.ID); "" when the peer does not say.
 	CapabilityKeyID string
+	// SameHost is the peer's offer of its pages to readers on its host;
+	// nil when it makes none.
+	SameHost *SameHost
+}
+
+// SameHost is a rank's offer of its pages to readers on its own host
+// (AgentMetadata.same_host).
+type SameHost struct {
+	// HostID identifies the host (its Linux boot id).
+	HostID string
+	// Socket is the path of the rank's same-host unix socket.
+	Socket string
+	// Token is what the socket's hello carries.
+	Token []byte
+	// PageKind is the kind of pages the rank passes.
+	PageKind v1.PageKind
 }
 
 // ModelHash returns the model compatibility hash of g: SHA-256 over the
@@ -149,6 +165,12 @@ func FromProto(m *v1.AgentMetadata) (*Metadata, error) {
 		CapabilityKeyID: m.GetCapabilityKeyId(),
 		Regions:         make([]Region, len(m.GetRegions())),
 	}
+	if sh := m.GetSameHost(); sh != nil {
+		if sh.GetHostId() == "" || sh.GetSocket() == "" || len(sh.GetToken()) == 0 {
+			return nil, bad("same_host names no host_id, socket or token")
+		}
+		md.SameHost = &SameHost{HostID: sh.GetHostId(), Socket: sh.GetSocket(), Token: append([]byte(nil), sh.GetToken()...), PageKind: sh.GetPageKind()}
+	}
 	for i, r := range m.GetRegions() {
 		if _, err := kvgeom.NewPacking(r.GetBlockLen(), r.GetPageSize()); err != nil {
 			return nil, bad("regions[%d]: %v", i, err)
@@ -189,6 +211,9 @@ func (md *Metadata) Proto() *v1.AgentMetadata {
 		HeadsPerRank:    uint32(md.HeadsPerRank),
 		QuicAddr:        md.Addr,
 		CapabilityKeyId: md.CapabilityKeyID,
+	}
+	if sh := md.SameHost; sh != nil {
+		m.SameHost = &v1.SameHost{HostId: sh.HostID, Socket: sh.Socket, Token: sh.Token, PageKind: sh.PageKind}
 	}
 	for _, r := range md.Regions {
 		m.Regions = append(m.Regions, &v1.Region{Base: r.Base, Len: r.Len, BlockLen: r.BlockLen,

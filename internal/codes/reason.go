@@ -73,6 +73,17 @@ const (
 	// merge that name another request, engine, tp_size or number of
 	// blocks: they are not the ranks of one prefill request.
 	ReasonMergePartsDiffer Reason = "MERGE_PARTS_DIFFER"
+	// ReasonTokenDigestMismatch (CODE_INVALID_ARGUMENT): a load whose
+	// kv_transfer_params encode other tokens than the decode's prompt: a
+	// block's token digest differs from the one the decode computed over
+	// its own prompt (params of another request, mixed up or replayed by
+	// a proxy). Nothing is read; the decode computes the prompt itself.
+	ReasonTokenDigestMismatch Reason = "TOKEN_DIGEST_MISMATCH"
+	// ReasonTokenDigestMissing (CODE_INVALID_ARGUMENT): params that carry
+	// token digests, loaded by a decode that states none (or too few) of
+	// its own prompt: what the KV encodes cannot be checked, so nothing
+	// is read. Pass ReqMeta.token_digests.
+	ReasonTokenDigestMissing Reason = "TOKEN_DIGEST_MISSING"
 
 	// ReasonSocketPathInvalid (CODE_INVALID_ARGUMENT): no socket path can
 	// be made of the arguments (a relative directory, an empty engine id,

@@ -29,6 +29,8 @@ __all__ = [
     "PARAMS_RANK_REPEATED",
     "PARAMS_UNDECODABLE",
     "SOCKET_PATH_INVALID",
+    "TOKEN_DIGEST_MISMATCH",
+    "TOKEN_DIGEST_MISSING",
 ]
 
 #: CODE_INVALID_ARGUMENT: CreateKVCache without a geometry to a sidecar that has none (started
@@ -85,6 +87,17 @@ MERGE_NO_PARTS = "MERGE_NO_PARTS"
 #: number of blocks: they are not the ranks of one prefill request.
 MERGE_PARTS_DIFFER = "MERGE_PARTS_DIFFER"
 
+#: CODE_INVALID_ARGUMENT: a load whose kv_transfer_params encode other tokens than the decode's
+#: prompt: a block's token digest differs from the one the decode computed over its own prompt
+#: (params of another request, mixed up or replayed by a proxy). Nothing is read; the decode
+#: computes the prompt itself.
+TOKEN_DIGEST_MISMATCH = "TOKEN_DIGEST_MISMATCH"
+
+#: CODE_INVALID_ARGUMENT: params that carry token digests, loaded by a decode that states none (or
+#: too few) of its own prompt: what the KV encodes cannot be checked, so nothing is read. Pass
+#: ReqMeta.token_digests.
+TOKEN_DIGEST_MISSING = "TOKEN_DIGEST_MISSING"
+
 #: CODE_INVALID_ARGUMENT: no socket path can be made of the arguments (a relative directory, an
 #: empty engine id, a directory too long for a unix socket path), or the path holds a file that is
 #: not a socket.
@@ -105,6 +118,8 @@ CODE_OF: dict[str, int] = {
     PARAMS_EXPORT_MISSING: common_pb2.CODE_INVALID_ARGUMENT,
     MERGE_NO_PARTS: common_pb2.CODE_INVALID_ARGUMENT,
     MERGE_PARTS_DIFFER: common_pb2.CODE_INVALID_ARGUMENT,
+    TOKEN_DIGEST_MISMATCH: common_pb2.CODE_INVALID_ARGUMENT,
+    TOKEN_DIGEST_MISSING: common_pb2.CODE_INVALID_ARGUMENT,
     SOCKET_PATH_INVALID: common_pb2.CODE_INVALID_ARGUMENT,
 }
 

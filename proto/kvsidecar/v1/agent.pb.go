@@ -77,6 +77,61 @@ func (RegionKind) EnumDescriptor() ([]byte, []int) {
 	return file_kvsidecar_v1_agent_proto_rawDescGZIP(), []int{0}
 }
 
+// PageKind says what the files of shared pages are and how a reader maps
+// them.
+type PageKind int32
+
+const (
+	PageKind_PAGE_KIND_UNSPECIFIED PageKind = 0
+	// A memfd holding host pages: mapped read-only with mmap.
+	PageKind_PAGE_KIND_MEMFD PageKind = 1
+	// CUDA POSIX file descriptors (cuMemExportToShareableHandle), one per
+	// device page: imported with cuMemImportFromShareableHandle and mapped
+	// with read access.
+	PageKind_PAGE_KIND_CUDA_POSIX_FD PageKind = 2
+)
+
+// Enum value maps for PageKind.
+var (
+	PageKind_name = map[int32]string{
+		0: "PAGE_KIND_UNSPECIFIED",
+		1: "PAGE_KIND_MEMFD",
+		2: "PAGE_KIND_CUDA_POSIX_FD",
+	}
+	PageKind_value = map[string]int32{
+		"PAGE_KIND_UNSPECIFIED":   0,
+		"PAGE_KIND_MEMFD":         1,
+		"PAGE_KIND_CUDA_POSIX_FD": 2,
+	}
+)
+
+func (x PageKind) Enum() *PageKind {
+	p := new(PageKind)
+	*p = x
+	return p
+}
+
+func (x PageKind) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (PageKind) Descriptor() protoreflect.EnumDescriptor {
+	return file_kvsidecar_v1_agent_proto_enumTypes[1].Descriptor()
+}
+
+func (PageKind) Type() protoreflect.EnumType {
+	return &file_kvsidecar_v1_agent_proto_enumTypes[1]
+}
+
+func (x PageKind) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use PageKind.Descriptor instead.
+func (PageKind) EnumDescriptor() ([]byte, []int) {
+	return file_kvsidecar_v1_agent_proto_rawDescGZIP(), []int{1}
+}
+
 // Region is one registered virtual range of a rank's KV cache.
 type Region struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -210,8 +265,12 @@ type AgentMetadata struct {
 	// (transfer.CapabilityKey.ID), never the key: peers and operators compare
 	// it across ranks.
 	CapabilityKeyId string `protobuf:"bytes,16,opt,name=capability_key_id,json=capabilityKeyId,proto3" json:"capability_key_id,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// How a reader on the same host may map this agent's pages instead of
+	// streaming them over QUIC; absent when the agent offers no same-host
+	// path (serve --same-host=off, or no host identity).
+	SameHost      *SameHost `protobuf:"bytes,17,opt,name=same_host,json=sameHost,proto3" json:"same_host,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *AgentMetadata) Reset() {
@@ -356,6 +415,90 @@ func (x *AgentMetadata) GetCapabilityKeyId() string {
 	return ""
 }
 
+func (x *AgentMetadata) GetSameHost() *SameHost {
+	if x != nil {
+		return x.SameHost
+	}
+	return nil
+}
+
+// SameHost is an agent's offer of its pages to readers on the same host
+// (the transfer package's same-host path).
+type SameHost struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Identity of the host: its Linux boot id
+	// (/proc/sys/kernel/random/boot_id). A reader takes the offer only when
+	// its own is equal; it never learns it from kv_transfer_params.
+	HostId string `protobuf:"bytes,1,opt,name=host_id,json=hostId,proto3" json:"host_id,omitempty"`
+	// Path of the agent's same-host unix socket.
+	Socket string `protobuf:"bytes,2,opt,name=socket,proto3" json:"socket,omitempty"`
+	// Random per agent: the socket's hello carries it, so a reader knows the
+	// socket is served by the agent that sent this metadata.
+	Token []byte `protobuf:"bytes,3,opt,name=token,proto3" json:"token,omitempty"`
+	// The kind of pages the agent passes.
+	PageKind      PageKind `protobuf:"varint,4,opt,name=page_kind,json=pageKind,proto3,enum=kvsidecar.v1.PageKind" json:"page_kind,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SameHost) Reset() {
+	*x = SameHost{}
+	mi := &file_kvsidecar_v1_agent_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SameHost) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SameHost) ProtoMessage() {}
+
+func (x *SameHost) ProtoReflect() protoreflect.Message {
+	mi := &file_kvsidecar_v1_agent_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SameHost.ProtoReflect.Descriptor instead.
+func (*SameHost) Descriptor() ([]byte, []int) {
+	return file_kvsidecar_v1_agent_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *SameHost) GetHostId() string {
+	if x != nil {
+		return x.HostId
+	}
+	return ""
+}
+
+func (x *SameHost) GetSocket() string {
+	if x != nil {
+		return x.Socket
+	}
+	return ""
+}
+
+func (x *SameHost) GetToken() []byte {
+	if x != nil {
+		return x.Token
+	}
+	return nil
+}
+
+func (x *SameHost) GetPageKind() PageKind {
+	if x != nil {
+		return x.PageKind
+	}
+	return PageKind_PAGE_KIND_UNSPECIFIED
+}
+
 // HandshakeRequest asks a remote agent for its metadata.
 type HandshakeRequest struct {
 	state       protoimpl.MessageState `protogen:"open.v1"`
@@ -375,7 +518,7 @@ type HandshakeRequest struct {
 
 func (x *HandshakeRequest) Reset() {
 	*x = HandshakeRequest{}
-	mi := &file_kvsidecar_v1_agent_proto_msgTypes[2]
+	mi := &file_kvsidecar_v1_agent_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -387,7 +530,7 @@ func (x *HandshakeRequest) String() string {
 func (*HandshakeRequest) ProtoMessage() {}
 
 func (x *HandshakeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_agent_proto_msgTypes[2]
+	mi := &file_kvsidecar_v1_agent_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -400,7 +543,7 @@ func (x *HandshakeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HandshakeRequest.ProtoReflect.Descriptor instead.
 func (*HandshakeRequest) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_agent_proto_rawDescGZIP(), []int{2}
+	return file_kvsidecar_v1_agent_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *HandshakeRequest) GetWireVersion() WireVersion {
@@ -449,7 +592,7 @@ type HandshakeResponse struct {
 
 func (x *HandshakeResponse) Reset() {
 	*x = HandshakeResponse{}
-	mi := &file_kvsidecar_v1_agent_proto_msgTypes[3]
+	mi := &file_kvsidecar_v1_agent_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -461,7 +604,7 @@ func (x *HandshakeResponse) String() string {
 func (*HandshakeResponse) ProtoMessage() {}
 
 func (x *HandshakeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_agent_proto_msgTypes[3]
+	mi := &file_kvsidecar_v1_agent_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -474,7 +617,7 @@ func (x *HandshakeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HandshakeResponse.ProtoReflect.Descriptor instead.
 func (*HandshakeResponse) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_agent_proto_rawDescGZIP(), []int{3}
+	return file_kvsidecar_v1_agent_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *HandshakeResponse) GetError() *Error {
@@ -503,7 +646,7 @@ const file_kvsidecar_v1_agent_proto_rawDesc = "" +
 	"\x06dev_id\x18\x04 \x01(\rR\x05devId\x12\x14\n" +
 	"\x05layer\x18\x05 \x01(\rR\x05layer\x12,\n" +
 	"\x04kind\x18\x06 \x01(\x0e2\x18.kvsidecar.v1.RegionKindR\x04kind\x12\x1b\n" +
-	"\tpage_size\x18\a \x01(\x04R\bpageSize\"\xc8\x04\n" +
+	"\tpage_size\x18\a \x01(\x04R\bpageSize\"\xfd\x04\n" +
 	"\rAgentMetadata\x12<\n" +
 	"\fwire_version\x18\x01 \x01(\x0e2\x19.kvsidecar.v1.WireVersionR\vwireVersion\x12\x1b\n" +
 	"\tengine_id\x18\x02 \x01(\tR\bengineId\x12\x1d\n" +
@@ -525,7 +668,13 @@ const file_kvsidecar_v1_agent_proto_rawDesc = "" +
 	"\aregions\x18\r \x03(\v2\x14.kvsidecar.v1.RegionR\aregions\x12$\n" +
 	"\x0eheads_per_rank\x18\x0e \x01(\rR\fheadsPerRank\x12\x1b\n" +
 	"\tquic_addr\x18\x0f \x01(\tR\bquicAddr\x12*\n" +
-	"\x11capability_key_id\x18\x10 \x01(\tR\x0fcapabilityKeyId\"\x87\x02\n" +
+	"\x11capability_key_id\x18\x10 \x01(\tR\x0fcapabilityKeyId\x123\n" +
+	"\tsame_host\x18\x11 \x01(\v2\x16.kvsidecar.v1.SameHostR\bsameHost\"\x86\x01\n" +
+	"\bSameHost\x12\x17\n" +
+	"\ahost_id\x18\x01 \x01(\tR\x06hostId\x12\x16\n" +
+	"\x06socket\x18\x02 \x01(\tR\x06socket\x12\x14\n" +
+	"\x05token\x18\x03 \x01(\fR\x05token\x123\n" +
+	"\tpage_kind\x18\x04 \x01(\x0e2\x16.kvsidecar.v1.PageKindR\bpageKind\"\x87\x02\n" +
 	"\x10HandshakeRequest\x12<\n" +
 	"\fwire_version\x18\x01 \x01(\x0e2\x19.kvsidecar.v1.WireVersionR\vwireVersion\x12,\n" +
 	"\x12expected_engine_id\x18\x02 \x01(\tR\x10expectedEngineId\x12(\n" +
@@ -540,7 +689,11 @@ const file_kvsidecar_v1_agent_proto_rawDesc = "" +
 	"\x17REGION_KIND_UNSPECIFIED\x10\x00\x12\x11\n" +
 	"\rREGION_KIND_K\x10\x01\x12\x11\n" +
 	"\rREGION_KIND_V\x10\x02\x12\x18\n" +
-	"\x14REGION_KIND_COMPOUND\x10\x03B?Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1b\x06proto3"
+	"\x14REGION_KIND_COMPOUND\x10\x03*W\n" +
+	"\bPageKind\x12\x19\n" +
+	"\x15PAGE_KIND_UNSPECIFIED\x10\x00\x12\x13\n" +
+	"\x0fPAGE_KIND_MEMFD\x10\x01\x12\x1b\n" +
+	"\x17PAGE_KIND_CUDA_POSIX_FD\x10\x02B?Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1b\x06proto3"
 
 var (
 	file_kvsidecar_v1_agent_proto_rawDescOnce sync.Once
@@ -554,32 +707,36 @@ func file_kvsidecar_v1_agent_proto_rawDescGZIP() []byte {
 	return file_kvsidecar_v1_agent_proto_rawDescData
 }
 
-var file_kvsidecar_v1_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvsidecar_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
+var file_kvsidecar_v1_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
+var file_kvsidecar_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
 var file_kvsidecar_v1_agent_proto_goTypes = []any{
 	(RegionKind)(0),           // 0: kvsidecar.v1.RegionKind
-	(*Region)(nil),            // 1: kvsidecar.v1.Region
-	(*AgentMetadata)(nil),     // 2: kvsidecar.v1.AgentMetadata
-	(*HandshakeRequest)(nil),  // 3: kvsidecar.v1.HandshakeRequest
-	(*HandshakeResponse)(nil), // 4: kvsidecar.v1.HandshakeResponse
-	(WireVersion)(0),          // 5: kvsidecar.v1.WireVersion
-	(*ModelGeometry)(nil),     // 6: kvsidecar.v1.ModelGeometry
-	(*Error)(nil),             // 7: kvsidecar.v1.Error
+	(PageKind)(0),             // 1: kvsidecar.v1.PageKind
+	(*Region)(nil),            // 2: kvsidecar.v1.Region
+	(*AgentMetadata)(nil),     // 3: kvsidecar.v1.AgentMetadata
+	(*SameHost)(nil),          // 4: kvsidecar.v1.SameHost
+	(*HandshakeRequest)(nil),  // 5: kvsidecar.v1.HandshakeRequest
+	(*HandshakeResponse)(nil), // 6: kvsidecar.v1.HandshakeResponse
+	(WireVersion)(0),          // 7: kvsidecar.v1.WireVersion
+	(*ModelGeometry)(nil),     // 8: kvsidecar.v1.ModelGeometry
+	(*Error)(nil),             // 9: kvsidecar.v1.Error
 }
 var file_kvsidecar_v1_agent_proto_depIdxs = []int32{
-	0, // 0: kvsidecar.v1.Region.kind:type_name -> kvsidecar.v1.RegionKind
-	5, // 1: kvsidecar.v1.AgentMetadata.wire_version:type_name -> kvsidecar.v1.WireVersion
-	6, // 2: kvsidecar.v1.AgentMetadata.geometry:type_name -> kvsidecar.v1.ModelGeometry
-	1, // 3: kvsidecar.v1.AgentMetadata.regions:type_name -> kvsidecar.v1.Region
-	5, // 4: kvsidecar.v1.HandshakeRequest.wire_version:type_name -> kvsidecar.v1.WireVersion
-	2, // 5: kvsidecar.v1.HandshakeRequest.dialer:type_name -> kvsidecar.v1.AgentMetadata
-	7, // 6: kvsidecar.v1.HandshakeResponse.error:type_name -> kvsidecar.v1.Error
-	2, // 7: kvsidecar.v1.HandshakeResponse.metadata:type_name -> kvsidecar.v1.AgentMetadata
-	8, // [8:8] is the sub-list for method output_type
-	8, // [8:8] is the sub-list for method input_type
-	8, // [8:8] is the sub-list for extension type_name
-	8, // [8:8] is the sub-list for extension extendee
-	0, // [0:8] is the sub-list for field type_name
+	0,  // 0: kvsidecar.v1.Region.kind:type_name -> kvsidecar.v1.RegionKind
+	7,  // 1: kvsidecar.v1.AgentMetadata.wire_version:type_name -> kvsidecar.v1.WireVersion
+	8,  // 2: kvsidecar.v1.AgentMetadata.geometry:type_name -> kvsidecar.v1.ModelGeometry
+	2,  // 3: kvsidecar.v1.AgentMetadata.regions:type_name -> kvsidecar.v1.Region
+	4,  // 4: kvsidecar.v1.AgentMetadata.same_host:type_name -> kvsidecar.v1.SameHost
+	1,  // 5: kvsidecar.v1.SameHost.page_kind:type_name -> kvsidecar.v1.PageKind
+	7,  // 6: kvsidecar.v1.HandshakeRequest.wire_version:type_name -> kvsidecar.v1.WireVersion
+	3,  // 7: kvsidecar.v1.HandshakeRequest.dialer:type_name -> kvsidecar.v1.AgentMetadata
+	9,  // 8: kvsidecar.v1.HandshakeResponse.error:type_name -> kvsidecar.v1.Error
+	3,  // 9: kvsidecar.v1.HandshakeResponse.metadata:type_name -> kvsidecar.v1.AgentMetadata
+	10, // [10:10] is the sub-list for method output_type
+	10, // [10:10] is the sub-list for method input_type
+	10, // [10:10] is the sub-list for extension type_name
+	10, // [10:10] is the sub-list for extension extendee
+	0,  // [0:10] is the sub-list for field type_name
 }
 
 func init() { file_kvsidecar_v1_agent_proto_init() }
@@ -593,8 +750,8 @@ func file_kvsidecar_v1_agent_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvsidecar_v1_agent_proto_rawDesc), len(file_kvsidecar_v1_agent_proto_rawDesc)),
-			NumEnums:      1,
-			NumMessages:   4,
+			NumEnums:      2,
+			NumMessages:   5,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

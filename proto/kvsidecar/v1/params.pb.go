@@ -77,7 +77,18 @@ type KVTransferParams struct {
 	// takes at most these from the prefill (and at most what
 	// remote_block_ids cover) and computes the rest of its prompt, so a
 	// decode prompt longer than the prefill's never reads KV nobody wrote.
-	PromptTokens  uint32 `protobuf:"varint,17,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
+	PromptTokens uint32 `protobuf:"varint,17,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
+	// What tokens the exported KV encodes: for each remote block in token
+	// order, the first 8 bytes of a SHA-256 chained over the blocks' tokens
+	// (connector.TokenDigests: block i covers prompt tokens [i*block_size,
+	// min((i+1)*block_size, prompt_tokens)) and the digest of block i-1, as
+	// vLLM chains its block hashes), 8 × remote_block_ids bytes; empty when
+	// the prefill engine stated none. Given by the engine to RequestFinished
+	// and carried unchanged. A decode loads these params only for a prompt
+	// whose own digests (ReqMeta.token_digests) are equal over every block it
+	// takes: params of other tokens (mixed up, replayed, a prompt list's
+	// other prompt) are refused before any byte is read.
+	TokenDigests  []byte `protobuf:"bytes,18,opt,name=token_digests,json=tokenDigests,proto3" json:"token_digests,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -231,6 +242,13 @@ func (x *KVTransferParams) GetPromptTokens() uint32 {
 	return 0
 }
 
+func (x *KVTransferParams) GetTokenDigests() []byte {
+	if x != nil {
+		return x.TokenDigests
+	}
+	return nil
+}
+
 // RankExport names one export: the blocks one prefill rank holds for one
 // request under one lease. READs, notifications and heartbeats name it by
 // export_id; the serving rank checks every block against that lease.
@@ -367,8 +385,16 @@ type ReqMeta struct {
 	// Trailing local blocks the decode computes itself (allocated past the
 	// prompt, e.g. for its first generated tokens); never written.
 	LocalSurplusBlocks uint32 `protobuf:"varint,5,opt,name=local_surplus_blocks,json=localSurplusBlocks,proto3" json:"local_surplus_blocks,omitempty"`
-	unknownFields      protoimpl.UnknownFields
-	sizeCache          protoimpl.SizeCache
+	// The decode prompt's own token digests (connector.TokenDigests over the
+	// prompt tokens it takes from the params, the same chain), at least one
+	// per block up to the last one it reads (remote_hit_blocks + the blocks
+	// it fills). Required when params.token_digests is set and a block is
+	// read: a block whose digest differs, or one without a digest here,
+	// refuses the load before any byte is read (TOKEN_DIGEST_MISMATCH,
+	// TOKEN_DIGEST_MISSING).
+	TokenDigests  []byte `protobuf:"bytes,6,opt,name=token_digests,json=tokenDigests,proto3" json:"token_digests,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ReqMeta) Reset() {
@@ -436,11 +462,18 @@ func (x *ReqMeta) GetLocalSurplusBlocks() uint32 {
 	return 0
 }
 
+func (x *ReqMeta) GetTokenDigests() []byte {
+	if x != nil {
+		return x.TokenDigests
+	}
+	return nil
+}
+
 var File_kvsidecar_v1_params_proto protoreflect.FileDescriptor
 
 const file_kvsidecar_v1_params_proto_rawDesc = "" +
 	"\n" +
-	"\x19kvsidecar/v1/params.proto\x12\fkvsidecar.v1\"\xe3\x05\n" +
+	"\x19kvsidecar/v1/params.proto\x12\fkvsidecar.v1\"\x88\x06\n" +
 	"\x10KVTransferParams\x12*\n" +
 	"\x11do_remote_prefill\x18\x01 \x01(\bR\x0fdoRemotePrefill\x12(\n" +
 	"\x10do_remote_decode\x18\x02 \x01(\bR\x0edoRemoteDecode\x12(\n" +
@@ -464,7 +497,8 @@ const file_kvsidecar_v1_params_proto_rawDesc = "" +
 	"\n" +
 	"block_size\x18\x0f \x01(\rR\tblockSize\x12!\n" +
 	"\tchecksums\x18\x10 \x01(\bH\x01R\tchecksums\x88\x01\x01\x12#\n" +
-	"\rprompt_tokens\x18\x11 \x01(\rR\fpromptTokensB\n" +
+	"\rprompt_tokens\x18\x11 \x01(\rR\fpromptTokens\x12#\n" +
+	"\rtoken_digests\x18\x12 \x01(\fR\ftokenDigestsB\n" +
 	"\n" +
 	"\b_tp_sizeB\f\n" +
 	"\n" +
@@ -479,14 +513,15 @@ const file_kvsidecar_v1_params_proto_rawDesc = "" +
 	"capability\x12*\n" +
 	"\x11capability_key_id\x18\x05 \x01(\tR\x0fcapabilityKeyId\x12'\n" +
 	"\x0fblock_checksums\x18\x06 \x01(\fR\x0eblockChecksums\x12%\n" +
-	"\x0echecksum_heads\x18\a \x01(\rR\rchecksumHeads\"\x81\x02\n" +
+	"\x0echecksum_heads\x18\a \x01(\rR\rchecksumHeads\"\xa6\x02\n" +
 	"\aReqMeta\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12&\n" +
 	"\x0flocal_block_ids\x18\x02 \x03(\rR\rlocalBlockIds\x126\n" +
 	"\x06params\x18\x03 \x01(\v2\x1e.kvsidecar.v1.KVTransferParamsR\x06params\x12/\n" +
 	"\x11remote_hit_blocks\x18\x04 \x01(\rH\x00R\x0fremoteHitBlocks\x88\x01\x01\x120\n" +
-	"\x14local_surplus_blocks\x18\x05 \x01(\rR\x12localSurplusBlocksB\x14\n" +
+	"\x14local_surplus_blocks\x18\x05 \x01(\rR\x12localSurplusBlocks\x12#\n" +
+	"\rtoken_digests\x18\x06 \x01(\fR\ftokenDigestsB\x14\n" +
 	"\x12_remote_hit_blocksB?Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1b\x06proto3"
 
 var (

@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 from kvsidecar.v1 import common_pb2 as kvsidecar_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvsidecar/v1/agent.proto\x12\x0ckvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\"\x90\x01\n\x06Region\x12\x0c\n\x04\x62\x61se\x18\x01 \x01(\x04\x12\x0b\n\x03len\x18\x02 \x01(\x04\x12\x11\n\tblock_len\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65v_id\x18\x04 \x01(\r\x12\r\n\x05layer\x18\x05 \x01(\r\x12&\n\x04kind\x18\x06 \x01(\x0e\x32\x18.kvsidecar.v1.RegionKind\x12\x11\n\tpage_size\x18\x07 \x01(\x04\"\x9a\x03\n\rAgentMetadata\x12/\n\x0cwire_version\x18\x01 \x01(\x0e\x32\x19.kvsidecar.v1.WireVersion\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x0f\n\x07pp_rank\x18\x07 \x01(\r\x12\x11\n\tdevice_id\x18\x08 \x01(\r\x12\x12\n\nmodel_hash\x18\t \x01(\x0c\x12-\n\x08geometry\x18\n \x01(\x0b\x32\x1b.kvsidecar.v1.ModelGeometry\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\x12\n\nnum_blocks\x18\x0c \x01(\r\x12%\n\x07regions\x18\r \x03(\x0b\x32\x14.kvsidecar.v1.Region\x12\x16\n\x0eheads_per_rank\x18\x0e \x01(\r\x12\x11\n\tquic_addr\x18\x0f \x01(\t\x12\x19\n\x11\x63\x61pability_key_id\x18\x10 \x01(\t\"\xc0\x01\n\x10HandshakeRequest\x12/\n\x0cwire_version\x18\x01 \x01(\x0e\x32\x19.kvsidecar.v1.WireVersion\x12\x1a\n\x12\x65xpected_engine_id\x18\x02 \x01(\t\x12\x18\n\x10\x65xpected_tp_rank\x18\x03 \x01(\r\x12\x18\n\x10\x65xpected_tp_size\x18\x04 \x01(\r\x12+\n\x06\x64ialer\x18\x05 \x01(\x0b\x32\x1b.kvsidecar.v1.AgentMetadata\"f\n\x11HandshakeResponse\x12\"\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x13.kvsidecar.v1.Error\x12-\n\x08metadata\x18\x02 \x01(\x0b\x32\x1b.kvsidecar.v1.AgentMetadata*i\n\nRegionKind\x12\x1b\n\x17REGION_KIND_UNSPECIFIED\x10\x00\x12\x11\n\rREGION_KIND_K\x10\x01\x12\x11\n\rREGION_KIND_V\x10\x02\x12\x18\n\x14REGION_KIND_COMPOUND\x10\x03\x42?Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvsidecar/v1/agent.proto\x12\x0ckvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\"\x90\x01\n\x06Region\x12\x0c\n\x04\x62\x61se\x18\x01 \x01(\x04\x12\x0b\n\x03len\x18\x02 \x01(\x04\x12\x11\n\tblock_len\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65v_id\x18\x04 \x01(\r\x12\r\n\x05layer\x18\x05 \x01(\r\x12&\n\x04kind\x18\x06 \x01(\x0e\x32\x18.kvsidecar.v1.RegionKind\x12\x11\n\tpage_size\x18\x07 \x01(\x04\"\xc5\x03\n\rAgentMetadata\x12/\n\x0cwire_version\x18\x01 \x01(\x0e\x32\x19.kvsidecar.v1.WireVersion\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x0f\n\x07pp_rank\x18\x07 \x01(\r\x12\x11\n\tdevice_id\x18\x08 \x01(\r\x12\x12\n\nmodel_hash\x18\t \x01(\x0c\x12-\n\x08geometry\x18\n \x01(\x0b\x32\x1b.kvsidecar.v1.ModelGeometry\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\x12\n\nnum_blocks\x18\x0c \x01(\r\x12%\n\x07regions\x18\r \x03(\x0b\x32\x14.kvsidecar.v1.Region\x12\x16\n\x0eheads_per_rank\x18\x0e \x01(\r\x12\x11\n\tquic_addr\x18\x0f \x01(\t\x12\x19\n\x11\x63\x61pability_key_id\x18\x10 \x01(\t\x12)\n\tsame_host\x18\x11 \x01(\x0b\x32\x16.kvsidecar.v1.SameHost\"e\n\x08SameHost\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x0e\n\x06socket\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x0c\x12)\n\tpage_kind\x18\x04 \x01(\x0e\x32\x16.kvsidecar.v1.PageKind\"\xc0\x01\n\x10HandshakeRequest\x12/\n\x0cwire_version\x18\x01 \x01(\x0e\x32\x19.kvsidecar.v1.WireVersion\x12\x1a\n\x12\x65xpected_engine_id\x18\x02 \x01(\t\x12\x18\n\x10\x65xpected_tp_rank\x18\x03 \x01(\r\x12\x18\n\x10\x65xpected_tp_size\x18\x04 \x01(\r\x12+\n\x06\x64ialer\x18\x05 \x01(\x0b\x32\x1b.kvsidecar.v1.AgentMetadata\"f\n\x11HandshakeResponse\x12\"\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x13.kvsidecar.v1.Error\x12-\n\x08metadata\x18\x02 \x01(\x0b\x32\x1b.kvsidecar.v1.AgentMetadata*i\n\nRegionKind\x12\x1b\n\x17REGION_KIND_UNSPECIFIED\x10\x00\x12\x11\n\rREGION_KIND_K\x10\x01\x12\x11\n\rREGION_KIND_V\x10\x02\x12\x18\n\x14REGION_KIND_COMPOUND\x10\x03*W\n\x08PageKind\x12\x19\n\x15PAGE_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fPAGE_KIND_MEMFD\x10\x01\x12\x1b\n\x17PAGE_KIND_CUDA_POSIX_FD\x10\x02\x42?Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1b\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvsidecar.v1.agent_pb2', globals())
@@ -22,14 +22,18 @@ if _descriptor._USE_C_DESCRIPTORS == False:
 
   DESCRIPTOR._options = None
   DESCRIPTOR._serialized_options = b'Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1'
-  _REGIONKIND._serialized_start=928
-  _REGIONKIND._serialized_end=1033
+  _REGIONKIND._serialized_start=1074
+  _REGIONKIND._serialized_end=1179
+  _PAGEKIND._serialized_start=1181
+  _PAGEKIND._serialized_end=1268
   _REGION._serialized_start=70
   _REGION._serialized_end=214
   _AGENTMETADATA._serialized_start=217
-  _AGENTMETADATA._serialized_end=627
-  _HANDSHAKEREQUEST._serialized_start=630
-  _HANDSHAKEREQUEST._serialized_end=822
-  _HANDSHAKERESPONSE._serialized_start=824
-  _HANDSHAKERESPONSE._serialized_end=926
+  _AGENTMETADATA._serialized_end=670
+  _SAMEHOST._serialized_start=672
+  _SAMEHOST._serialized_end=773
+  _HANDSHAKEREQUEST._serialized_start=776
+  _HANDSHAKEREQUEST._serialized_end=968
+  _HANDSHAKERESPONSE._serialized_start=970
+  _HANDSHAKERESPONSE._serialized_end=1072
 # @@protoc_insertion_point(module_scope)

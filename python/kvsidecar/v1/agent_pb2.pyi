@@ -6,13 +6,16 @@ from google.protobuf import message as _message
 from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+PAGE_KIND_CUDA_POSIX_FD: PageKind
+PAGE_KIND_MEMFD: PageKind
+PAGE_KIND_UNSPECIFIED: PageKind
 REGION_KIND_COMPOUND: RegionKind
 REGION_KIND_K: RegionKind
 REGION_KIND_UNSPECIFIED: RegionKind
 REGION_KIND_V: RegionKind
 
 class AgentMetadata(_message.Message):
-    __slots__ = ["agent_name", "block_size", "capability_key_id", "device_id", "engine_id", "geometry", "heads_per_rank", "incarnation", "model_hash", "num_blocks", "pp_rank", "quic_addr", "regions", "tp_rank", "tp_size", "wire_version"]
+    __slots__ = ["agent_name", "block_size", "capability_key_id", "device_id", "engine_id", "geometry", "heads_per_rank", "incarnation", "model_hash", "num_blocks", "pp_rank", "quic_addr", "regions", "same_host", "tp_rank", "tp_size", "wire_version"]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_KEY_ID_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +29,7 @@ class AgentMetadata(_message.Message):
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
     QUIC_ADDR_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
+    SAME_HOST_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -42,10 +46,11 @@ class AgentMetadata(_message.Message):
     pp_rank: int
     quic_addr: str
     regions: _containers.RepeatedCompositeFieldContainer[Region]
+    same_host: SameHost
     tp_rank: int
     tp_size: int
     wire_version: _common_pb2.WireVersion
-    def __init__(self, wire_version: _Optional[_Union[_common_pb2.WireVersion, str]] = ..., engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., incarnation: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., device_id: _Optional[int] = ..., model_hash: _Optional[bytes] = ..., geometry: _Optional[_Union[_common_pb2.ModelGeometry, _Mapping]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., heads_per_rank: _Optional[int] = ..., quic_addr: _Optional[str] = ..., capability_key_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, wire_version: _Optional[_Union[_common_pb2.WireVersion, str]] = ..., engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., incarnation: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., device_id: _Optional[int] = ..., model_hash: _Optional[bytes] = ..., geometry: _Optional[_Union[_common_pb2.ModelGeometry, _Mapping]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., heads_per_rank: _Optional[int] = ..., quic_addr: _Optional[str] = ..., capability_key_id: _Optional[str] = ..., same_host: _Optional[_Union[SameHost, _Mapping]] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ["dialer", "expected_engine_id", "expected_tp_rank", "expected_tp_size", "wire_version"]
@@ -87,5 +92,20 @@ class Region(_message.Message):
     page_size: int
     def __init__(self, base: _Optional[int] = ..., len: _Optional[int] = ..., block_len: _Optional[int] = ..., dev_id: _Optional[int] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., page_size: _Optional[int] = ...) -> None: ...
 
+class SameHost(_message.Message):
+    __slots__ = ["host_id", "page_kind", "socket", "token"]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_KIND_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    page_kind: PageKind
+    socket: str
+    token: bytes
+    def __init__(self, host_id: _Optional[str] = ..., socket: _Optional[str] = ..., token: _Optional[bytes] = ..., page_kind: _Optional[_Union[PageKind, str]] = ...) -> None: ...
+
 class RegionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = []
+
+class PageKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = []

@@ -13,7 +13,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvsidecar/v1/params.proto\x12\x0ckvsidecar.v1\"\xe9\x03\n\x10KVTransferParams\x12\x19\n\x11\x64o_remote_prefill\x18\x01 \x01(\x08\x12\x18\n\x10\x64o_remote_decode\x18\x02 \x01(\x08\x12\x18\n\x10remote_engine_id\x18\x03 \x01(\t\x12\x19\n\x11remote_request_id\x18\x04 \x01(\t\x12\x18\n\x10remote_block_ids\x18\x05 \x03(\r\x12\x13\n\x0bremote_host\x18\x06 \x01(\t\x12\x13\n\x0bremote_port\x18\x07 \x01(\r\x12\x14\n\x07tp_size\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11remote_rank_addrs\x18\t \x03(\t\x12\x1a\n\x12remote_incarnation\x18\n \x01(\x04\x12\x12\n\ncapability\x18\x0b \x01(\x0c\x12\x1d\n\x15lease_expires_unix_ms\x18\x0c \x01(\x03\x12\x1a\n\x12\x65xpected_consumers\x18\r \x01(\r\x12.\n\x0crank_exports\x18\x0e \x03(\x0b\x32\x18.kvsidecar.v1.RankExport\x12\x12\n\nblock_size\x18\x0f \x01(\r\x12\x16\n\tchecksums\x18\x10 \x01(\x08H\x01\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x11 \x01(\rB\n\n\x08_tp_sizeB\x0c\n\n_checksums\"\xa3\x01\n\nRankExport\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x11\n\texport_id\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\ncapability\x18\x04 \x01(\x0c\x12\x19\n\x11\x63\x61pability_key_id\x18\x05 \x01(\t\x12\x17\n\x0f\x62lock_checksums\x18\x06 \x01(\x0c\x12\x16\n\x0e\x63hecksum_heads\x18\x07 \x01(\r\"\xba\x01\n\x07ReqMeta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0flocal_block_ids\x18\x02 \x03(\r\x12.\n\x06params\x18\x03 \x01(\x0b\x32\x1e.kvsidecar.v1.KVTransferParams\x12\x1e\n\x11remote_hit_blocks\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x14local_surplus_blocks\x18\x05 \x01(\rB\x14\n\x12_remote_hit_blocksB?Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvsidecar/v1/params.proto\x12\x0ckvsidecar.v1\"\x80\x04\n\x10KVTransferParams\x12\x19\n\x11\x64o_remote_prefill\x18\x01 \x01(\x08\x12\x18\n\x10\x64o_remote_decode\x18\x02 \x01(\x08\x12\x18\n\x10remote_engine_id\x18\x03 \x01(\t\x12\x19\n\x11remote_request_id\x18\x04 \x01(\t\x12\x18\n\x10remote_block_ids\x18\x05 \x03(\r\x12\x13\n\x0bremote_host\x18\x06 \x01(\t\x12\x13\n\x0bremote_port\x18\x07 \x01(\r\x12\x14\n\x07tp_size\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11remote_rank_addrs\x18\t \x03(\t\x12\x1a\n\x12remote_incarnation\x18\n \x01(\x04\x12\x12\n\ncapability\x18\x0b \x01(\x0c\x12\x1d\n\x15lease_expires_unix_ms\x18\x0c \x01(\x03\x12\x1a\n\x12\x65xpected_consumers\x18\r \x01(\r\x12.\n\x0crank_exports\x18\x0e \x03(\x0b\x32\x18.kvsidecar.v1.RankExport\x12\x12\n\nblock_size\x18\x0f \x01(\r\x12\x16\n\tchecksums\x18\x10 \x01(\x08H\x01\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x11 \x01(\r\x12\x15\n\rtoken_digests\x18\x12 \x01(\x0c\x42\n\n\x08_tp_sizeB\x0c\n\n_checksums\"\xa3\x01\n\nRankExport\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x11\n\texport_id\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\ncapability\x18\x04 \x01(\x0c\x12\x19\n\x11\x63\x61pability_key_id\x18\x05 \x01(\t\x12\x17\n\x0f\x62lock_checksums\x18\x06 \x01(\x0c\x12\x16\n\x0e\x63hecksum_heads\x18\x07 \x01(\r\"\xd1\x01\n\x07ReqMeta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0flocal_block_ids\x18\x02 \x03(\r\x12.\n\x06params\x18\x03 \x01(\x0b\x32\x1e.kvsidecar.v1.KVTransferParams\x12\x1e\n\x11remote_hit_blocks\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x14local_surplus_blocks\x18\x05 \x01(\r\x12\x15\n\rtoken_digests\x18\x06 \x01(\x0c\x42\x14\n\x12_remote_hit_blocksB?Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1b\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvsidecar.v1.params_pb2', globals())
@@ -22,9 +22,9 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
   DESCRIPTOR._serialized_options = b'Z=github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1;kvsidecarv1'
   _KVTRANSFERPARAMS._serialized_start=44
-  _KVTRANSFERPARAMS._serialized_end=533
-  _RANKEXPORT._serialized_start=536
-  _RANKEXPORT._serialized_end=699
-  _REQMETA._serialized_start=702
-  _REQMETA._serialized_end=888
+  _KVTRANSFERPARAMS._serialized_end=556
+  _RANKEXPORT._serialized_start=559
+  _RANKEXPORT._serialized_end=722
+  _REQMETA._serialized_start=725
+  _REQMETA._serialized_end=934
 # @@protoc_insertion_point(module_scope)

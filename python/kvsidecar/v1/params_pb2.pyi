@@ -6,7 +6,7 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVTransferParams(_message.Message):
-    __slots__ = ["block_size", "capability", "checksums", "do_remote_decode", "do_remote_prefill", "expected_consumers", "lease_expires_unix_ms", "prompt_tokens", "rank_exports", "remote_block_ids", "remote_engine_id", "remote_host", "remote_incarnation", "remote_port", "remote_rank_addrs", "remote_request_id", "tp_size"]
+    __slots__ = ["block_size", "capability", "checksums", "do_remote_decode", "do_remote_prefill", "expected_consumers", "lease_expires_unix_ms", "prompt_tokens", "rank_exports", "remote_block_ids", "remote_engine_id", "remote_host", "remote_incarnation", "remote_port", "remote_rank_addrs", "remote_request_id", "token_digests", "tp_size"]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class KVTransferParams(_message.Message):
     REMOTE_PORT_FIELD_NUMBER: _ClassVar[int]
     REMOTE_RANK_ADDRS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     capability: bytes
@@ -40,8 +41,9 @@ class KVTransferParams(_message.Message):
     remote_port: int
     remote_rank_addrs: _containers.RepeatedScalarFieldContainer[str]
     remote_request_id: str
+    token_digests: bytes
     tp_size: int
-    def __init__(self, do_remote_prefill: bool = ..., do_remote_decode: bool = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., tp_size: _Optional[int] = ..., remote_rank_addrs: _Optional[_Iterable[str]] = ..., remote_incarnation: _Optional[int] = ..., capability: _Optional[bytes] = ..., lease_expires_unix_ms: _Optional[int] = ..., expected_consumers: _Optional[int] = ..., rank_exports: _Optional[_Iterable[_Union[RankExport, _Mapping]]] = ..., block_size: _Optional[int] = ..., checksums: bool = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, do_remote_prefill: bool = ..., do_remote_decode: bool = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., tp_size: _Optional[int] = ..., remote_rank_addrs: _Optional[_Iterable[str]] = ..., remote_incarnation: _Optional[int] = ..., capability: _Optional[bytes] = ..., lease_expires_unix_ms: _Optional[int] = ..., expected_consumers: _Optional[int] = ..., rank_exports: _Optional[_Iterable[_Union[RankExport, _Mapping]]] = ..., block_size: _Optional[int] = ..., checksums: bool = ..., prompt_tokens: _Optional[int] = ..., token_digests: _Optional[bytes] = ...) -> None: ...
 
 class RankExport(_message.Message):
     __slots__ = ["block_checksums", "block_ids", "capability", "capability_key_id", "checksum_heads", "export_id", "tp_rank"]
@@ -62,15 +64,17 @@ class RankExport(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., export_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., capability: _Optional[bytes] = ..., capability_key_id: _Optional[str] = ..., block_checksums: _Optional[bytes] = ..., checksum_heads: _Optional[int] = ...) -> None: ...
 
 class ReqMeta(_message.Message):
-    __slots__ = ["local_block_ids", "local_surplus_blocks", "params", "remote_hit_blocks", "request_id"]
+    __slots__ = ["local_block_ids", "local_surplus_blocks", "params", "remote_hit_blocks", "request_id", "token_digests"]
     LOCAL_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SURPLUS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     local_block_ids: _containers.RepeatedScalarFieldContainer[int]
     local_surplus_blocks: int
     params: KVTransferParams
     remote_hit_blocks: int
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ..., local_block_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[KVTransferParams, _Mapping]] = ..., remote_hit_blocks: _Optional[int] = ..., local_surplus_blocks: _Optional[int] = ...) -> None: ...
+    token_digests: bytes
+    def __init__(self, request_id: _Optional[str] = ..., local_block_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[KVTransferParams, _Mapping]] = ..., remote_hit_blocks: _Optional[int] = ..., local_surplus_blocks: _Optional[int] = ..., token_digests: _Optional[bytes] = ...) -> None: ...

@@ -71,6 +71,28 @@ class IndexedDescs(_message.Message):
     indices: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, dlist_id: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class LocalHello(_message.Message):
+    __slots__ = ["error", "page_kinds", "token", "wire_version"]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PAGE_KINDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    error: _common_pb2.Error
+    page_kinds: _containers.RepeatedScalarFieldContainer[_agent_pb2.PageKind]
+    token: bytes
+    wire_version: _common_pb2.WireVersion
+    def __init__(self, wire_version: _Optional[_Union[_common_pb2.WireVersion, str]] = ..., token: _Optional[bytes] = ..., page_kinds: _Optional[_Iterable[_Union[_agent_pb2.PageKind, str]]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...
+
+class LocalProgress(_message.Message):
+    __slots__ = ["bytes", "done", "error"]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    done: bool
+    error: _common_pb2.Error
+    def __init__(self, bytes: _Optional[int] = ..., done: bool = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...
+
 class Notification(_message.Message):
     __slots__ = ["capability", "consumer_count", "consumer_engine_id", "consumer_tp_rank", "export_id", "payload", "request_id"]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
@@ -138,20 +160,22 @@ class PeerRequest(_message.Message):
     def __init__(self, wire_version: _Optional[_Union[_common_pb2.WireVersion, str]] = ..., handshake: _Optional[_Union[_agent_pb2.HandshakeRequest, _Mapping]] = ..., prep: _Optional[_Union[PrepDescList, _Mapping]] = ..., xfer: _Optional[_Union[XferRequest, _Mapping]] = ..., notification: _Optional[_Union[Notification, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., unprep: _Optional[_Union[UnprepDescList, _Mapping]] = ...) -> None: ...
 
 class PeerResponse(_message.Message):
-    __slots__ = ["handshake", "heartbeat", "notification", "prep", "unprep", "xfer"]
+    __slots__ = ["handshake", "heartbeat", "notification", "prep", "shared", "unprep", "xfer"]
     HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     NOTIFICATION_FIELD_NUMBER: _ClassVar[int]
     PREP_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     UNPREP_FIELD_NUMBER: _ClassVar[int]
     XFER_FIELD_NUMBER: _ClassVar[int]
     handshake: _agent_pb2.HandshakeResponse
     heartbeat: HeartbeatAck
     notification: NotificationAck
     prep: _common_pb2.Error
+    shared: SharedPages
     unprep: _common_pb2.Error
     xfer: XferStatus
-    def __init__(self, handshake: _Optional[_Union[_agent_pb2.HandshakeResponse, _Mapping]] = ..., prep: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., xfer: _Optional[_Union[XferStatus, _Mapping]] = ..., notification: _Optional[_Union[NotificationAck, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., unprep: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...
+    def __init__(self, handshake: _Optional[_Union[_agent_pb2.HandshakeResponse, _Mapping]] = ..., prep: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., xfer: _Optional[_Union[XferStatus, _Mapping]] = ..., notification: _Optional[_Union[NotificationAck, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., unprep: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., shared: _Optional[_Union[SharedPages, _Mapping]] = ...) -> None: ...
 
 class PrepDescList(_message.Message):
     __slots__ = ["descs", "dlist_id"]
@@ -170,6 +194,30 @@ class RegionShape(_message.Message):
     kind: _agent_pb2.RegionKind
     layer: int
     def __init__(self, layer: _Optional[int] = ..., kind: _Optional[_Union[_agent_pb2.RegionKind, str]] = ..., block_len: _Optional[int] = ...) -> None: ...
+
+class SharedPage(_message.Message):
+    __slots__ = ["addr", "file", "file_offset", "len"]
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    FILE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LEN_FIELD_NUMBER: _ClassVar[int]
+    addr: int
+    file: int
+    file_offset: int
+    len: int
+    def __init__(self, addr: _Optional[int] = ..., len: _Optional[int] = ..., file: _Optional[int] = ..., file_offset: _Optional[int] = ...) -> None: ...
+
+class SharedPages(_message.Message):
+    __slots__ = ["kind", "num_files", "pages", "spans"]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NUM_FILES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    kind: _agent_pb2.PageKind
+    num_files: int
+    pages: _containers.RepeatedCompositeFieldContainer[SharedPage]
+    spans: DescriptorList
+    def __init__(self, kind: _Optional[_Union[_agent_pb2.PageKind, str]] = ..., pages: _Optional[_Iterable[_Union[SharedPage, _Mapping]]] = ..., num_files: _Optional[int] = ..., spans: _Optional[_Union[DescriptorList, _Mapping]] = ...) -> None: ...
 
 class UnprepDescList(_message.Message):
     __slots__ = ["dlist_id"]
