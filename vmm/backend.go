@@ -78,3 +78,40 @@ type Importer interface {
 	// f stays owned by the caller.
 	Import(f *os.File, off uint64) (Handle, error)
 }
+
+// AsyncCopier is implemented by backends whose memory the host reaches only
+// through copies, and that can run those copies in the background: vmm/cuda,
+// on its own CUDA stream, from and into page-locked host buffers. The host
+// backend has none (its pages are host memory: HostBytes).
+type AsyncCopier interface {
+	// HostBuffer returns n bytes of page-locked host memory, the host side
+	// with which the copies below run asynchronously, and free, which gives
+	// it back. buf is valid until free or the backend's Close.
+	HostBuffer(n int) (buf []byte, free func() error, err error)
+	// CopyOutAsync starts a copy of [addr, addr+len(dst)) into dst and
+	// returns wait, which blocks until it is done and returns its error.
+	// The caller leaves dst untouched until wait returns. Range errors as
+	// for CopyOut.
+	CopyOutAsync(addr uint64, dst []byte) (wait func() error, err error)
+	// CopyInAsync starts a copy of src to [addr, addr+len(src)); src stays
+	// unchanged until wait returns. Range errors as for CopyIn.
+	CopyInAsync(addr uint64, src []byte) (wait func() error, err error)
+}
+
+// PeerCopier is implemented by backends that can map pages another process
+// exported (Export's files, from a sidecar on the same host) read-only and
+// copy from them device to device, with no copy through the host: vmm/cuda.
+type PeerCopier interface {
+	// ImportPeerPages imports each file (one exported page of sizes[i]
+	// bytes from offset 0) and maps them read-only, back to back, in one new
+	// range of addresses: addrs[i] is the first byte of file i. release
+	// unmaps and releases them and frees the range. An error wrapping
+	// errors.ErrUnsupported says this device cannot reach that memory (the
+	// caller copies another way); nothing is left mapped after an error.
+	ImportPeerPages(files []*os.File, sizes []uint64) (addrs []uint64, release func() error, err error)
+	// CopyDeviceToDevice copies n[i] bytes from src[i] to dst[i] for every
+	// i and returns when all are done. Each dst range is the backend's own
+	// mapped pages; each src range those or imported peer pages. Entries
+	// contiguous in both dst and src run as one copy (CoalesceCopies).
+	CopyDeviceToDevice(dst, src, n []uint64) error
+}

@@ -18,6 +18,13 @@
 //	err = pool.CopyIn(region, pool.BlockOffset(ids[0]), kv)
 //	err = pool.Free(ctx, ids)       // unmaps pages whose last block went
 //
+// Two optional backend interfaces serve the data plane where the pages are
+// device memory: AsyncCopier (Pool.HostBuffer, CopyOutAsync, CopyInAsync:
+// staging copies through page-locked buffers that run while the caller
+// sends the previous buffer) and PeerCopier (Pool.ImportPeer, CopyFromPeer:
+// a peer sidecar's exported pages mapped read-only and copied device to
+// device, contiguous runs coalesced by CoalesceCopies).
+//
 // Errors are sentinels (ErrAlreadyMapped, ErrNotMapped, ErrOverLimit,
 // ErrBlockOutOfRange, ErrDoubleFree, ErrNullBlock, ErrBackend,
 // ErrInvalidConfig) wrapped in struct types that name the page, block or

@@ -14,32 +14,10 @@ package cuda
 #include <string.h>
 #include <unistd.h>
 
-// The driver API's types and enum values: the vendored header this
-// package shares with the fake driver of cudatest (internal/cudaabi).
-#include "cuda_abi.h"
-
-// kvs_lib is the entry points of one loaded driver library.
-typedef struct {
-	CUresult (*cuInit)(unsigned int);
-	CUresult (*cuDriverGetVersion)(int *);
-	CUresult (*cuDeviceGet)(CUdevice *, int);
-	CUresult (*cuDeviceGetAttribute)(int *, int, CUdevice);
-	CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
-	CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
-	CUresult (*cuCtxSetCurrent)(CUcontext);
-	CUresult (*cuMemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
-	CUresult (*cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
-	CUresult (*cuMemAddressFree)(CUdeviceptr, size_t);
-	CUresult (*cuMemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
-	CUresult (*cuMemRelease)(CUmemGenericAllocationHandle);
-	CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
-	CUresult (*cuMemUnmap)(CUdeviceptr, size_t);
-	CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
-	CUresult (*cuMemExportToShareableHandle)(void *, CUmemGenericAllocationHandle, int, unsigned long long);
-	CUresult (*cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *, int);
-	CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void *, size_t);
-	CUresult (*cuMemcpyDtoH)(void *, CUdeviceptr, size_t);
-} kvs_lib;
+// The table of the driver's entry points (kvs.h), over the driver API's
+// types and enum values: the vendored header this package shares with the
+// fake driver of cudatest (internal/cudaabi).
+#include "kvs.h"
 
 // kvs_load opens the driver library name (RTLD_NOW | RTLD_LOCAL) and
 // resolves every entry point, the _v2 ones where the driver has them. It
@@ -75,6 +53,20 @@ static int kvs_load(const char *name, kvs_lib *l, char *path, size_t pathlen, ch
 	KVS_SYM(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle");
 	KVS_SYM(cuMemcpyHtoD, "cuMemcpyHtoD_v2");
 	KVS_SYM(cuMemcpyDtoH, "cuMemcpyDtoH_v2");
+	KVS_SYM(cuMemHostAlloc, "cuMemHostAlloc");
+	KVS_SYM(cuMemFreeHost, "cuMemFreeHost");
+	KVS_SYM(cuStreamCreate, "cuStreamCreate");
+	KVS_SYM(cuStreamDestroy, "cuStreamDestroy_v2");
+	KVS_SYM(cuStreamSynchronize, "cuStreamSynchronize");
+	KVS_SYM(cuEventCreate, "cuEventCreate");
+	KVS_SYM(cuEventRecord, "cuEventRecord");
+	KVS_SYM(cuEventSynchronize, "cuEventSynchronize");
+	KVS_SYM(cuEventDestroy, "cuEventDestroy_v2");
+	KVS_SYM(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
+	KVS_SYM(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
+	KVS_SYM(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2");
+	KVS_SYM(cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer");
+	KVS_SYM(cuMemGetAllocationPropertiesFromHandle, "cuMemGetAllocationPropertiesFromHandle");
 #undef KVS_SYM
 	Dl_info info;
 	if (dladdr(*(void **)(&l->cuInit), &info) && info.dli_fname) snprintf(path, pathlen, "%s", info.dli_fname);
@@ -140,16 +132,6 @@ static CUresult kvs_probe(const kvs_lib *l, CUcontext ctx, CUdevice dev, size_t 
 	return r ? r : rr;
 }
 
-static CUresult kvs_reserve(const kvs_lib *l, CUcontext ctx, size_t size, size_t align, CUdeviceptr *ptr) {
-	CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuMemAddressReserve(ptr, size, align, 0, 0);
-}
-
-static CUresult kvs_free(const kvs_lib *l, CUcontext ctx, CUdeviceptr ptr, size_t size) {
-	CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuMemAddressFree(ptr, size);
-}
-
 static CUresult kvs_create(const kvs_lib *l, CUcontext ctx, CUdevice dev, size_t size, CUmemGenericAllocationHandle *h) {
 	CUresult r = l->cuCtxSetCurrent(ctx);
 	if (r) return r;
@@ -158,40 +140,9 @@ static CUresult kvs_create(const kvs_lib *l, CUcontext ctx, CUdevice dev, size_t
 	return l->cuMemCreate(h, size, &prop, 0);
 }
 
-static CUresult kvs_release(const kvs_lib *l, CUcontext ctx, CUmemGenericAllocationHandle h) {
-	CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuMemRelease(h);
-}
-
-static CUresult kvs_map(const kvs_lib *l, CUcontext ctx, CUdeviceptr ptr, size_t size, CUmemGenericAllocationHandle h) {
-	CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuMemMap(ptr, size, 0, h, 0);
-}
-
-static CUresult kvs_unmap(const kvs_lib *l, CUcontext ctx, CUdeviceptr ptr, size_t size) {
-	CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuMemUnmap(ptr, size);
-}
-
-static CUresult kvs_set_access(const kvs_lib *l, CUcontext ctx, CUdevice dev, CUdeviceptr ptr, size_t size) {
-	CUresult r = l->cuCtxSetCurrent(ctx);
-	if (r) return r;
-	CUmemAccessDesc d;
-	memset(&d, 0, sizeof d);
-	d.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-	d.location.id = dev;
-	d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-	return l->cuMemSetAccess(ptr, size, &d, 1);
-}
-
 static CUresult kvs_export(const kvs_lib *l, CUcontext ctx, CUmemGenericAllocationHandle h, int *fd) {
 	CUresult r = l->cuCtxSetCurrent(ctx);
 	return r ? r : l->cuMemExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
-}
-
-static CUresult kvs_import(const kvs_lib *l, CUcontext ctx, int fd, CUmemGenericAllocationHandle *h) {
-	CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuMemImportFromShareableHandle(h, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
 }
 
 static CUresult kvs_htod(const kvs_lib *l, CUcontext ctx, CUdeviceptr dst, const void *src, size_t n) {
@@ -210,6 +161,8 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"slices"
+	"sort"
 	"sync"
 	"unsafe"
 
@@ -265,6 +218,10 @@ func load(name string) (*library, error) {
 // Mapped and created pages are tracked in Go, so mapping a mapped address or
 // unmapping an unmapped one fails with vmm.ErrAlreadyMapped / ErrNotMapped as
 // the host backend does, before the driver is asked.
+//
+// Asynchronous copies (cuda_async.go) and device-to-device copies
+// (cuda_peer.go) run on the backend's own stream, created by New with
+// CU_STREAM_NON_BLOCKING.
 type Backend struct {
 	lib     *library
 	version int
@@ -273,16 +230,37 @@ type Backend struct {
 	ctx     C.CUcontext
 	gran    uint64
 
+	// smu guards the stream's life: a copy or a wait holds it for
+	// reading, Close for writing. It is never taken while holding mu.
+	smu    sync.RWMutex
+	stream C.CUstream // nil once closed
+
 	mu     sync.Mutex
 	closed bool
-	res    map[uint64]uint64     // reservation base → size
-	live   map[vmm.Handle]int    // handle → mappings of it
-	mapped map[uint64]vmm.Handle // page address → handle
-	access map[uint64]struct{}   // mapped pages with access set
+	res    map[uint64]uint64        // reservation base → size
+	live   map[vmm.Handle]int       // handle → mappings of it
+	mapped map[uint64]vmm.Handle    // page address → handle
+	access map[uint64]struct{}      // mapped pages with access set
+	spans  []span                   // reservations and peer imports, by base
+	events []C.CUevent              // every event made (cuda_async.go)
+	idle   []C.CUevent              // of those, the ones free to record
+	host   map[unsafe.Pointer]int   // cuMemHostAlloc buffers not yet freed → bytes
+	peers  map[*peerImport]struct{} // ImportPeerPages not yet released (cuda_peer.go)
 }
 
-var _ vmm.Backend = (*Backend)(nil)
-var _ vmm.Importer = (*Backend)(nil)
+// span is one range of device addresses the backend holds: a reservation
+// for its own pages (peer nil) or the pages ImportPeerPages mapped.
+type span struct {
+	base, size uint64
+	peer       *peerImport
+}
+
+var (
+	_ vmm.Backend     = (*Backend)(nil)
+	_ vmm.Importer    = (*Backend)(nil)
+	_ vmm.AsyncCopier = (*Backend)(nil)
+	_ vmm.PeerCopier  = (*Backend)(nil)
+)
 
 // New loads the driver library (Config.Library), initialises the driver,
 // retains the primary context of the device and checks, before any page is
@@ -291,10 +269,11 @@ var _ vmm.Importer = (*Backend)(nil)
 // properties every page is created with) that is a power-of-two multiple of
 // the host page, and one page created and exported as a POSIX file
 // descriptor. A failed check names the granularity or the handle type and
-// the allocation properties. Errors wrap ErrNoGPU when the library or the
-// device is missing or lacks virtual memory management or POSIX-fd export,
-// vmm.ErrInvalidConfig for an unusable granularity, and the driver's Result
-// otherwise (CUDA_ERROR_OUT_OF_MEMORY matches vmm.ErrOverLimit).
+// the allocation properties. It then creates the backend's copy stream.
+// Errors wrap ErrNoGPU when the library or the device is missing or lacks
+// virtual memory management or POSIX-fd export, vmm.ErrInvalidConfig for an
+// unusable granularity, and the driver's Result otherwise
+// (CUDA_ERROR_OUT_OF_MEMORY matches vmm.ErrOverLimit).
 func New(cfg *Config) (*Backend, error) {
 	c := cfg.withDefaults()
 	if c.Device < 0 {
@@ -305,7 +284,7 @@ func New(cfg *Config) (*Backend, error) {
 		return nil, err
 	}
 	b := &Backend{lib: lib, ord: c.Device, res: map[uint64]uint64{}, live: map[vmm.Handle]int{},
-		mapped: map[uint64]vmm.Handle{}, access: map[uint64]struct{}{}}
+		mapped: map[uint64]vmm.Handle{}, access: map[uint64]struct{}{}, host: map[unsafe.Pointer]int{}, peers: map[*peerImport]struct{}{}}
 	var ver C.int
 	if C.kvs_version(lib.c, &ver) == 0 {
 		b.version = int(ver)
@@ -314,6 +293,10 @@ func New(cfg *Config) (*Backend, error) {
 		return nil, fmt.Errorf("cuda: open device %d with %s: %w", c.Device, lib.path, r)
 	}
 	if err := b.check(); err != nil {
+		C.kvs_close(lib.c, b.dev)
+		return nil, err
+	}
+	if err := b.createStream(); err != nil {
 		C.kvs_close(lib.c, b.dev)
 		return nil, err
 	}
@@ -402,6 +385,7 @@ func (b *Backend) Reserve(size uint64) (uint64, error) {
 		return 0, err
 	}
 	b.res[uint64(ptr)] = size
+	b.addSpan(span{base: uint64(ptr), size: size})
 	return uint64(ptr), nil
 }
 
@@ -426,7 +410,28 @@ func (b *Backend) FreeReservation(base, size uint64) error {
 		return err
 	}
 	delete(b.res, base)
+	b.removeSpan(base)
 	return nil
+}
+
+// addSpan records s in b.spans, kept sorted by base. Caller holds b.mu.
+func (b *Backend) addSpan(s span) {
+	i := sort.Search(len(b.spans), func(i int) bool { return b.spans[i].base > s.base })
+	b.spans = slices.Insert(b.spans, i, s)
+}
+
+// removeSpan forgets the span at base. Caller holds b.mu.
+func (b *Backend) removeSpan(base uint64) {
+	b.spans = slices.DeleteFunc(b.spans, func(s span) bool { return s.base == base })
+}
+
+// spanAt returns the span that holds addr. Caller holds b.mu.
+func (b *Backend) spanAt(addr uint64) (span, bool) {
+	i := sort.Search(len(b.spans), func(i int) bool { return b.spans[i].base > addr }) - 1
+	if i < 0 || addr >= b.spans[i].base+b.spans[i].size {
+		return span{}, false
+	}
+	return b.spans[i], true
 }
 
 // Create allocates one page of device memory (cuMemCreate).
@@ -466,15 +471,11 @@ func (b *Backend) Release(h vmm.Handle) error {
 	return nil
 }
 
-// inRes reports whether [addr, addr+n) lies in one reservation with addr
-// page-aligned relative to it. Caller holds b.mu.
+// inRes reports whether [addr, addr+n) lies in one reservation for the
+// backend's own pages. Caller holds b.mu.
 func (b *Backend) inRes(addr, n uint64) bool {
-	for base, size := range b.res {
-		if addr >= base && addr+n <= base+size && addr+n >= addr {
-			return true
-		}
-	}
-	return false
+	s, ok := b.spanAt(addr)
+	return ok && s.peer == nil && addr+n >= addr && addr+n <= s.base+s.size
 }
 
 // Map maps page h at addr (cuMemMap), without access until SetAccess.
@@ -539,7 +540,7 @@ func (b *Backend) SetAccess(addr, size uint64) error {
 			return &vmm.AddrError{Op: "set access", Addr: a, Err: vmm.ErrNotMapped}
 		}
 	}
-	if err := call("cuMemSetAccess", Result(C.kvs_set_access(b.lib.c, b.ctx, b.dev, C.CUdeviceptr(addr), C.size_t(size)))); err != nil {
+	if err := call("cuMemSetAccess", Result(C.kvs_set_access(b.lib.c, b.ctx, b.dev, C.CUdeviceptr(addr), C.size_t(size), C.CU_MEM_ACCESS_FLAGS_PROT_READWRITE))); err != nil {
 		return err
 	}
 	for a := addr; a < addr+size; a += b.gran {
@@ -585,18 +586,34 @@ func (b *Backend) Import(f *os.File, off uint64) (vmm.Handle, error) {
 	return vmm.Handle(h), nil
 }
 
-// checkCopy verifies every page of [addr, addr+n) is mapped with access.
-func (b *Backend) checkCopy(op string, addr, n uint64) error {
+// checkCopy verifies that the device may read (or, with write, write)
+// every byte of [addr, addr+n): each page of the backend's own that it
+// covers is mapped with access, and the rest lies in pages ImportPeerPages
+// mapped, which are read-only. The range may run across adjacent spans, as
+// a coalesced copy may. Caller holds b.mu.
+func (b *Backend) checkCopy(op string, addr, n uint64, write bool) error {
 	if b.closed {
 		return b.closedErr()
 	}
-	if !b.inRes(addr, n) {
-		return &vmm.AddrError{Op: op, Addr: addr, Err: fmt.Errorf("%w: %d bytes not inside one reservation", vmm.ErrBlockOutOfRange, n)}
+	end := addr + n
+	if end < addr {
+		return &vmm.AddrError{Op: op, Addr: addr, Err: fmt.Errorf("%w: %d bytes wrap around", vmm.ErrBlockOutOfRange, n)}
 	}
-	for a := addr / b.gran * b.gran; a < addr+n; a += b.gran {
-		if _, ok := b.access[a]; !ok {
-			return &vmm.AddrError{Op: op, Addr: a, Err: vmm.ErrNotMapped}
+	for at := addr; at < end; {
+		s, ok := b.spanAt(at)
+		if !ok {
+			return &vmm.AddrError{Op: op, Addr: at, Err: fmt.Errorf("%w: %d bytes at %#x not inside the reservations", vmm.ErrBlockOutOfRange, n, addr)}
 		}
+		stop := min(end, s.base+s.size)
+		if s.peer != nil && write {
+			return &vmm.AddrError{Op: op, Addr: at, Err: fmt.Errorf("%w: a peer's page, mapped read-only by ImportPeerPages, is not a copy destination", vmm.ErrInvalidConfig)}
+		}
+		for a := at / b.gran * b.gran; s.peer == nil && a < stop; a += b.gran {
+			if _, ok := b.access[a]; !ok {
+				return &vmm.AddrError{Op: op, Addr: a, Err: vmm.ErrNotMapped}
+			}
+		}
+		at = stop
 	}
 	return nil
 }
@@ -607,7 +624,7 @@ func (b *Backend) CopyIn(addr uint64, src []byte) error {
 		return nil
 	}
 	b.mu.Lock()
-	err := b.checkCopy("copy in", addr, uint64(len(src)))
+	err := b.checkCopy("copy in", addr, uint64(len(src)), true)
 	b.mu.Unlock()
 	if err != nil {
 		return err
@@ -621,7 +638,7 @@ func (b *Backend) CopyOut(addr uint64, dst []byte) error {
 		return nil
 	}
 	b.mu.Lock()
-	err := b.checkCopy("copy out", addr, uint64(len(dst)))
+	err := b.checkCopy("copy out", addr, uint64(len(dst)), false)
 	b.mu.Unlock()
 	if err != nil {
 		return err
@@ -629,9 +646,15 @@ func (b *Backend) CopyOut(addr uint64, dst []byte) error {
 	return call("cuMemcpyDtoH_v2", Result(C.kvs_dtoh(b.lib.c, b.ctx, unsafe.Pointer(&dst[0]), C.CUdeviceptr(addr), C.size_t(len(dst)))))
 }
 
-// Close unmaps and releases every page, frees every reservation and releases
-// the primary context. A second Close returns an error wrapping net.ErrClosed.
+// Close waits for the copies on the backend's stream and destroys it with
+// its events, frees the host buffers HostBuffer made, releases what
+// ImportPeerPages mapped, unmaps and releases every page, frees every
+// reservation and releases the primary context. A wait, free or release
+// function called after Close returns an error wrapping net.ErrClosed or
+// nil (see each). A second Close returns an error wrapping net.ErrClosed.
 func (b *Backend) Close() error {
+	b.smu.Lock()
+	defer b.smu.Unlock()
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
@@ -642,6 +665,10 @@ func (b *Backend) Close() error {
 		if err != nil && first == nil {
 			first = err
 		}
+	}
+	keep(b.closeStreamLocked())
+	for pi := range b.peers {
+		keep(b.releasePeerLocked(pi))
 	}
 	for a := range b.mapped {
 		keep(b.unmapLocked(a))

@@ -12,6 +12,14 @@
 //	...
 //	pool.Close(); b.Close()
 //
+// Besides the vmm.Backend calls, a Backend has a CUDA stream of its own for
+// the copies that keep up with the network: HostBuffer (page-locked host
+// memory), CopyOutAsync and CopyInAsync (staging copies completed through
+// events, for double buffering), ImportPeerPages (another sidecar's pages
+// mapped read-only) and CopyDeviceToDevice (coalesced device copies, one
+// synchronization per batch); vmm reaches them through vmm.AsyncCopier and
+// vmm.PeerCopier.
+//
 // Without a GPU its tests run against a fake driver library with the
 // driver's rules (package cudatest); make gpu-check runs them on a GPU.
 package cuda

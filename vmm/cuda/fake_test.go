@@ -24,8 +24,8 @@ import (
 
 // newFake returns a backend on the fake driver (cudatest.Library) with a
 // fresh call trace. At cleanup, after Close, it checks that no call broke
-// one of the driver's rules and that every handle and mapping was given
-// back.
+// one of the driver's rules and that every handle, mapping, reservation,
+// host buffer, stream and event was given back.
 func newFake(t testing.TB) (*Backend, *cudatest.Trace) {
 	t.Helper()
 	lib := cudatest.Library(t)
@@ -42,8 +42,8 @@ func newFake(t testing.TB) (*Backend, *cudatest.Trace) {
 		if refused := cudatest.Refused(calls); len(refused) > 0 {
 			t.Errorf("kvsidecar broke the driver's rules: %v", refused)
 		}
-		if h, m := cudatest.Held(calls); h != 0 || m != 0 {
-			t.Errorf("after Close the driver still holds %d allocation handles and %d mappings", h, m)
+		if left := cudatest.Left(calls); left != (cudatest.Outstanding{}) {
+			t.Errorf("after Close the driver still holds %+v", left)
 		}
 	})
 	return b, tr
@@ -71,6 +71,7 @@ func TestFakeCallSequence(t *testing.T) {
 		"cuDeviceGetAttribute", "cuDeviceGetAttribute", // VMM and POSIX-fd support
 		"cuCtxSetCurrent", "cuMemGetAllocationGranularity",
 		"cuCtxSetCurrent", "cuMemCreate", "cuMemExportToShareableHandle", "cuMemRelease", // the probe
+		"cuCtxSetCurrent", "cuStreamCreate", // the copy stream
 	}, cudatest.Names(tr.Calls(t)))
 	start := len(tr.Calls(t))
 
@@ -94,7 +95,7 @@ func TestFakeCallSequence(t *testing.T) {
 		"cuMemcpyDtoH_v2", "cuMemUnmap", "cuMemRelease", "cuMemAddressFree"} {
 		want = append(want, "cuCtxSetCurrent", c)
 	}
-	want = append(want, "cuDevicePrimaryCtxRelease_v2")
+	want = append(want, "cuCtxSetCurrent", "cuStreamSynchronize", "cuStreamDestroy_v2", "cuDevicePrimaryCtxRelease_v2")
 	require.Equal(t, want, cudatest.Names(tr.Calls(t)[start:]))
 }
 
@@ -266,13 +267,7 @@ func openFDs(t testing.TB) int {
 // of reading the bytes, and a copy reads them.
 func TestFakeHostTouchFaults(t *testing.T) {
 	b, _ := newFake(t)
-	g := b.Granularity()
-	base, err := b.Reserve(g)
-	require.NoError(t, err)
-	h, err := b.Create()
-	require.NoError(t, err)
-	require.NoError(t, b.Map(base, h))
-	require.NoError(t, b.SetAccess(base, g))
+	base, h := ownPage(t, b)
 	require.NoError(t, b.CopyIn(base, []byte{42}))
 	got := []byte{0}
 	require.NoError(t, b.CopyOut(base, got))

@@ -55,6 +55,61 @@ func TestGPUDevicePoolWriteReadBack(t *testing.T) {
 	devicePoolWriteReadBack(t, newGPU(t))
 }
 
+func TestGPUStagingAndPeerCopies(t *testing.T) {
+	stagingAndPeerCopies(t, newGPU(t))
+}
+
+// stagingAndPeerCopies writes a page through a page-locked buffer
+// (CopyInAsync), reads it back (CopyOutAsync), imports the page's own
+// POSIX fd read-only as a peer's page would be, copies it device to device
+// into a second page in two coalescing halves, and reads that back; then
+// gives everything back.
+func stagingAndPeerCopies(t *testing.T, b *Backend) {
+	g := b.Granularity()
+	base, err := b.Reserve(2 * g)
+	require.NoError(t, err)
+	var hs []vmm.Handle
+	for i := range uint64(2) {
+		h, err := b.Create()
+		require.NoError(t, err)
+		require.NoError(t, b.Map(base+i*g, h))
+		hs = append(hs, h)
+	}
+	require.NoError(t, b.SetAccess(base, 2*g))
+	buf, free, err := b.HostBuffer(int(g))
+	require.NoError(t, err)
+	defer func() { require.NoError(t, free()) }()
+	for i := range buf {
+		buf[i] = byte(i*7 + i>>12)
+	}
+	want := bytes.Clone(buf)
+	wait, err := b.CopyInAsync(base, buf)
+	require.NoError(t, err)
+	require.NoError(t, wait())
+	clear(buf)
+	wait, err = b.CopyOutAsync(base, buf)
+	require.NoError(t, err)
+	require.NoError(t, wait())
+	require.True(t, bytes.Equal(want, buf), "staging copies round trip")
+
+	f, _, err := b.Export(hs[0])
+	require.NoError(t, err)
+	defer f.Close()
+	peer, release, err := b.ImportPeerPages([]*os.File{f}, []uint64{g})
+	require.NoError(t, err)
+	half := g / 2
+	require.NoError(t, b.CopyDeviceToDevice([]uint64{base + g, base + g + half}, []uint64{peer[0], peer[0] + half}, []uint64{half, half}))
+	require.NoError(t, release())
+	got := make([]byte, g)
+	require.NoError(t, b.CopyOut(base+g, got))
+	require.True(t, bytes.Equal(want, got), "device-to-device copy from the imported page")
+	for i, h := range hs {
+		require.NoError(t, b.Unmap(base+uint64(i)*g))
+		require.NoError(t, b.Release(h))
+	}
+	require.NoError(t, b.FreeReservation(base, 2*g))
+}
+
 // devicePoolWriteReadBack runs a Pool on device pages: blocks written with
 // CopyIn read back with CopyOut, HostBytes refuses device memory, and a page
 // exported as a POSIX fd imports to the same bytes.

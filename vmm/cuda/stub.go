@@ -14,7 +14,12 @@ import (
 // cannot be created.
 type Backend struct{}
 
-var _ vmm.Backend = (*Backend)(nil)
+var (
+	_ vmm.Backend     = (*Backend)(nil)
+	_ vmm.Importer    = (*Backend)(nil)
+	_ vmm.AsyncCopier = (*Backend)(nil)
+	_ vmm.PeerCopier  = (*Backend)(nil)
+)
 
 // New returns an error wrapping errors.ErrUnsupported and ErrNoGPU: this
 // build has no cgo or is not Linux.
@@ -68,6 +73,23 @@ func (*Backend) CopyIn(uint64, []byte) error { return unsupported() }
 
 // CopyOut is unsupported in this build.
 func (*Backend) CopyOut(uint64, []byte) error { return unsupported() }
+
+// HostBuffer is unsupported in this build.
+func (*Backend) HostBuffer(int) ([]byte, func() error, error) { return nil, nil, unsupported() }
+
+// CopyOutAsync is unsupported in this build.
+func (*Backend) CopyOutAsync(uint64, []byte) (func() error, error) { return nil, unsupported() }
+
+// CopyInAsync is unsupported in this build.
+func (*Backend) CopyInAsync(uint64, []byte) (func() error, error) { return nil, unsupported() }
+
+// ImportPeerPages is unsupported in this build.
+func (*Backend) ImportPeerPages([]*os.File, []uint64) ([]uint64, func() error, error) {
+	return nil, nil, unsupported()
+}
+
+// CopyDeviceToDevice is unsupported in this build.
+func (*Backend) CopyDeviceToDevice(_, _, _ []uint64) error { return unsupported() }
 
 // Close is unsupported in this build.
 func (*Backend) Close() error { return unsupported() }

@@ -20,17 +20,18 @@ import (
 var sources embed.FS
 
 // Environment variables the fake reads (see testdata/fakecuda.c). The first
-// four are read at each cuInit, so set them before the code under test
+// five are read at each cuInit, so set them before the code under test
 // creates its backend; EnvFail and EnvTrace are picked up at the next call
 // after they change.
 const (
-	EnvDevices      = "FAKECUDA_DEVICES"       // number of devices, default 1
-	EnvGranularity  = "FAKECUDA_GRANULARITY"   // bytes, default 2 MiB
-	EnvDeviceMemory = "FAKECUDA_DEVICE_MEMORY" // bytes per device, default 16 GiB
-	EnvNoPOSIXFD    = "FAKECUDA_NO_POSIX_FD"   // "1": no POSIX-fd export
-	EnvFail         = "FAKECUDA_FAIL"          // name:k:result[,...]
-	EnvTrace        = "FAKECUDA_TRACE"         // trace file path
-	EnvVerbose      = "FAKECUDA_VERBOSE"       // "1": refusals to stderr
+	EnvDevices      = "FAKECUDA_DEVICES"        // number of devices, default 1
+	EnvGranularity  = "FAKECUDA_GRANULARITY"    // bytes, default 2 MiB
+	EnvDeviceMemory = "FAKECUDA_DEVICE_MEMORY"  // bytes per device, default 16 GiB
+	EnvNoPOSIXFD    = "FAKECUDA_NO_POSIX_FD"    // "1": no POSIX-fd export
+	EnvNoPeerAccess = "FAKECUDA_NO_PEER_ACCESS" // "1": no device reaches another's memory
+	EnvFail         = "FAKECUDA_FAIL"           // name:k:result[,...]
+	EnvTrace        = "FAKECUDA_TRACE"          // trace file path
+	EnvVerbose      = "FAKECUDA_VERBOSE"        // "1": refusals to stderr
 )
 
 // RequireEnv, set to 1, turns a fake that cannot be built into a test
@@ -191,6 +192,12 @@ type Call struct {
 	Result   int    // the CUresult it returned
 	Injected bool   // the result came from FAKECUDA_FAIL
 	Why      string // for a refused call: the rule it broke
+	// Args are the key=value arguments the fake traces for some calls:
+	// "bytes" (a copy's or a host allocation's size), "host" ("pinned" or
+	// "pageable": the host side of a copy), "stream" (a handle in hex, "0"
+	// for the NULL stream), "flags", "ops" (queued copies a synchronization
+	// ran), "dev" and "peer". Nil when there are none.
+	Args map[string]string
 }
 
 func (c Call) String() string {
@@ -253,11 +260,25 @@ func ReadTrace(path string) ([]Call, error) {
 		res, note, _ := strings.Cut(rest, " ")
 		r, err := strconv.Atoi(res)
 		if err != nil || name == "" {
-			return nil, fmt.Errorf("%s:%d: %q is not \"<name> <CUresult>[ note]\"", path, n, sc.Text())
+			return nil, fmt.Errorf("%s:%d: %q is not \"<name> <CUresult>[ key=value...][ note]\"", path, n, sc.Text())
 		}
-		c := Call{Name: name, Result: r, Injected: note == "injected"}
-		if !c.Injected {
-			c.Why = strings.TrimPrefix(note, "why: ")
+		c := Call{Name: name, Result: r}
+		for note != "" && !strings.HasPrefix(note, "why: ") && note != "injected" {
+			var kv string
+			kv, note, _ = strings.Cut(note, " ")
+			k, v, ok := strings.Cut(kv, "=")
+			if !ok {
+				return nil, fmt.Errorf("%s:%d: %q: %q is not key=value", path, n, sc.Text(), kv)
+			}
+			if c.Args == nil {
+				c.Args = map[string]string{}
+			}
+			c.Args[k] = v
+		}
+		c.Injected = note == "injected"
+		c.Why = strings.TrimPrefix(note, "why: ")
+		if c.Injected {
+			c.Why = ""
 		}
 		calls = append(calls, c)
 	}
@@ -286,24 +307,44 @@ func Names(calls []Call) []string {
 }
 
 // Held returns the allocation handles and the mappings that calls leave
-// behind: successful cuMemCreate and cuMemImportFromShareableHandle minus
-// cuMemRelease, and cuMemMap minus cuMemUnmap (one mapping per unmap, as
-// vmm/cuda unmaps page by page).
+// behind (Left's Handles and Mappings).
 func Held(calls []Call) (handles, mappings int) {
+	o := Left(calls)
+	return o.Handles, o.Mappings
+}
+
+// Outstanding counts what a run of calls leaves held in the driver.
+type Outstanding struct {
+	Handles      int // cuMemCreate and cuMemImportFromShareableHandle minus cuMemRelease
+	Mappings     int // cuMemMap minus cuMemUnmap (one mapping per unmap, as vmm/cuda unmaps page by page)
+	Reservations int // cuMemAddressReserve minus cuMemAddressFree
+	HostBuffers  int // cuMemHostAlloc minus cuMemFreeHost
+	Streams      int // cuStreamCreate minus cuStreamDestroy_v2
+	Events       int // cuEventCreate minus cuEventDestroy_v2
+}
+
+// Left returns what the successful calls among calls leave held.
+func Left(calls []Call) Outstanding {
+	var o Outstanding
+	count := map[string]*int{
+		"cuMemCreate": &o.Handles, "cuMemImportFromShareableHandle": &o.Handles, "cuMemMap": &o.Mappings,
+		"cuMemAddressReserve": &o.Reservations, "cuMemHostAlloc": &o.HostBuffers, "cuStreamCreate": &o.Streams,
+		"cuEventCreate": &o.Events,
+	}
+	undo := map[string]*int{
+		"cuMemRelease": &o.Handles, "cuMemUnmap": &o.Mappings, "cuMemAddressFree": &o.Reservations,
+		"cuMemFreeHost": &o.HostBuffers, "cuStreamDestroy_v2": &o.Streams, "cuEventDestroy_v2": &o.Events,
+	}
 	for _, c := range calls {
 		if c.Result != 0 {
 			continue
 		}
-		switch c.Name {
-		case "cuMemCreate", "cuMemImportFromShareableHandle":
-			handles++
-		case "cuMemRelease":
-			handles--
-		case "cuMemMap":
-			mappings++
-		case "cuMemUnmap":
-			mappings--
+		if p, ok := count[c.Name]; ok {
+			*p++
+		}
+		if p, ok := undo[c.Name]; ok {
+			*p--
 		}
 	}
-	return handles, mappings
+	return o
 }

@@ -18,7 +18,9 @@ const (
 	invalidValue   = "1"
 	outOfMemory    = "2"
 	notInitialized = "3"
+	invalidDevice  = "101"
 	invalidContext = "201"
+	invalidHandle  = "400"
 )
 
 // TestFakeRules breaks each rule the fake enforces, in a separate process
@@ -56,6 +58,33 @@ func TestFakeRules(t *testing.T) {
 		{"import-foreign-fd", nil, invalidValue, "is not a descriptor cuMemExportToShareableHandle made"},
 		{"host-mmap-exported-fd", nil, "errno " + strconv.Itoa(int(syscall.EBADF)), ""},
 		{"calls-counted", nil, "4 1", ""}, // fakecuda_calls: cuMemCreate, cuInit
+		// Streams: a copy on pinned memory is queued until the event after
+		// it is waited for; one on pageable memory is done when the call
+		// returns; destroying the stream or unmapping runs what is queued.
+		{"async-pinned-runs-at-sync", nil, "before old, queued 1, after device bytes, queued 0", ""},
+		{"async-pageable-runs-at-once", nil, "after call device bytes, queued 0", ""},
+		{"destroy-stream-runs-queued", nil, "queued 1, then 0: queued bytes", ""},
+		{"unmap-runs-queued", nil, "queued 1, then 0, mappings 0", ""},
+		{"dtod-copies-bytes", nil, "same", ""},
+		{"dtod-into-read-only", nil, invalidValue, "is mapped read-only (CU_MEM_ACCESS_FLAGS_PROT_READ) for device 0: not a copy destination"},
+		{"dtod-from-no-access", nil, invalidValue, "source 0x"},
+		{"dtod-past-mapping", nil, invalidValue, "is not mapped"},
+		{"copy-on-destroyed-stream", nil, invalidHandle, "is not a live stream"},
+		{"record-on-destroyed-stream", nil, invalidHandle, "is not a live stream"},
+		{"sync-destroyed-event", nil, invalidHandle, "is not a live event"},
+		{"stream-bad-flags", nil, invalidValue, "only CU_STREAM_DEFAULT or CU_STREAM_NON_BLOCKING"},
+		{"event-interprocess-with-timing", nil, invalidValue, "without CU_EVENT_DISABLE_TIMING"},
+		{"host-alloc-bad-flags", nil, invalidValue, "only CU_MEMHOSTALLOC_PORTABLE"},
+		{"host-alloc-without-context", nil, invalidContext, "no current context"},
+		{"free-host-foreign", nil, invalidValue, "is not memory cuMemHostAlloc returned"},
+		// Devices: an import stays on the exporter's device; another
+		// device gets access only where cuDeviceCanAccessPeer says it can.
+		{"can-access-peer", []string{EnvDevices + "=2"}, "1 0", ""},
+		{"can-access-peer-none", []string{EnvDevices + "=2", EnvNoPeerAccess + "=1"}, "0 0", ""},
+		{"import-keeps-device", []string{EnvDevices + "=2"}, "device 1", ""},
+		{"set-access-with-peer", []string{EnvDevices + "=2"}, success, ""},
+		{"set-access-without-peer", []string{EnvDevices + "=2", EnvNoPeerAccess + "=1"}, invalidDevice,
+			"grants device 0 access to memory of device 1, which cuDeviceCanAccessPeer says it cannot access"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.rule, func(t *testing.T) {
@@ -98,6 +127,25 @@ func TestReadTrace(t *testing.T) {
 	require.Zero(t, m)
 	require.Equal(t, "cuMemCreate=2 (injected)", calls[1].String())
 
+	// Arguments come before the note; Left balances every kind of object.
+	require.NoError(t, os.WriteFile(p, []byte("cuStreamCreate 0 flags=0x1 stream=0x55\n"+
+		"cuMemHostAlloc 0 bytes=8 flags=0x1\ncuMemHostAlloc 2 bytes=8 flags=0x1 injected\n"+
+		"cuMemcpyDtoHAsync_v2 0 bytes=8 host=pinned stream=0x55\n"+
+		"cuMemcpyHtoDAsync_v2 400 bytes=2 host=pageable stream=0x1 why: stream 0x1 is not a live stream\n"+
+		"cuEventCreate 0 flags=0x2\ncuMemAddressReserve 0\ncuMemFreeHost 0 ops=0\n"), 0o600))
+	calls, err = ReadTrace(p)
+	require.NoError(t, err)
+	require.Equal(t, map[string]string{"flags": "0x1", "stream": "0x55"}, calls[0].Args)
+	require.True(t, calls[2].Injected)
+	require.Equal(t, map[string]string{"bytes": "8", "flags": "0x1"}, calls[2].Args)
+	require.Equal(t, map[string]string{"bytes": "8", "host": "pinned", "stream": "0x55"}, calls[3].Args)
+	require.Equal(t, "stream 0x1 is not a live stream", calls[4].Why)
+	require.Equal(t, "pageable", calls[4].Args["host"])
+	require.Equal(t, Outstanding{Reservations: 1, Streams: 1, Events: 1}, Left(calls))
+
+	require.NoError(t, os.WriteFile(p, []byte("cuMemMap 0 bad\n"), 0o600))
+	_, err = ReadTrace(p)
+	require.ErrorContains(t, err, `"bad" is not key=value`)
 	require.NoError(t, os.WriteFile(p, []byte("garbage\n"), 0o600))
 	_, err = ReadTrace(p)
 	require.ErrorContains(t, err, `"garbage" is not`)

@@ -8,7 +8,8 @@
 //
 // Values and layouts from the CUDA Driver API reference: CUdeviceptr is
 // 64-bit (the _v2 API); CUmemAllocationProp and CUmemAccessDesc as in
-// "Virtual Memory Management"; the enum values as in cuda.h.
+// "Virtual Memory Management"; CUstream and CUevent are opaque handles
+// ("Stream Management", "Event Management"); the enum values as in cuda.h.
 #ifndef KVSIDECAR_CUDA_ABI_H
 #define KVSIDECAR_CUDA_ABI_H
 
@@ -17,6 +18,8 @@
 typedef int CUresult;
 typedef int CUdevice;
 typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
 typedef unsigned long long CUdeviceptr;
 typedef unsigned long long CUmemGenericAllocationHandle;
 typedef struct { int type; int id; } CUmemLocation;
@@ -43,6 +46,8 @@ enum {
 	CUDA_ERROR_INVALID_DEVICE = 101,
 	CUDA_ERROR_INVALID_CONTEXT = 201,
 	CUDA_ERROR_OPERATING_SYSTEM = 304,
+	CUDA_ERROR_INVALID_HANDLE = 400,
+	CUDA_ERROR_ILLEGAL_ADDRESS = 700,
 	CUDA_ERROR_NOT_SUPPORTED = 801,
 };
 enum {
@@ -58,7 +63,25 @@ enum {
 	CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102,
 	CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103,
 };
+// Flags of cuMemHostAlloc (CU_MEMHOSTALLOC_*), cuStreamCreate
+// (CUstream_flags) and cuEventCreate (CUevent_flags).
+enum {
+	CU_MEMHOSTALLOC_PORTABLE = 0x01,
+	CU_MEMHOSTALLOC_DEVICEMAP = 0x02,
+	CU_MEMHOSTALLOC_WRITECOMBINED = 0x04,
+};
+enum {
+	CU_STREAM_DEFAULT = 0x0,
+	CU_STREAM_NON_BLOCKING = 0x1,
+};
+enum {
+	CU_EVENT_DEFAULT = 0x0,
+	CU_EVENT_BLOCKING_SYNC = 0x1,
+	CU_EVENT_DISABLE_TIMING = 0x2,
+	CU_EVENT_INTERPROCESS = 0x4,
+};
 
+_Static_assert(sizeof(size_t) == 8, "LP64: size_t is 64-bit, as vmm/cuda passes []uint64 as size_t arrays");
 _Static_assert(sizeof(CUdeviceptr) == 8, "CUdeviceptr is 64-bit (the _v2 API)");
 _Static_assert(sizeof(CUmemGenericAllocationHandle) == 8, "CUmemGenericAllocationHandle is 64-bit");
 _Static_assert(sizeof(CUmemLocation) == 8, "CUmemLocation is {type, id}");
