@@ -3,6 +3,7 @@ package transfer
 import (
 	"bufio"
 	"context"
+	crand "crypto/rand"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -51,15 +52,31 @@ func (o Op) label() string {
 // peers, one cached QUIC connection per remote address. Safe for concurrent
 // use. Close stops every goroutine it started.
 //
-// An agent is two halves on one socket, as quic-go's http3 keeps the
-// client's connection cache apart from its server: the dialer (dial.go,
-// lanes.go, redial.go and the calls of client.go), the connections it
-// dials and the calls on them; and the server (serve.go), the
-// connections it accepts and what it serves on them. Each half keeps its
-// state under its own lock and its goroutines in its own group; neither
-// takes the other's lock. What both read is the Agent's: the config, the
-// socket, the registered regions, the metrics.
+// An agent is two halves on one socket, as quic-go keeps its Transport's
+// dialing apart from its Server: the dialer (dial.go, lanes.go, redial.go
+// and the calls of client.go), the connections it dials and the calls on
+// them; and the server (serve.go), the connections it accepts and what it
+// serves on them. Each half is its own type with its own methods, state,
+// lock and goroutines, and holds no pointer to the other, so neither can
+// take the other's lock. What both read is the core: the config, the
+// socket, the registered regions, the metrics. Agent's exported methods
+// are the public face of the two halves.
 type Agent struct {
+	*core
+	dialer *dialer
+	server *server
+
+	// mu orders the life cycle, Start and Close; it guards started,
+	// closed and server.ln. It is taken before dialer.mu or server.mu,
+	// never while holding either.
+	mu      sync.Mutex
+	started bool
+	closed  bool
+}
+
+// core is what both halves of an Agent read and neither owns: the config,
+// the socket, the registered regions, the metrics and the logs.
+type core struct {
 	cfg   *Config
 	tr    *quic.Transport
 	qconf *quic.Config
@@ -69,36 +86,26 @@ type Agent struct {
 	// ctx ends when Close begins; dials and the accept loop run under it.
 	ctx    context.Context
 	cancel context.CancelCauseFunc
+	// closing is set when Close begins.
+	closing atomic.Bool
 
 	regMu   sync.RWMutex
 	regions regionSet
 
-	dialer dialer
-	server server
-
-	// mu orders the life cycle, Start and Close; it guards started,
-	// closed and server.ln. It is taken before dialer.mu or server.mu,
-	// never while holding either.
-	mu      sync.Mutex
-	started bool
-	closed  bool
-
-	calls    atomic.Uint64 // numbers the calls into withConn, in start order
-	nextXfer atomic.Uint64
-	nextList atomic.Uint64
-	moved    atomic.Uint64 // payload bytes, counted as they move (meter)
-	refusals refusalLog    // rate limit of the refusal log lines
+	moved      atomic.Uint64 // payload bytes, counted as they move (meter)
+	localMoved atomic.Uint64 // payload bytes of dialed same-host READs (SameHostBytes)
+	refusals   refusalLog    // rate limit of the refusal log lines
 }
 
 // meter returns the counter of payload bytes of transfers of op in role
 // (roleClient: dialed, roleServer: served), counted as they move rather than
 // when a transfer ends, so kvsidecar_transfer_bytes_total and BytesMoved
 // advance during a long transfer.
-func (a *Agent) meter(op Op, role int) func(int) {
-	c := a.m.op(op).bytes[role]
+func (c *core) meter(op Op, role int) func(int) {
+	ctr := c.m.op(op).bytes[role]
 	return func(n int) {
-		c.Add(float64(n))
-		a.moved.Add(uint64(n))
+		ctr.Add(float64(n))
+		c.moved.Add(uint64(n))
 	}
 }
 
@@ -107,6 +114,90 @@ func (a *Agent) meter(op Op, role int) func(int) {
 // bytes that landed in local memory; for one it served, the bytes written
 // to the stream (WRITE the mirror).
 func (a *Agent) BytesMoved() uint64 { return a.moved.Load() }
+
+// SameHostBytes is the payload bytes of the READs this agent dialed that
+// landed through the same-host path (mapped pages, no QUIC); they count in
+// BytesMoved too.
+func (a *Agent) SameHostBytes() uint64 { return a.localMoved.Load() }
+
+// Prepare registers descs (the peer's memory) with the peer, which validates
+// them once; transfers then name entries by index. Errors carry the peer's
+// class (ErrOutOfRange, ErrInvalidArgument, ...).
+func (a *Agent) Prepare(ctx context.Context, addr string, descs []Desc) (*DescList, error) {
+	return a.dialer.prepare(ctx, addr, descs)
+}
+
+// Handshake sends req to the agent at addr on the cached connection
+// (dialing it, in 0-RTT when a ticket is cached; a rejected 0-RTT request is
+// resent) and returns its answer. Errors: ErrUnavailable when the peer
+// cannot be reached, context.Cause(ctx).
+func (a *Agent) Handshake(ctx context.Context, addr string, req *v1.HandshakeRequest) (*v1.HandshakeResponse, error) {
+	return a.dialer.handshake(ctx, addr, req)
+}
+
+// Heartbeat extends leases at the agent at addr and returns the new expiries.
+// It is never sent in 0-RTT: a replayed heartbeat would extend leases the
+// consumer already gave up, so it waits for the handshake to complete.
+// Errors: the peer's class, ErrUnavailable, context.Cause(ctx).
+func (a *Agent) Heartbeat(ctx context.Context, addr string, hb *v1.Heartbeat) (*v1.HeartbeatAck, error) {
+	return a.dialer.heartbeat(ctx, addr, hb)
+}
+
+// Notify delivers n to the agent at addr and returns its answer: nil when
+// accepted, an error of class ErrNotFound or ErrLeaseExpired when the
+// request is unknown or expired (the data read for it may be stale).
+// Notifications to one peer are delivered in call order; never in 0-RTT.
+func (a *Agent) Notify(ctx context.Context, addr string, n *v1.Notification) error {
+	return a.dialer.notify(ctx, addr, n)
+}
+
+// Transfer runs one READ or WRITE and returns when it is complete: for a
+// READ every byte is in local memory; for a WRITE the peer acknowledged that
+// every byte landed in its memory. On failure it returns an *XferError with
+// the byte count reached; cancelling ctx aborts the transfer (the stream is
+// reset with CODE_ABORTED) and the error wraps context.Cause(ctx). Transfer
+// never returns before the stream is reset or drained, so the local range is
+// the caller's again once it returns.
+func (a *Agent) Transfer(ctx context.Context, x *Xfer) (Result, error) {
+	return a.dialer.transfer(ctx, x)
+}
+
+// MarkCalls returns ctx marked with this moment: a call made with it (or
+// with a context derived from it) counts as started now for the rule that
+// a connection that ended refused, or a dial that failed, answers the calls
+// already started instead of dialing again. A connector marks the context
+// of a load whose metadata exchange and READ it pipelines to a new peer:
+// a READ whose goroutine starts only after the exchange met the peer's
+// refusal gets that refusal, and the peer sees one dial per load.
+func (a *Agent) MarkCalls(ctx context.Context) context.Context {
+	return a.dialer.markCalls(ctx)
+}
+
+// PeerInfo waits for the current connection to addr to finish its handshake
+// and describes it. It returns an error of class ErrNotFound when there is no
+// connection to addr, or context.Cause(ctx).
+func (a *Agent) PeerInfo(ctx context.Context, addr string) (PeerInfo, error) {
+	return a.dialer.peerInfo(ctx, addr)
+}
+
+// DialCount is the number of connections dialed to addr so far.
+func (a *Agent) DialCount(addr string) int {
+	return a.dialer.dialCount(addr)
+}
+
+// Alive reports whether the agent holds a connection to addr that is up
+// (a dial in progress counts as up). A later call to addr on a dead one
+// dials again.
+func (a *Agent) Alive(addr string) bool {
+	return a.dialer.alive(addr)
+}
+
+// Disconnect closes the connection to addr, if any, without closing the
+// agent; the next call to addr dials again (with 0-RTT). OnPeerGone has
+// been called for it when Disconnect returns.
+func (a *Agent) Disconnect(addr string) {
+	a.dialer.disconnect(addr)
+}
 
 // New starts an agent: it opens (or adopts) the UDP socket and, when
 // ServerTLS is set, starts accepting connections. It returns an error naming
@@ -148,16 +239,17 @@ func NewUnstarted(cfg *Config) (*Agent, error) {
 		}
 		pc = udp
 	}
-	a := &Agent{
-		cfg:    c,
-		tr:     &quic.Transport{Conn: pc, StatelessResetKey: c.StatelessResetKey},
-		qconf:  QUICConfig(c),
-		m:      m,
-		log:    c.Logger,
-		server: server{conns: make(map[*quic.Conn]struct{})},
+	co := &core{
+		cfg:   c,
+		tr:    &quic.Transport{Conn: pc, StatelessResetKey: c.StatelessResetKey},
+		qconf: QUICConfig(c),
+		m:     m,
+		log:   c.Logger,
 	}
-	a.dialer.init(c.ClientTLS)
-	a.ctx, a.cancel = context.WithCancelCause(context.Background())
+	co.ctx, co.cancel = context.WithCancelCause(context.Background())
+	token := make([]byte, 16)
+	_, _ = crand.Read(token)
+	a := &Agent{core: co, dialer: newDialer(co), server: &server{core: co, conns: make(map[*quic.Conn]struct{}), token: token}}
 	if c.QlogDir != "" {
 		if err := os.MkdirAll(c.QlogDir, 0o755); err != nil {
 			pc.Close()
@@ -190,14 +282,30 @@ func (a *Agent) Start() error {
 	if a.cfg.ServerTLS == nil {
 		return nil
 	}
-	ln, err := a.tr.ListenEarly(a.servingTLS(servingBase(a.cfg.ServerTLS)), a.qconf)
+	ln, err := a.tr.ListenEarly(a.server.servingTLS(servingBase(a.cfg.ServerTLS)), a.qconf)
 	if err != nil {
 		return fmt.Errorf("transfer: listen: %w", err)
 	}
 	a.server.ln = ln
 	a.server.wg.Add(1)
-	go a.acceptLoop()
+	go a.server.acceptLoop()
+	if a.cfg.LocalSocket != "" && sameHostSupported {
+		if err := a.server.listenLocal(a.ctx, a.server.token); err != nil {
+			return err
+		}
+	}
 	return nil
+}
+
+// SameHost is the agent's offer of its pages to readers on its host, for
+// its metadata (AgentMetadata.same_host): the socket of
+// Config.LocalSocket, the token its hello carries and Config.ShareKind.
+// Nil when the agent offers none (no LocalSocket, or not Linux).
+func (a *Agent) SameHost() *SameHostPeer {
+	if a.cfg.LocalSocket == "" || !sameHostSupported {
+		return nil
+	}
+	return &SameHostPeer{Socket: a.cfg.LocalSocket, Token: a.server.token, Kind: a.cfg.ShareKind}
 }
 
 // Addr is the agent's UDP address, e.g. 127.0.0.1:41234.
@@ -225,10 +333,10 @@ func (a *Agent) Register(regions ...Region) error {
 	return nil
 }
 
-func (a *Agent) regionSet() regionSet {
-	a.regMu.RLock()
-	defer a.regMu.RUnlock()
-	return a.regions
+func (c *core) regionSet() regionSet {
+	c.regMu.RLock()
+	defer c.regMu.RUnlock()
+	return c.regions
 }
 
 // Close closes every connection, the listener and the socket, and waits for
@@ -247,6 +355,7 @@ func (a *Agent) CloseWithReason(code v1.Code, reason string) error {
 		return fmt.Errorf("transfer: agent already closed: %w", net.ErrClosed)
 	}
 	a.closed = true
+	a.closing.Store(true)
 	ln := a.server.ln
 	a.mu.Unlock()
 	conns := append(a.dialer.shut(), a.server.shut()...)
@@ -257,7 +366,7 @@ func (a *Agent) CloseWithReason(code v1.Code, reason string) error {
 	if ln != nil {
 		_ = ln.Close()
 	}
-	err := errors.Join(a.tr.Close(), a.closeLaneTransports())
+	err := errors.Join(a.tr.Close(), a.dialer.closeLaneTransports())
 	a.dialer.wg.Wait()
 	a.server.wg.Wait()
 	if cerr := a.tr.Conn.Close(); err == nil && cerr != nil && !errors.Is(cerr, net.ErrClosed) {
@@ -267,11 +376,7 @@ func (a *Agent) CloseWithReason(code v1.Code, reason string) error {
 }
 
 // isClosed reports whether Close has begun.
-func (a *Agent) isClosed() bool {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.closed
-}
+func (c *core) isClosed() bool { return c.closing.Load() }
 
 // errClosed is returned by calls on a closed agent.
 func errClosed() error {

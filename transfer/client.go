@@ -54,7 +54,9 @@ type Xfer struct {
 	Checksum bool
 	// OnRedial, when set, is called when the connection the transfer ran on
 	// died under it and a new connection to Peer is up, before the transfer
-	// is sent again (the redial rule of the package doc). The peer may now
+	// is sent again (the redial rule of the package doc), and when the
+	// same-host socket SameHost names is gone or serves another agent,
+	// before the READ goes over QUIC instead. The peer may now
 	// be another process whose memory lies elsewhere: a non-nil error stops
 	// the transfer, which then fails with that error. Default nil: the
 	// transfer is sent again as it is.
@@ -70,6 +72,30 @@ type Xfer struct {
 	// that landed it), as soon as the first payload byte is in local memory
 	// (the time to first KV byte); it must not block. Default nil.
 	OnFirstByte func()
+
+	// OnLanded, when set on a READ, is called with every run of bytes as
+	// it lands in local memory, while it is still in cache, on the
+	// goroutine that landed it (a READ lane's, a same-host copier's): at is
+	// the run's offset in the READ's local byte stream (Local's
+	// descriptors back to back) and b the run (host memory: the local
+	// memory itself, or the staging buffer device memory is filled from).
+	// The runs of one local descriptor land in order; of a READ by region
+	// and block (RemoteBlocks), each block's runs land in region order on
+	// one goroutine. Runs of different blocks, or of a READ of explicit
+	// descriptors striped over lanes, may land concurrently. It must not
+	// block or keep
+	// b. It is not called for bytes that never pass through host memory (a
+	// same-host READ of device pages). When the READ fails, some runs may
+	// have been reported. Default nil.
+	OnLanded func(at uint64, b []byte)
+	// SameHost, when set on a READ naming Remote or RemoteBlocks, sends it
+	// to the peer's same-host socket (samehost.go) instead of a QUIC
+	// stream: the bytes are copied from the peer's pages, mapped
+	// read-only while the READ runs. When that path cannot be had (the
+	// socket is unreachable or another agent's, another uid, pages this
+	// agent cannot map) the READ goes over QUIC, logged once per socket.
+	// Default nil: QUIC.
+	SameHost *SameHostPeer
 
 	// lane is set by transferLanes on the copy each READ lane runs: the
 	// READ's post time is lane 0's, so lanes 1..K-1 do not observe it.
@@ -112,7 +138,7 @@ type Result struct {
 // the connection ends, and bounds what one connection may hold
 // (Config.MaxPreparedDescsPerConn). Safe for concurrent use.
 type DescList struct {
-	a     *Agent
+	d     *dialer
 	peer  string
 	id    uint64
 	descs []Desc
@@ -125,15 +151,13 @@ type DescList struct {
 // Len is the number of descriptors in the list.
 func (l *DescList) Len() int { return len(l.descs) }
 
-// Prepare registers descs (the peer's memory) with the peer, which validates
-// them once; transfers then name entries by index. Errors carry the peer's
-// class (ErrOutOfRange, ErrInvalidArgument, ...).
-func (a *Agent) Prepare(ctx context.Context, addr string, descs []Desc) (*DescList, error) {
-	if len(descs) == 0 || len(descs) > a.cfg.MaxDescsPerTransfer {
-		return nil, errorf(v1.Code_CODE_INVALID_ARGUMENT, "descriptor list of %d entries, want 1..%d", len(descs), a.cfg.MaxDescsPerTransfer)
+// prepare is Agent.Prepare.
+func (d *dialer) prepare(ctx context.Context, addr string, descs []Desc) (*DescList, error) {
+	if len(descs) == 0 || len(descs) > d.cfg.MaxDescsPerTransfer {
+		return nil, errorf(v1.Code_CODE_INVALID_ARGUMENT, "descriptor list of %d entries, want 1..%d", len(descs), d.cfg.MaxDescsPerTransfer)
 	}
-	l := &DescList{a: a, peer: addr, id: a.nextList.Add(1), descs: append([]Desc(nil), descs...)}
-	if err := a.withConn(ctx, addr, func(p *peer, _ bool) error { return a.ensurePrepared(ctx, p, l) }); err != nil {
+	l := &DescList{d: d, peer: addr, id: d.nextList.Add(1), descs: append([]Desc(nil), descs...)}
+	if err := d.withConn(ctx, addr, func(p *peer, _ bool) error { return d.ensurePrepared(ctx, p, l) }); err != nil {
 		return nil, err
 	}
 	return l, nil
@@ -159,13 +183,13 @@ func (l *DescList) Close(ctx context.Context) error {
 	if conn == nil || conn.Context().Err() != nil {
 		return nil
 	}
-	resp, err := l.a.exchange(ctx, conn, &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1,
+	resp, err := l.d.exchange(ctx, conn, &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1,
 		Body: &v1.PeerRequest_Unprep{Unprep: &v1.UnprepDescList{DlistId: l.id}}}, false)
 	if err != nil {
 		if conn.Context().Err() != nil && ctx.Err() == nil {
 			return nil // the connection, and the list with it, ended meanwhile
 		}
-		return l.a.streamErr(ctx, l.peer, err)
+		return l.d.streamErr(ctx, l.peer, err)
 	}
 	ub, ok := resp.GetBody().(*v1.PeerResponse_Unprep)
 	if !ok {
@@ -174,7 +198,7 @@ func (l *DescList) Close(ctx context.Context) error {
 	return codes.FromProto(l.peer, ub.Unprep)
 }
 
-func (a *Agent) ensurePrepared(ctx context.Context, p *peer, l *DescList) error {
+func (d *dialer) ensurePrepared(ctx context.Context, p *peer, l *DescList) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.closed {
@@ -185,7 +209,7 @@ func (a *Agent) ensurePrepared(ctx context.Context, p *peer, l *DescList) error 
 	}
 	req := &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1, Body: &v1.PeerRequest_Prep{
 		Prep: &v1.PrepDescList{DlistId: l.id, Descs: descsToProto(l.descs)}}}
-	resp, err := a.roundTrip(ctx, p, req, false)
+	resp, err := d.roundTrip(ctx, p, req, false)
 	if err != nil {
 		return err
 	}
@@ -200,12 +224,9 @@ func (a *Agent) ensurePrepared(ctx context.Context, p *peer, l *DescList) error 
 	return nil
 }
 
-// Handshake sends req to the agent at addr on the cached connection
-// (dialing it, in 0-RTT when a ticket is cached; a rejected 0-RTT request is
-// resent) and returns its answer. Errors: ErrUnavailable when the peer
-// cannot be reached, context.Cause(ctx).
-func (a *Agent) Handshake(ctx context.Context, addr string, req *v1.HandshakeRequest) (*v1.HandshakeResponse, error) {
-	resp, err := a.call(ctx, addr, &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1,
+// handshake is Agent.Handshake.
+func (d *dialer) handshake(ctx context.Context, addr string, req *v1.HandshakeRequest) (*v1.HandshakeResponse, error) {
+	resp, err := d.call(ctx, addr, &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1,
 		Body: &v1.PeerRequest_Handshake{Handshake: req}}, true)
 	if err != nil {
 		return nil, err
@@ -217,12 +238,9 @@ func (a *Agent) Handshake(ctx context.Context, addr string, req *v1.HandshakeReq
 	return hb.Handshake, nil
 }
 
-// Heartbeat extends leases at the agent at addr and returns the new expiries.
-// It is never sent in 0-RTT: a replayed heartbeat would extend leases the
-// consumer already gave up, so it waits for the handshake to complete.
-// Errors: the peer's class, ErrUnavailable, context.Cause(ctx).
-func (a *Agent) Heartbeat(ctx context.Context, addr string, hb *v1.Heartbeat) (*v1.HeartbeatAck, error) {
-	resp, err := a.call(ctx, addr, &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1,
+// heartbeat is Agent.Heartbeat.
+func (d *dialer) heartbeat(ctx context.Context, addr string, hb *v1.Heartbeat) (*v1.HeartbeatAck, error) {
+	resp, err := d.call(ctx, addr, &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1,
 		Body: &v1.PeerRequest_Heartbeat{Heartbeat: hb}}, false)
 	if err != nil {
 		return nil, err
@@ -234,18 +252,15 @@ func (a *Agent) Heartbeat(ctx context.Context, addr string, hb *v1.Heartbeat) (*
 	return b.Heartbeat, codes.FromProto(addr, b.Heartbeat.GetError())
 }
 
-// Notify delivers n to the agent at addr and returns its answer: nil when
-// accepted, an error of class ErrNotFound or ErrLeaseExpired when the
-// request is unknown or expired (the data read for it may be stale).
-// Notifications to one peer are delivered in call order; never in 0-RTT.
-func (a *Agent) Notify(ctx context.Context, addr string, n *v1.Notification) error {
+// notify is Agent.Notify.
+func (d *dialer) notify(ctx context.Context, addr string, n *v1.Notification) error {
 	req := &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1, Body: &v1.PeerRequest_Notification{Notification: n}}
 	var resp *v1.PeerResponse
-	err := a.withConn(ctx, addr, func(p *peer, _ bool) error {
+	err := d.withConn(ctx, addr, func(p *peer, _ bool) error {
 		p.notifMu.Lock()
 		defer p.notifMu.Unlock()
 		var err error
-		resp, err = a.roundTrip(ctx, p, req, false)
+		resp, err = d.roundTrip(ctx, p, req, false)
 		return err
 	})
 	if err != nil {
@@ -260,11 +275,11 @@ func (a *Agent) Notify(ctx context.Context, addr string, n *v1.Notification) err
 
 // call runs one request/response exchange with addr under the redial rule;
 // early requests may travel in 0-RTT.
-func (a *Agent) call(ctx context.Context, addr string, req *v1.PeerRequest, early bool) (*v1.PeerResponse, error) {
+func (d *dialer) call(ctx context.Context, addr string, req *v1.PeerRequest, early bool) (*v1.PeerResponse, error) {
 	var resp *v1.PeerResponse
-	err := a.withConn(ctx, addr, func(p *peer, _ bool) error {
+	err := d.withConn(ctx, addr, func(p *peer, _ bool) error {
 		var err error
-		resp, err = a.roundTrip(ctx, p, req, early)
+		resp, err = d.roundTrip(ctx, p, req, early)
 		return err
 	})
 	return resp, err
@@ -273,15 +288,15 @@ func (a *Agent) call(ctx context.Context, addr string, req *v1.PeerRequest, earl
 // roundTrip opens a stream on p, sends req, reads one response; early
 // requests may travel in 0-RTT (withConn sends them again when the server
 // rejected 0-RTT).
-func (a *Agent) roundTrip(ctx context.Context, p *peer, req *v1.PeerRequest, early bool) (*v1.PeerResponse, error) {
-	resp, err := a.exchange(ctx, p.conn, req, early)
+func (d *dialer) roundTrip(ctx context.Context, p *peer, req *v1.PeerRequest, early bool) (*v1.PeerResponse, error) {
+	resp, err := d.exchange(ctx, p.conn, req, early)
 	if err != nil {
-		return nil, a.streamErr(ctx, p.addr, err)
+		return nil, d.streamErr(ctx, p.addr, err)
 	}
 	return resp, nil
 }
 
-func (a *Agent) exchange(ctx context.Context, conn *quic.Conn, req *v1.PeerRequest, early bool) (*v1.PeerResponse, error) {
+func (d *dialer) exchange(ctx context.Context, conn *quic.Conn, req *v1.PeerRequest, early bool) (*v1.PeerResponse, error) {
 	if !early || noEarlyStreams {
 		if err := waitConn(ctx, conn); err != nil {
 			return nil, err
@@ -321,7 +336,7 @@ func waitConn(ctx context.Context, conn *quic.Conn) error {
 }
 
 // streamErr classifies an error of a stream or connection operation.
-func (a *Agent) streamErr(ctx context.Context, addr string, err error) error {
+func (d *dialer) streamErr(ctx context.Context, addr string, err error) error {
 	if ctx.Err() != nil {
 		cause := context.Cause(ctx)
 		if errors.Is(cause, context.DeadlineExceeded) {
@@ -337,7 +352,7 @@ func (a *Agent) streamErr(ctx context.Context, addr string, err error) error {
 		}
 		return fmt.Errorf("transfer: %s reset the stream: %w", addr, codes.New(c, "peer code %v", c))
 	}
-	if a.isClosed() {
+	if d.isClosed() {
 		return errClosed()
 	}
 	var ie *quic.IdleTimeoutError
@@ -357,37 +372,31 @@ func (a *Agent) streamErr(ctx context.Context, addr string, err error) error {
 	return fmt.Errorf("%w: transfer: %s: %w", ErrUnavailable, addr, err)
 }
 
-// Transfer runs one READ or WRITE and returns when it is complete: for a
-// READ every byte is in local memory; for a WRITE the peer acknowledged that
-// every byte landed in its memory. On failure it returns an *XferError with
-// the byte count reached; cancelling ctx aborts the transfer (the stream is
-// reset with CODE_ABORTED) and the error wraps context.Cause(ctx). Transfer
-// never returns before the stream is reset or drained, so the local range is
-// the caller's again once it returns.
-func (a *Agent) Transfer(ctx context.Context, x *Xfer) (Result, error) {
+// transfer is Agent.Transfer.
+func (d *dialer) transfer(ctx context.Context, x *Xfer) (Result, error) {
 	start := time.Now()
-	id := a.nextXfer.Add(1)
+	id := d.nextXfer.Add(1)
 	res := Result{XferID: id}
 	xe := &XferError{Op: x.Op, Peer: x.Peer, XferID: id}
 	fail := func(err error) (Result, error) {
 		xe.Err = err
-		a.m.failures.WithLabelValues(codes.Of(err).String()).Inc()
-		a.m.xferDone(x.Op, roleClient, false)
+		d.m.failures.WithLabelValues(codes.Of(err).String()).Inc()
+		d.m.xferDone(x.Op, roleClient, false)
 		return res, xe
 	}
-	local, remote, total, err := a.checkXfer(x)
+	local, remote, total, err := d.checkXfer(x)
 	xe.Total = total
 	if err != nil {
 		return fail(err)
 	}
-	b := a.budgetFor(x.Peer)
+	b := d.budgetFor(x.Peer)
 	if err := b.acquire(ctx.Done(), func() error { return context.Cause(ctx) }, total); err != nil {
-		return fail(a.streamErr(ctx, x.Peer, err))
+		return fail(d.streamErr(ctx, x.Peer, err))
 	}
-	a.m.inflight.Add(float64(total))
+	d.m.inflight.Add(float64(total))
 	defer func() {
 		b.release(total)
-		a.m.inflight.Sub(float64(total))
+		d.m.inflight.Sub(float64(total))
 	}()
 	req := &v1.XferRequest{Op: v1.XferOp(x.Op), RequestId: x.RequestID, ExportId: x.ExportID, Capability: x.Capability,
 		Checksum: x.Checksum, XferId: id, TotalLen: total, Expect: x.Expect,
@@ -400,34 +409,49 @@ func (a *Agent) Transfer(ctx context.Context, x *Xfer) (Result, error) {
 	default:
 		req.Descs = &v1.XferRequest_List{List: descsToProto(remote)}
 	}
-	checkedRedial := false // withConn redials at most once; a READ resent after 0-RTT was rejected comes here again
-	err = a.withConn(ctx, x.Peer, func(p *peer, redialed bool) error {
-		xe.Bytes, xe.Sent = 0, 0
-		if redialed && !checkedRedial {
+	err = errNotLocal
+	if x.SameHost != nil && x.Op == OpRead && x.RemoteList == nil && sameHostSupported {
+		err = d.transferLocal(ctx, x, req, local, xe, start)
+	}
+	if errors.Is(err, errNotLocal) { // not sent on the same-host path: QUIC
+		xe.Bytes = 0
+		checkedRedial := false // withConn redials at most once; a READ resent after 0-RTT was rejected comes here again
+		if errors.Is(err, errPeerChanged) && x.OnRedial != nil {
+			// The peer the caller's metadata named restarted: learn the
+			// new one before the READ goes over QUIC to its address.
 			checkedRedial = true
-			if x.OnRedial != nil {
-				if err := x.OnRedial(ctx); err != nil {
-					return err
-				}
+			if err := x.OnRedial(ctx); err != nil {
+				return fail(err)
 			}
 		}
-		return a.transferLanes(ctx, p, x, req, local, xe, start)
-	})
+		err = d.withConn(ctx, x.Peer, func(p *peer, redialed bool) error {
+			xe.Bytes, xe.Sent = 0, 0
+			if redialed && !checkedRedial {
+				checkedRedial = true
+				if x.OnRedial != nil {
+					if err := x.OnRedial(ctx); err != nil {
+						return err
+					}
+				}
+			}
+			return d.transferLanes(ctx, p, x, req, local, xe, start)
+		})
+	}
 	if err != nil {
 		return fail(err)
 	}
 	res.Bytes, res.Duration = total, time.Since(start)
-	a.m.op(x.Op).xferSecs.Observe(res.Duration.Seconds())
-	a.m.xferDone(x.Op, roleClient, true)
+	d.m.op(x.Op).xferSecs.Observe(res.Duration.Seconds())
+	d.m.xferDone(x.Op, roleClient, true)
 	return res, nil
 }
 
 // transferOn runs one attempt of x on p's connection; xe records the bytes
 // moved. It returns only after the stream was reset or drained.
-func (a *Agent) transferOn(ctx context.Context, p *peer, x *Xfer, req *v1.XferRequest, local []span, xe *XferError, start time.Time) error {
+func (d *dialer) transferOn(ctx context.Context, p *peer, x *Xfer, req *v1.XferRequest, local []span, xe *XferError, start time.Time) error {
 	id := xe.XferID
 	if x.RemoteList != nil {
-		if err := a.ensurePrepared(ctx, p, x.RemoteList); err != nil {
+		if err := d.ensurePrepared(ctx, p, x.RemoteList); err != nil {
 			return err
 		}
 	}
@@ -437,12 +461,12 @@ func (a *Agent) transferOn(ctx context.Context, p *peer, x *Xfer, req *v1.XferRe
 	// WRITE changes the peer's memory, so it waits.
 	if x.Op != OpRead || noEarlyStreams {
 		if err := waitConn(ctx, p.conn); err != nil {
-			return a.streamErr(ctx, x.Peer, err)
+			return d.streamErr(ctx, x.Peer, err)
 		}
 	}
 	str, err := p.conn.OpenStreamSync(ctx)
 	if err != nil {
-		return a.streamErr(ctx, x.Peer, err)
+		return d.streamErr(ctx, x.Peer, err)
 	}
 
 	// Abort machinery: the watchdog and ctx reset the stream; the I/O below
@@ -457,15 +481,15 @@ func (a *Agent) transferOn(ctx context.Context, p *peer, x *Xfer, req *v1.XferRe
 			abortCause = cause
 			str.CancelRead(quic.StreamErrorCode(code))
 			str.CancelWrite(quic.StreamErrorCode(code))
-			if a.cfg.testHook != nil {
-				a.cfg.testHook("reset", id)
+			if d.cfg.testHook != nil {
+				d.cfg.testHook("reset", id)
 			}
 		})
 	}
-	wd := startWatchdog(a.cfg.ProgressTimeout, func() {
-		abort(v1.Code_CODE_TIMEOUT, errorf(v1.Code_CODE_TIMEOUT, "no progress from %s for %v", x.Peer, a.cfg.ProgressTimeout))
+	wd := startWatchdog(d.cfg.ProgressTimeout, func() {
+		abort(v1.Code_CODE_TIMEOUT, errorf(v1.Code_CODE_TIMEOUT, "no progress from %s for %v", x.Peer, d.cfg.ProgressTimeout))
 	})
-	wd.count = a.meter(x.Op, roleClient)
+	wd.count = d.meter(x.Op, roleClient)
 	if first := x.OnFirstByte; first != nil && x.Op == OpRead {
 		count, called := wd.count, false
 		wd.count = func(n int) {
@@ -488,19 +512,19 @@ func (a *Agent) transferOn(ctx context.Context, p *peer, x *Xfer, req *v1.XferRe
 	var ioErr error
 	posted := func() {
 		if x.lane == 0 {
-			a.m.op(x.Op).postSecs.Observe(time.Since(start).Seconds())
+			d.m.op(x.Op).postSecs.Observe(time.Since(start).Seconds())
 		}
 	}
 	if x.Op == OpRead {
-		ioErr = a.runRead(str, req, local, x.Checksum, wd, xe, posted)
+		ioErr = d.runRead(str, req, local, x.Checksum, x.OnLanded, wd, xe, posted)
 	} else {
-		ioErr = a.runWrite(str, req, local, x.Checksum, wd, xe, posted)
+		ioErr = d.runWrite(str, req, local, x.Checksum, wd, xe, posted)
 	}
 	wd.stop()
 	stopCtx()
 	abortOnce.Do(func() {}) // waits for an abort in progress; none can start after
-	if a.cfg.testHook != nil {
-		a.cfg.testHook("released", id)
+	if d.cfg.testHook != nil {
+		d.cfg.testHook("released", id)
 	}
 	if ioErr == nil {
 		return nil
@@ -512,24 +536,24 @@ func (a *Agent) transferOn(ctx context.Context, p *peer, x *Xfer, req *v1.XferRe
 		// The stream died with the rejected 0-RTT data; quic-go numbers
 		// the streams of the connection it goes on with from 0 again, so
 		// cancelling this one would reset the resent request's stream.
-		return a.streamErr(ctx, x.Peer, ioErr)
+		return d.streamErr(ctx, x.Peer, ioErr)
 	}
 	str.CancelRead(quic.StreamErrorCode(codes.Of(ioErr)))
 	str.CancelWrite(quic.StreamErrorCode(codes.Of(ioErr)))
-	return a.streamErr(ctx, x.Peer, ioErr)
+	return d.streamErr(ctx, x.Peer, ioErr)
 }
 
 // checkXfer validates x locally and resolves its local descriptors.
-func (a *Agent) checkXfer(x *Xfer) (local []span, remote []Desc, total uint64, err error) {
+func (d *dialer) checkXfer(x *Xfer) (local []span, remote []Desc, total uint64, err error) {
 	if x.Op != OpRead && x.Op != OpWrite {
 		return nil, nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "Xfer.Op %v is neither OpRead nor OpWrite", x.Op)
 	}
 	n := len(x.Local)
-	if n == 0 || n > a.cfg.MaxDescsPerTransfer {
-		return nil, nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "Xfer.Local has %d descriptors, want 1..%d", n, a.cfg.MaxDescsPerTransfer)
+	if n == 0 || n > d.cfg.MaxDescsPerTransfer {
+		return nil, nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "Xfer.Local has %d descriptors, want 1..%d", n, d.cfg.MaxDescsPerTransfer)
 	}
 	if x.RemoteBlocks != nil {
-		return a.checkBlockXfer(x)
+		return d.checkBlockXfer(x)
 	}
 	if x.RemoteList != nil {
 		if x.Remote != nil || x.RemoteList.peer != x.Peer {
@@ -551,7 +575,7 @@ func (a *Agent) checkXfer(x *Xfer) (local []span, remote []Desc, total uint64, e
 		}
 		remote = x.Remote
 	}
-	local, total, err = a.regionSet().resolveAll(x.Local)
+	local, total, err = d.regionSet().resolveAll(x.Local)
 	if err != nil {
 		return nil, nil, 0, fmt.Errorf("transfer: Xfer.Local: %w", err)
 	}
@@ -560,6 +584,11 @@ func (a *Agent) checkXfer(x *Xfer) (local []span, remote []Desc, total uint64, e
 			return nil, nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "descriptor %d: local length %d differs from remote %d", i, local[i].n, remote[i].Len)
 		}
 	}
+	if !x.Checksum {
+		// Local descriptors that continue one another land as one run
+		// (the remote ones the peer merges in its own regions).
+		local = mergeSpans(local)
+	}
 	return local, remote, total, nil
 }
 
@@ -567,7 +596,7 @@ func (a *Agent) checkXfer(x *Xfer) (local []span, remote []Desc, total uint64, e
 // local descriptor count was checked by checkXfer) and resolves its local
 // descriptors, which must total the blocks' bytes (and
 // pair one to one with their entries when x.Checksum is set).
-func (a *Agent) checkBlockXfer(x *Xfer) (local []span, remote []Desc, total uint64, err error) {
+func (d *dialer) checkBlockXfer(x *Xfer) (local []span, remote []Desc, total uint64, err error) {
 	b := x.RemoteBlocks
 	bad := func(code v1.Code, format string, args ...any) ([]span, []Desc, uint64, error) {
 		return nil, nil, 0, errorf(code, "Xfer.RemoteBlocks: "+format, args...)
@@ -579,13 +608,13 @@ func (a *Agent) checkBlockXfer(x *Xfer) (local []span, remote []Desc, total uint
 		return bad(v1.Code_CODE_INVALID_ARGUMENT, "excludes Xfer.Remote and Xfer.RemoteList")
 	case b.NumRegions == 0 || len(b.BlockIDs) == 0 || b.Len == 0:
 		return bad(v1.Code_CODE_INVALID_ARGUMENT, "%d regions × %d blocks × %d bytes names no byte; each must be > 0", b.NumRegions, len(b.BlockIDs), b.Len)
-	case b.Entries() > uint64(a.cfg.MaxDescsPerTransfer):
+	case b.Entries() > uint64(d.cfg.MaxDescsPerTransfer):
 		return bad(v1.Code_CODE_INVALID_ARGUMENT, "%d regions × %d blocks = %d entries, want at most %d (Config.MaxDescsPerTransfer)",
-			b.NumRegions, len(b.BlockIDs), b.Entries(), a.cfg.MaxDescsPerTransfer)
+			b.NumRegions, len(b.BlockIDs), b.Entries(), d.cfg.MaxDescsPerTransfer)
 	case b.Len > math.MaxUint64/b.Entries():
 		return bad(v1.Code_CODE_OUT_OF_RANGE, "%d entries of %d bytes overflow 64 bits", b.Entries(), b.Len)
 	}
-	local, total, err = a.regionSet().resolveAll(x.Local)
+	local, total, err = d.regionSet().resolveAll(x.Local)
 	if err != nil {
 		return nil, nil, 0, fmt.Errorf("transfer: Xfer.Local: %w", err)
 	}
@@ -600,7 +629,7 @@ func (a *Agent) checkBlockXfer(x *Xfer) (local []span, remote []Desc, total uint
 }
 
 // runRead sends the request and reads the bytes straight into local memory.
-func (a *Agent) runRead(str *quic.Stream, req *v1.XferRequest, local []span, checksum bool, wd *watchdog, xe *XferError, posted func()) error {
+func (d *dialer) runRead(str *quic.Stream, req *v1.XferRequest, local []span, checksum bool, landed func(uint64, []byte), wd *watchdog, xe *XferError, posted func()) error {
 	if err := wire.WriteMsg(str, &v1.PeerRequest{WireVersion: v1.WireVersion_WIRE_VERSION_1, Body: &v1.PeerRequest_Xfer{Xfer: req}}, 0); err != nil {
 		return err
 	}
@@ -620,23 +649,28 @@ func (a *Agent) runRead(str *quic.Stream, req *v1.XferRequest, local []span, che
 	if err := codes.FromProto(xe.Peer, st.Xfer.GetError()); err != nil {
 		return err
 	}
-	var staging []byte
-	sums := make([]uint32, 0, len(local))
-	for _, s := range local {
-		var crc uint32
-		err := a.eachChunk(s, &staging, true, func(b []byte) error {
-			if err := readFull(r, b, &xe.Bytes, wd); err != nil {
+	sums := make([]uint32, len(local))
+	err := d.eachRun(local, true, func(i int, off uint64, b []byte) error {
+		// In runs of at most landChunk, so OnLanded and the checksum read
+		// bytes still in cache.
+		for len(b) > 0 {
+			run := b[:min(len(b), landChunk)]
+			if err := readFull(r, run, &xe.Bytes, wd); err != nil {
 				return err
 			}
 			if checksum {
-				crc = crc32.Update(crc, castagnoli, b)
+				sums[i] = crc32.Update(sums[i], castagnoli, run)
 			}
-			return nil
-		})
-		if err != nil {
-			return err
+			if landed != nil {
+				landed(local[i].at+off, run)
+			}
+			off += uint64(len(run))
+			b = b[len(run):]
 		}
-		sums = append(sums, crc)
+		return nil
+	})
+	if err != nil {
+		return err
 	}
 	var fin v1.PeerResponse
 	if err := r.ReadMsg(&fin); err != nil {
@@ -660,7 +694,7 @@ func (a *Agent) runRead(str *quic.Stream, req *v1.XferRequest, local []span, che
 
 // runWrite sends the request and the bytes straight from local memory, then
 // waits for the receiver's ack.
-func (a *Agent) runWrite(str *quic.Stream, req *v1.XferRequest, local []span, checksum bool, wd *watchdog, xe *XferError, posted func()) error {
+func (d *dialer) runWrite(str *quic.Stream, req *v1.XferRequest, local []span, checksum bool, wd *watchdog, xe *XferError, posted func()) error {
 	r := getReader(str)
 	defer putReader(r)
 	// A refusal arrives as a reset of our send side (seen by a Write, or by
@@ -679,20 +713,15 @@ func (a *Agent) runWrite(str *quic.Stream, req *v1.XferRequest, local []span, ch
 		return refusal(err)
 	}
 	posted()
-	var staging []byte
-	sums := make([]uint32, 0, len(local))
-	for _, s := range local {
-		var crc uint32
-		err := a.eachChunk(s, &staging, false, func(b []byte) error {
-			if checksum {
-				crc = crc32.Update(crc, castagnoli, b)
-			}
-			return writeChunks(str, b, &xe.Sent, wd)
-		})
-		if err != nil {
-			return refusal(err)
+	sums := make([]uint32, len(local))
+	err := d.eachRun(local, false, func(i int, _ uint64, b []byte) error {
+		if checksum {
+			sums[i] = crc32.Update(sums[i], castagnoli, b)
 		}
-		sums = append(sums, crc)
+		return writeChunks(str, b, &xe.Sent, wd)
+	})
+	if err != nil {
+		return refusal(err)
 	}
 	if checksum {
 		if err := wire.WriteMsg(str, &v1.XferStatus{Checksums: sums}, 0); err != nil {

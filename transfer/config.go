@@ -21,7 +21,12 @@ const ALPN = "kvsidecar/1"
 
 // Flow-control and window defaults, sized so one stream can keep a 2 MiB
 // descriptor and its successor in flight on a fast link (quic-go defaults
-// are 6 MiB per stream and 15 MiB per connection).
+// are 6 MiB per stream and 15 MiB per connection). They bound a READ only
+// where bandwidth × RTT exceeds them: on loopback, where a READ is bound by
+// the CPU (see QUICConfig), a 128 MiB READ ran the same with 4/8 MiB,
+// 32/96 MiB and 128/384 MiB windows (stream/connection) and with initial
+// windows equal to the maximum (0.49–0.52 GB/s against TLS 1.3 over TCP's
+// 1.26–1.35 in the same runs, 2-core host).
 const (
 	DefaultMaxStreamWindow     = 32 << 20
 	DefaultMaxConnWindow       = 96 << 20
@@ -89,7 +94,12 @@ type Config struct {
 	// "127.0.0.1:0". Default "127.0.0.1:0". Ignored when PacketConn is set.
 	ListenAddr string
 	// PacketConn, when set, is used instead of opening ListenAddr; the agent
-	// closes it on Close. Default nil.
+	// closes it on Close. It should be a *net.UDPConn (or implement
+	// quic.OOBCapablePacketConn): quic-go then sends with GSO, reads in
+	// batches and sizes its buffers (see QUICConfig); behind a plain
+	// net.PacketConn it does none of these, and a bulk READ ran at 0.16–0.18
+	// of TLS 1.3 over TCP instead of 0.36–0.42, dropping about 530
+	// datagrams per 900 MiB read on loopback. Default nil.
 	PacketConn net.PacketConn
 	// ServerTLS is the TLS config for accepted connections. It must carry a
 	// certificate and ClientCAs; the agent forces TLS 1.3, ALPN kvsidecar/1
@@ -183,6 +193,24 @@ type Config struct {
 	// (1..ReadLanes-1), once per lane index; the agent closes it on Close.
 	// Default nil: a socket on the IP of the agent's own socket, any port.
 	LanePacketConn func(lane int) (net.PacketConn, error)
+	// LocalSocket, when set together with Share, is the path of the unix
+	// socket on which the agent serves same-host READs (samehost.go), from
+	// Start to Close; its directory must belong to this user with mode
+	// 0700 (a stale socket of a dead process is replaced, a live one is
+	// refused). Default "": no same-host path.
+	LocalSocket string
+	// Share returns the files that back ranges of the agent's registered
+	// memory (absolute addresses, in Desc form, each inside one region)
+	// for a same-host READ the agent admitted; the agent passes them to
+	// the reader and closes them. Default nil: no same-host path.
+	Share func(ranges []Desc) (*SharedPages, error)
+	// ShareKind is the kind of pages Share returns, announced in the
+	// socket's hello. Default v1.PageKind_PAGE_KIND_MEMFD.
+	ShareKind v1.PageKind
+	// PeerCopier maps a same-host peer's device pages and copies them into
+	// this agent's device memory. Default nil: same-host READs land only
+	// memfd pages in host memory; a READ of device pages goes over QUIC.
+	PeerCopier PeerCopier
 	// StagingBytes is the size of the staging buffer used when memory is not
 	// host-addressable. Default 1 MiB.
 	StagingBytes int
@@ -252,6 +280,9 @@ func (c *Config) withDefaults() *Config {
 	if out.ReadLaneMinBytes == 0 {
 		out.ReadLaneMinBytes = DefaultReadLaneMinBytes
 	}
+	if out.ShareKind == v1.PageKind_PAGE_KIND_UNSPECIFIED {
+		out.ShareKind = v1.PageKind_PAGE_KIND_MEMFD
+	}
 	if out.StagingBytes == 0 {
 		out.StagingBytes = DefaultStagingBytes
 	}
@@ -300,6 +331,8 @@ func (c *Config) validate() error {
 		return fmt.Errorf("transfer: Config.KeepAlivePeriod, MaxIdleTimeout and HandshakeTimeout must be >= 0")
 	case c.MaxDescsPerTransfer < 1:
 		return fmt.Errorf("transfer: Config.MaxDescsPerTransfer %d must be >= 1", c.MaxDescsPerTransfer)
+	case c.LocalSocket != "" && c.Share == nil:
+		return fmt.Errorf("transfer: Config.LocalSocket %q needs Config.Share to pass pages", c.LocalSocket)
 	case c.MaxPreparedDescsPerConn < 1:
 		return fmt.Errorf("transfer: Config.MaxPreparedDescsPerConn %d must be >= 1", c.MaxPreparedDescsPerConn)
 	case c.ServerTLS != nil && len(c.ServerTLS.Certificates) == 0 && c.ServerTLS.GetCertificate == nil && c.ServerTLS.GetConfigForClient == nil:
@@ -318,6 +351,42 @@ func (c *Config) validate() error {
 // QUICConfig returns the quic-go configuration an agent with config c uses
 // (nil c: the defaults), so benchmarks can run raw quic-go under the same
 // windows and timeouts.
+//
+// What bounds a bulk READ is quic-go's cost per packet, and this quic-go
+// (v0.65.0) has no setting that changes it. Measured with `kvsidecar bench
+// transfer` and interleaved runs on a 2-core host, 128 MiB READs on
+// loopback, as a ratio to Go TLS 1.3 over TCP in the same run:
+//
+//   - Packets are at most 1452 bytes (internal/protocol/protocol.go,
+//     MaxPacketBufferSize), whatever the path's MTU; path MTU discovery
+//     (on, the default) takes them from 1280 to 1441 bytes within a few
+//     round trips, with it off a READ lost 12–18 %. InitialPacketSize 1452
+//     gained nothing measurable and fails the handshake on a path with a
+//     smaller MTU, so it is left at quic-go's default. Each packet is
+//     sealed, framed, acknowledged and opened on one goroutine per
+//     connection side: 0.24–0.30 GB per CPU-second against TLS over TCP's
+//     0.63–0.76 (16 KiB records, 64 KiB segments), so a READ on one
+//     connection runs at 0.36–0.42 of TLS over TCP. The same quic-go with
+//     that constant raised to 8952 (a jumbo-frame MTU) ran the READ at
+//     1.18–1.34 of TLS over TCP (1.56–1.63 GB/s), at 4052 0.87–0.89: the
+//     packet size, not the windows, is the limit; sending 64 KiB per
+//     sendmsg instead of 20 KiB at 1452 bytes gained nothing. READ lanes
+//     (Config.ReadLanes) spread a READ over more cores instead.
+//   - GSO: quic-go sends up to 20 KiB of packets per sendmsg where the
+//     kernel has UDP_SEGMENT (sys_conn_helper_linux.go); with
+//     QUIC_GO_DISABLE_GSO=1 a READ ran at 0.18–0.20 instead of 0.36–0.42.
+//   - Socket buffers: quic-go raises both to 7 MiB (sys_conn_buffers.go;
+//     SO_RCVBUFFORCE as root, else up to net.core.rmem_max/wmem_max). At
+//     8 MiB no datagram was dropped; at 416 KiB (a stock kernel's limit for
+//     an unprivileged process) 170–290 were per 1.1 GiB read and the READ
+//     ran at 0.33 instead of 0.38–0.40; 64 MiB gained nothing.
+//   - Cipher: crypto/tls does not let TLS 1.3 suites be chosen
+//     (tls.Config.CipherSuites covers TLS 1.0–1.2); it picks AES-128-GCM
+//     on a host with AES instructions, which seals a 1400-byte packet at
+//     3.3 GB/s here, ChaCha20-Poly1305 at 2.0.
+//   - ECN (QUIC_GO_DISABLE_ECN=1): no change; GOMAXPROCS 1 or 4 instead of
+//     2: 0.32–0.34 (one core is more efficient, 0.33 GB per CPU-second,
+//     but runs alone).
 func QUICConfig(c *Config) *quic.Config {
 	c = c.withDefaults()
 	return &quic.Config{

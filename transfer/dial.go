@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/quic-go/quic-go"
@@ -24,6 +25,7 @@ import (
 // is its own (the serving half never takes it); its goroutines, a dial,
 // and a dialed connection's watcher with its probe, are in wg.
 type dialer struct {
+	*core
 	tls      *tls.Config // Config.ClientTLS for TLS 1.3 and ALPN; nil: the agent does not dial
 	sessions tls.ClientSessionCache
 
@@ -36,17 +38,23 @@ type dialer struct {
 	failedDials map[string]failedDial
 	budgets     map[string]*budget // of transfers dialed to addr (budgetFor)
 	laneTrs     []*quic.Transport  // READ lane i's transport at i-1, opened on first use
+	local       localDialer        // same-host connections (samehost_dial.go)
 
 	wg sync.WaitGroup
+
+	calls    atomic.Uint64 // numbers the calls into withConn, in start order
+	nextXfer atomic.Uint64
+	nextList atomic.Uint64
 }
 
-// init makes d the dialing half of an agent with ClientTLS ct (nil: one
-// that cannot dial).
-func (d *dialer) init(ct *tls.Config) {
-	d.peers, d.dials = make(map[string]*peer), make(map[string]int)
-	d.failedDials, d.budgets = make(map[string]failedDial), make(map[string]*budget)
+// newDialer makes the dialing half of an agent on co (with
+// co.cfg.ClientTLS nil: one that cannot dial).
+func newDialer(co *core) *dialer {
+	d := &dialer{core: co, peers: make(map[string]*peer), dials: make(map[string]int),
+		failedDials: make(map[string]failedDial), budgets: make(map[string]*budget)}
+	ct := co.cfg.ClientTLS
 	if ct == nil {
-		return
+		return d
 	}
 	d.tls = ct.Clone()
 	d.tls.MinVersion = tls.VersionTLS13
@@ -55,6 +63,7 @@ func (d *dialer) init(ct *tls.Config) {
 	if d.sessions == nil {
 		d.sessions = tls.NewLRUClientSessionCache(256)
 	}
+	return d
 }
 
 // cached returns the cached connection to addr (or the dial in progress),
@@ -86,6 +95,7 @@ func (d *dialer) shut() []*quic.Conn {
 		conns = append(conns, p.conn)
 		conns = append(conns, p.laneConns()...) // lanes lock p.lanes.mu, then d.mu
 	}
+	d.shutLocal()
 	return conns
 }
 
@@ -135,36 +145,29 @@ type failedDial struct {
 // calls started from now on dial anew, once each. With keep, a record of
 // p's failure made already stays: a call's error (what a caller reads
 // off the stream) names it better than the cause the watcher has.
-func (a *Agent) dropFailed(p *peer, err error, keep bool) {
-	d := &a.dialer
+func (d *dialer) dropFailed(p *peer, err error, keep bool) {
 	d.mu.Lock()
 	if d.peers[p.addr] == p {
 		delete(d.peers, p.addr)
 	}
 	if f, ok := d.failedDials[p.addr]; !keep || !ok || f.p != p {
-		d.failedDials[p.addr] = failedDial{p: p, call: a.calls.Load(), err: err}
+		d.failedDials[p.addr] = failedDial{p: p, call: d.calls.Load(), err: err}
 	}
 	d.mu.Unlock()
 }
 
 // callMark is the context key under which MarkCalls keeps the number of
 // the first call made after it, per agent.
-type callMark struct{ a *Agent }
+type callMark struct{ d *dialer }
 
-// MarkCalls returns ctx marked with this moment: a call made with it (or
-// with a context derived from it) counts as started now for the rule that
-// a connection that ended refused, or a dial that failed, answers the calls
-// already started instead of dialing again. A connector marks the context
-// of a load whose metadata exchange and READ it pipelines to a new peer:
-// a READ whose goroutine starts only after the exchange met the peer's
-// refusal gets that refusal, and the peer sees one dial per load.
-func (a *Agent) MarkCalls(ctx context.Context) context.Context {
-	return context.WithValue(ctx, callMark{a}, a.calls.Load()+1)
+// markCalls is Agent.MarkCalls.
+func (d *dialer) markCalls(ctx context.Context) context.Context {
+	return context.WithValue(ctx, callMark{d}, d.calls.Load()+1)
 }
 
 // markedCall is call, or the call number ctx was marked with when lower.
-func (a *Agent) markedCall(ctx context.Context, call uint64) uint64 {
-	if m, ok := ctx.Value(callMark{a}).(uint64); ok {
+func (d *dialer) markedCall(ctx context.Context, call uint64) uint64 {
+	if m, ok := ctx.Value(callMark{d}).(uint64); ok {
 		return min(call, m)
 	}
 	return call
@@ -174,8 +177,7 @@ func (a *Agent) markedCall(ctx context.Context, call uint64) uint64 {
 // Agent.calls), dialing (with 0-RTT when a session ticket is cached) if
 // there is none, unless a connection to addr ended refused or failed to
 // dial after call started: then that error.
-func (a *Agent) peerFor(ctx context.Context, addr string, call uint64) (*peer, error) {
-	d := &a.dialer
+func (d *dialer) peerFor(ctx context.Context, addr string, call uint64) (*peer, error) {
 	if d.tls == nil {
 		return nil, fmt.Errorf("%w: transfer: Config.ClientTLS is nil, this agent cannot dial %s", ErrInvalidArgument, addr)
 	}
@@ -194,14 +196,14 @@ func (a *Agent) peerFor(ctx context.Context, addr string, call uint64) (*peer, e
 			p = &peer{addr: addr, ready: make(chan struct{})}
 			d.peers[addr] = p
 			if d.dials[addr] > 0 {
-				a.m.reconnects.Inc()
+				d.m.reconnects.Inc()
 			}
 			d.dials[addr]++
 			// The dial belongs to the agent, not to this caller: a caller
 			// that gives up leaves it running for the others waiting on p.
 			d.wg.Add(1)
 			d.mu.Unlock()
-			go a.dial(p, a.tr)
+			go d.dial(p, d.tr)
 		} else {
 			d.mu.Unlock()
 		}
@@ -214,13 +216,13 @@ func (a *Agent) peerFor(ctx context.Context, addr string, call uint64) (*peer, e
 			return p, nil
 		}
 		if p.err != nil {
-			a.dropFailed(p, p.err, false)
+			d.dropFailed(p, p.err, false)
 			return nil, p.err
 		}
 		// The connection died and its watcher may not have said so yet:
 		// tell OnPeerGone before a new connection to addr is used, so what
 		// was learned on the old one (agent metadata) is dropped first.
-		a.peerGone(p)
+		d.peerGone(p)
 	}
 }
 
@@ -228,27 +230,26 @@ func (a *Agent) peerFor(ctx context.Context, addr string, call uint64) (*peer, e
 // a refusal that ended it, as dropFailed does, whoever noticed it first) and
 // tells OnPeerGone, once per connection, whoever notices first: the
 // watcher, a caller finding it dead, or the redial rule.
-func (a *Agent) peerGone(p *peer) {
+func (d *dialer) peerGone(p *peer) {
 	if cause := context.Cause(p.conn.Context()); connEnded(cause) && !connDied(cause) {
-		a.dropFailed(p, a.streamErr(context.Background(), p.addr, cause), true)
+		d.dropFailed(p, d.streamErr(context.Background(), p.addr, cause), true)
 	} else {
-		a.dropPeer(p)
+		d.dropPeer(p)
 	}
-	a.closeLanes(p)
+	d.closeLanes(p)
 	p.gone.Do(func() {
-		if a.isClosed() {
+		if d.isClosed() {
 			return
 		}
 		cause := context.Cause(p.conn.Context())
-		a.log.Info("transfer: peer connection lost", "peer", p.addr, "err", cause)
-		if a.cfg.OnPeerGone != nil {
-			a.cfg.OnPeerGone(p.addr, cause)
+		d.log.Info("transfer: peer connection lost", "peer", p.addr, "err", cause)
+		if d.cfg.OnPeerGone != nil {
+			d.cfg.OnPeerGone(p.addr, cause)
 		}
 	})
 }
 
-func (a *Agent) dropPeer(p *peer) {
-	d := &a.dialer
+func (d *dialer) dropPeer(p *peer) {
 	d.mu.Lock()
 	if d.peers[p.addr] == p {
 		delete(d.peers, p.addr)
@@ -261,28 +262,28 @@ func (a *Agent) dropPeer(p *peer) {
 // resolution included), never under a caller's: every caller waiting on p
 // shares its outcome, whichever of them gives up first. The caller added
 // it to the dialer's goroutines.
-func (a *Agent) dial(p *peer, tr *quic.Transport) {
-	defer a.dialer.wg.Done()
+func (d *dialer) dial(p *peer, tr *quic.Transport) {
+	defer d.wg.Done()
 	defer close(p.ready)
-	ctx, cancel := context.WithTimeoutCause(a.ctx, a.cfg.HandshakeTimeout,
-		fmt.Errorf("transfer: dial %s: no handshake within Config.HandshakeTimeout %v: %w", p.addr, a.cfg.HandshakeTimeout, context.DeadlineExceeded))
+	ctx, cancel := context.WithTimeoutCause(d.ctx, d.cfg.HandshakeTimeout,
+		fmt.Errorf("transfer: dial %s: no handshake within Config.HandshakeTimeout %v: %w", p.addr, d.cfg.HandshakeTimeout, context.DeadlineExceeded))
 	defer cancel()
 	udp, err := resolveUDP(ctx, p.addr)
 	if err != nil {
-		if a.isClosed() {
+		if d.isClosed() {
 			err = errClosed()
 		}
 		p.err = err
 		return
 	}
-	if ap := a.cfg.AllowedPeers; ap != nil {
+	if ap := d.cfg.AllowedPeers; ap != nil {
 		if err := ap.check(p.addr, udp.AddrPort()); err != nil {
-			a.log.Warn("transfer: refused to dial a peer outside the allowed peers", "peer", p.addr, "resolved", udp.String(), "allowed", ap.String())
+			d.log.Warn("transfer: refused to dial a peer outside the allowed peers", "peer", p.addr, "resolved", udp.String(), "allowed", ap.String())
 			p.err = err
 			return
 		}
 	}
-	tc := a.dialer.tls.Clone()
+	tc := d.tls.Clone()
 	// Session tickets are kept per peer address, not per host name, so
 	// agents sharing an IP do not try each other's tickets.
 	key := p.addr
@@ -294,25 +295,25 @@ func (a *Agent) dial(p *peer, tr *quic.Transport) {
 		// detector reports it).
 		key = fmt.Sprintf("%s#lane%d", p.addr, p.lane)
 	}
-	tc.ClientSessionCache = keyedCache{a.dialer.sessions, key}
+	tc.ClientSessionCache = keyedCache{d.sessions, key}
 	if tc.ServerName == "" {
 		// Verify the name dialled: an IP address against the certificate's
 		// IP SANs, a DNS name against its DNS SANs (what serve checks its
 		// own certificate against at start).
 		tc.ServerName, _, _ = net.SplitHostPort(p.addr)
 	}
-	a.dialingTLS(tc, p.addr)
+	d.dialingTLS(tc, p.addr)
 	var conn *quic.Conn
 	if p.lane == 0 {
-		a.m.dials.Inc()
-		conn, err = tr.DialEarly(ctx, udp, tc, a.qconf)
+		d.m.dials.Inc()
+		conn, err = tr.DialEarly(ctx, udp, tc, d.qconf)
 	} else {
 		// A READ lane carries nothing before its handshake completes, so
 		// it never sends 0-RTT: no stream of it can meet a rejection.
-		conn, err = tr.Dial(ctx, udp, tc, a.qconf)
+		conn, err = tr.Dial(ctx, udp, tc, d.qconf)
 	}
 	if err != nil {
-		if a.isClosed() {
+		if d.isClosed() {
 			err = errClosed()
 		} else if ctx.Err() != nil {
 			err = context.Cause(ctx)
@@ -321,7 +322,6 @@ func (a *Agent) dial(p *peer, tr *quic.Transport) {
 		return
 	}
 	p.conn = conn
-	d := &a.dialer
 	d.mu.Lock()
 	closed := d.closed
 	if !closed {
@@ -333,7 +333,7 @@ func (a *Agent) dial(p *peer, tr *quic.Transport) {
 		p.conn, p.err = nil, errClosed()
 		return
 	}
-	go a.watch(p)
+	go d.watch(p)
 }
 
 // resolveUDP resolves a peer's host:port with net.DefaultResolver under
@@ -383,20 +383,20 @@ func resolveUDP(ctx context.Context, addr string) (*net.UDPAddr, error) {
 // watch follows one dialed connection: it records whether 0-RTT was
 // accepted, re-enables streams after a 0-RTT rejection, probes it while it
 // lasts, and reports the peer gone when lane 0 ends.
-func (a *Agent) watch(p *peer) {
-	defer a.dialer.wg.Done()
+func (d *dialer) watch(p *peer) {
+	defer d.wg.Done()
 	conn := p.conn
 	select {
 	case <-conn.HandshakeComplete():
 		_, _ = conn.NextConnection(conn.Context())
 		if conn.ConnectionState().Used0RTT {
-			a.m.zeroRTT.Inc()
+			d.m.zeroRTT.Inc()
 		}
 	case <-conn.Context().Done():
 	}
-	a.probe(conn)
+	d.probe(conn)
 	if p.lane == 0 {
-		a.peerGone(p)
+		d.peerGone(p)
 	}
 }
 
@@ -411,12 +411,12 @@ const probeBytes = 48
 // until conn ends, so an idle connection to a peer that restarted on its
 // address learns of it from the new process's stateless reset within one
 // period. The serving agent discards the probes (serveConn).
-func (a *Agent) probe(conn *quic.Conn) {
+func (d *dialer) probe(conn *quic.Conn) {
 	if !conn.ConnectionState().SupportsDatagrams.Remote {
 		<-conn.Context().Done() // a peer without datagrams: quic-go's PINGs only
 		return
 	}
-	t := time.NewTicker(a.cfg.KeepAlivePeriod)
+	t := time.NewTicker(d.cfg.KeepAlivePeriod)
 	defer t.Stop()
 	payload := make([]byte, probeBytes)
 	for {
@@ -429,11 +429,8 @@ func (a *Agent) probe(conn *quic.Conn) {
 	}
 }
 
-// PeerInfo waits for the current connection to addr to finish its handshake
-// and describes it. It returns an error of class ErrNotFound when there is no
-// connection to addr, or context.Cause(ctx).
-func (a *Agent) PeerInfo(ctx context.Context, addr string) (PeerInfo, error) {
-	d := &a.dialer
+// peerInfo is Agent.PeerInfo.
+func (d *dialer) peerInfo(ctx context.Context, addr string) (PeerInfo, error) {
 	d.mu.Lock()
 	p, dials := d.peers[addr], d.dials[addr]
 	d.mu.Unlock()
@@ -466,19 +463,16 @@ func (a *Agent) PeerInfo(ctx context.Context, addr string) (PeerInfo, error) {
 	}, nil
 }
 
-// DialCount is the number of connections dialed to addr so far.
-func (a *Agent) DialCount(addr string) int {
-	d := &a.dialer
+// dialCount is Agent.DialCount.
+func (d *dialer) dialCount(addr string) int {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return d.dials[addr]
 }
 
-// Alive reports whether the agent holds a connection to addr that is up
-// (a dial in progress counts as up). A later call to addr on a dead one
-// dials again.
-func (a *Agent) Alive(addr string) bool {
-	p := a.dialer.cached(addr)
+// alive is Agent.Alive.
+func (d *dialer) alive(addr string) bool {
+	p := d.cached(addr)
 	if p == nil {
 		return false
 	}
@@ -490,11 +484,9 @@ func (a *Agent) Alive(addr string) bool {
 	}
 }
 
-// Disconnect closes the connection to addr, if any, without closing the
-// agent; the next call to addr dials again (with 0-RTT). OnPeerGone has
-// been called for it when Disconnect returns.
-func (a *Agent) Disconnect(addr string) {
-	p := a.dialer.cached(addr)
+// disconnect is Agent.Disconnect.
+func (d *dialer) disconnect(addr string) {
+	p := d.cached(addr)
 	if p == nil {
 		return
 	}
@@ -502,20 +494,19 @@ func (a *Agent) Disconnect(addr string) {
 	if p.conn != nil {
 		_ = p.conn.CloseWithError(0, "disconnect")
 		<-p.conn.Context().Done()
-		a.peerGone(p) // before returning, as the doc says, not when the watcher gets to it
+		d.peerGone(p) // before returning, as the doc says, not when the watcher gets to it
 		return
 	}
-	a.dropPeer(p)
+	d.dropPeer(p)
 }
 
 // budgetFor returns the in-flight byte budget of dialed transfers to addr.
-func (a *Agent) budgetFor(addr string) *budget {
-	d := &a.dialer
+func (d *dialer) budgetFor(addr string) *budget {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	b := d.budgets[addr]
 	if b == nil {
-		b = newBudget(a.cfg.MaxInflightPerPeer)
+		b = newBudget(d.cfg.MaxInflightPerPeer)
 		d.budgets[addr] = b
 	}
 	return b

@@ -146,6 +146,27 @@
 // serving side counts per connection, so the lanes of one dialer stay
 // within the dialer's bound, as before.
 //
+// # The same-host path
+//
+// A READ with Xfer.SameHost goes to the peer's unix socket
+// (Config.LocalSocket) instead of a QUIC stream: the serving agent runs
+// the checks of any READ (admit), then passes the files that back the
+// pages it would serve (Config.Share, SCM_RIGHTS; a memfd reopened
+// read-only) and the reader maps them read-only for the READ's duration,
+// copies (memcpy, or device to device through Config.PeerCopier) and
+// reports progress and the end; the serving side answers the final status.
+// Each side checks the other's uid (SO_PEERCRED); the hello carries the
+// serving agent's token (Agent.SameHost, from its authenticated metadata).
+// A socket that cannot be used sends the READ over QUIC. samehost.go has
+// the details.
+//
+// # Device memory and landed bytes
+//
+// A region whose Memory is an AsyncMemory (device memory) is staged
+// through two page-locked buffers with asynchronous copies that overlap
+// the stream (staging.go). Xfer.OnLanded sees every run of a READ as it
+// lands, while it is in cache.
+//
 // # Checks on the serving side
 //
 // Every descriptor, whether explicit, prepared or named by index, is checked

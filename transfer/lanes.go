@@ -33,6 +33,26 @@ const (
 	laneAlign = 64 << 10
 )
 
+// DefaultReadLanes is the READ lanes (Config.ReadLanes) a host with ncpu
+// CPUs is best served with, `serve --read-lanes`' default and the demo's:
+// min(4, ncpu), a lane per core up to 4. A lane is a QUIC connection whose
+// packet path keeps about one core busy (quic-go v0.65.0 handles one packet
+// of at most 1452 bytes at a time on each connection's run loop: see
+// QUICConfig), so a READ gains a lane while a core is free and no
+// more. Measured with `kvsidecar bench transfer` (128 MiB READs, both
+// agents on the host): on 2 cores K = 1 / 2 / 3 / 4 ran 0.48–0.52 /
+// 0.59–0.62 / 0.61–0.62 / 0.52–0.60 GB/s; on one core (taskset) 0.33 /
+// 0.33 / – / 0.30–0.32; on 16 cores 0.41 / 0.71 / – / 0.81, and 0.80 at
+// K = 16. A lane costs no more CPU per byte (on 2 cores 0.25–0.29 GB per
+// CPU-second at K = 1, 0.27–0.30 at K = 2 and 4; 0.11 at every K on 16
+// cores), so where the engine and the other sidecars keep the cores busy
+// it only takes cores that would idle; it does cost a connection per peer
+// (a handshake and keep-alives), hence the cap at 4, where the 16-core
+// host stopped gaining. The former rule, a quarter of the CPUs, gave 1
+// lane on 2 cores. On the same-host path the lanes are the copiers of
+// one READ, which gain a core each the same way.
+func DefaultReadLanes(ncpu int) int { return min(4, max(1, ncpu)) }
+
 // errLaneFailed is the cause with which the other lanes of a READ are
 // aborted when one lane failed.
 var errLaneFailed = errors.New("transfer: another READ lane failed")
@@ -83,7 +103,7 @@ func appendSpans(out, local []span, from, to uint64) []span {
 	for _, s := range local {
 		lo, hi := max(from, at), min(to, at+s.n)
 		if lo < hi {
-			out = append(out, span{reg: s.reg, off: s.off + lo - at, n: hi - lo})
+			out = append(out, span{reg: s.reg, off: s.off + lo - at, n: hi - lo, at: lo})
 		}
 		at += s.n
 		if at >= to {
@@ -119,7 +139,7 @@ func stripe(local []span, remote []*v1.Descriptor, k int) []laneShare {
 		for done < end {
 			n := min(local[i].n-off, end-done)
 			r := remote[i]
-			sh.local = append(sh.local, span{reg: local[i].reg, off: local[i].off + off, n: n})
+			sh.local = append(sh.local, span{reg: local[i].reg, off: local[i].off + off, n: n, at: local[i].at + off})
 			sh.remote = append(sh.remote, &v1.Descriptor{Addr: r.GetAddr() + off, Len: n, DevId: r.GetDevId()})
 			sh.total += n
 			done += n
@@ -143,14 +163,14 @@ func stripe(local []span, remote []*v1.Descriptor, k int) []laneShare {
 // stopped touching local memory. A lane whose connection died takes lane 0
 // down with it, so the redial rule (withConn) sends the whole READ again
 // on new connections.
-func (a *Agent) transferLanes(ctx context.Context, p *peer, x *Xfer, req *v1.XferRequest, local []span, xe *XferError, start time.Time) error {
-	if x.Op != OpRead || a.cfg.ReadLanes < 2 {
-		return a.transferOn(ctx, p, x, req, local, xe, start)
+func (d *dialer) transferLanes(ctx context.Context, p *peer, x *Xfer, req *v1.XferRequest, local []span, xe *XferError, start time.Time) error {
+	if x.Op != OpRead || d.cfg.ReadLanes < 2 {
+		return d.transferOn(ctx, p, x, req, local, xe, start)
 	}
-	if req.GetTotalLen() < a.cfg.ReadLaneMinBytes || (req.GetList() == nil && req.GetBlocks() == nil) {
-		err := a.transferOn(ctx, p, x, req, local, xe, start)
+	if req.GetTotalLen() < d.cfg.ReadLaneMinBytes || (req.GetList() == nil && req.GetBlocks() == nil) {
+		err := d.transferOn(ctx, p, x, req, local, xe, start)
 		if err == nil {
-			a.startLanes(p) // the peer serves this agent: its lanes may be dialed
+			d.startLanes(p) // the peer serves this agent: its lanes may be dialed
 		}
 		return err
 	}
@@ -180,9 +200,9 @@ func (a *Agent) transferLanes(ctx context.Context, p *peer, x *Xfer, req *v1.Xfe
 		}
 	}
 	if len(shares) < 2 {
-		err := a.transferOn(ctx, p, x, req, local, xe, start)
+		err := d.transferOn(ctx, p, x, req, local, xe, start)
 		if err == nil {
-			a.startLanes(p)
+			d.startLanes(p)
 		}
 		return err
 	}
@@ -205,7 +225,7 @@ func (a *Agent) transferLanes(ctx context.Context, p *peer, x *Xfer, req *v1.Xfe
 		lx := lx
 		lx.lane = i
 		wg.Go(func() {
-			err := a.transferOn(lctx, conns[i], &lx, sh.req, sh.local, &subs[i], start)
+			err := d.transferOn(lctx, conns[i], &lx, sh.req, sh.local, &subs[i], start)
 			if err == nil {
 				return
 			}
@@ -224,12 +244,12 @@ func (a *Agent) transferLanes(ctx context.Context, p *peer, x *Xfer, req *v1.Xfe
 		xe.Bytes += subs[i].Bytes
 	}
 	if failed < 0 {
-		a.startLanes(p) // redials a lane that died meanwhile
+		d.startLanes(p) // redials a lane that died meanwhile
 		return nil
 	}
 	err := errs[failed]
 	if failed > 0 {
-		a.laneFailed(p, conns[failed], err)
+		d.laneFailed(p, conns[failed], err)
 	}
 	return err
 }
@@ -239,11 +259,11 @@ func (a *Agent) transferLanes(ctx context.Context, p *peer, x *Xfer, req *v1.Xfe
 // READ dials it anew. When its connection died (the redial rule's
 // condition), lane 0 is closed too: the peer may have restarted, and the
 // redial rule sends the whole READ again on new connections.
-func (a *Agent) laneFailed(p, lane *peer, err error) {
+func (d *dialer) laneFailed(p, lane *peer, err error) {
 	if !errors.Is(err, ErrTimeout) && !connEnded(err) {
 		return
 	}
-	a.log.Info("transfer: READ lane failed; closing it", "peer", p.addr, "lane", lane.lane, "err", err)
+	d.log.Info("transfer: READ lane failed; closing it", "peer", p.addr, "lane", lane.lane, "err", err)
 	_ = lane.conn.CloseWithError(0, "read lane failed")
 	if connDied(err) {
 		_ = p.conn.CloseWithError(0, fmt.Sprintf("read lane %d died", lane.lane))
@@ -271,8 +291,8 @@ func (g *laneGroup) snapshot() []*peer {
 // READs from, gets no lane. A lane whose dial failed is not dialed again
 // for this lane-0 connection, so an unreachable lane costs one
 // Config.HandshakeTimeout, not one per READ.
-func (a *Agent) startLanes(p *peer) {
-	if a.cfg.ReadLanes < 2 {
+func (d *dialer) startLanes(p *peer) {
+	if d.cfg.ReadLanes < 2 {
 		return
 	}
 	g := &p.lanes
@@ -282,7 +302,7 @@ func (a *Agent) startLanes(p *peer) {
 		return
 	}
 	if g.lanes == nil {
-		g.lanes = make([]*peer, a.cfg.ReadLanes-1)
+		g.lanes = make([]*peer, d.cfg.ReadLanes-1)
 	}
 	for i, l := range g.lanes {
 		if l != nil {
@@ -295,20 +315,20 @@ func (a *Agent) startLanes(p *peer) {
 				continue // dialing
 			}
 		}
-		tr, err := a.laneTransport(i + 1)
+		tr, err := d.laneTransport(i + 1)
 		if err != nil {
 			l = &peer{addr: p.addr, lane: i + 1, ready: make(chan struct{}), err: err}
 			close(l.ready)
-			a.log.Warn("transfer: cannot open a READ lane's socket; READs use fewer lanes", "peer", p.addr, "lane", i+1, "err", err)
+			d.log.Warn("transfer: cannot open a READ lane's socket; READs use fewer lanes", "peer", p.addr, "lane", i+1, "err", err)
 			g.lanes[i] = l
 			continue
 		}
 		l = &peer{addr: p.addr, lane: i + 1, ready: make(chan struct{})}
 		g.lanes[i] = l
-		go func() { // a.dial calls a.dialer.wg.Done (laneTransport added it)
-			a.dial(l, tr)
+		go func() { // d.dial calls d.wg.Done (laneTransport added it)
+			d.dial(l, tr)
 			if l.err != nil {
-				a.log.Warn("transfer: READ lane dial failed; READs to this peer use fewer lanes until it is redialed", "peer", p.addr, "lane", l.lane, "err", l.err)
+				d.log.Warn("transfer: READ lane dial failed; READs to this peer use fewer lanes until it is redialed", "peer", p.addr, "lane", l.lane, "err", l.err)
 				return
 			}
 			g.mu.Lock()
@@ -345,7 +365,7 @@ func (g *laneGroup) up() []*peer {
 
 // closeLanes closes p's READ lanes, now or when their dial finishes: lane 0
 // is gone.
-func (a *Agent) closeLanes(p *peer) {
+func (d *dialer) closeLanes(p *peer) {
 	g := &p.lanes
 	g.mu.Lock()
 	g.closed = true
@@ -388,15 +408,14 @@ func (p *peer) laneConns() []*quic.Conn {
 // use with Config.LanePacketConn, or on the IP of the agent's own socket.
 // On success it adds the dial about to start to the dialer's goroutines
 // (a.dial calls a.dialer.wg.Done), so that Close waits for it.
-func (a *Agent) laneTransport(i int) (*quic.Transport, error) {
-	d := &a.dialer
+func (d *dialer) laneTransport(i int) (*quic.Transport, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
 		return nil, errClosed()
 	}
 	if d.laneTrs == nil {
-		d.laneTrs = make([]*quic.Transport, a.cfg.ReadLanes-1)
+		d.laneTrs = make([]*quic.Transport, d.cfg.ReadLanes-1)
 	}
 	if tr := d.laneTrs[i-1]; tr != nil {
 		d.wg.Add(1)
@@ -406,11 +425,11 @@ func (a *Agent) laneTransport(i int) (*quic.Transport, error) {
 		pc  net.PacketConn
 		err error
 	)
-	if a.cfg.LanePacketConn != nil {
-		pc, err = a.cfg.LanePacketConn(i)
+	if d.cfg.LanePacketConn != nil {
+		pc, err = d.cfg.LanePacketConn(i)
 	} else {
 		host := "127.0.0.1"
-		if h, _, serr := net.SplitHostPort(a.tr.Conn.LocalAddr().String()); serr == nil {
+		if h, _, serr := net.SplitHostPort(d.tr.Conn.LocalAddr().String()); serr == nil {
 			host = h
 		}
 		pc, err = net.ListenPacket("udp", net.JoinHostPort(host, "0"))
@@ -426,8 +445,7 @@ func (a *Agent) laneTransport(i int) (*quic.Transport, error) {
 
 // closeLaneTransports closes the READ lanes' transports and sockets; the
 // agent is closed, so none is opened after.
-func (a *Agent) closeLaneTransports() error {
-	d := &a.dialer
+func (d *dialer) closeLaneTransports() error {
 	d.mu.Lock()
 	trs := d.laneTrs
 	d.mu.Unlock()

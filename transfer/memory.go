@@ -97,11 +97,14 @@ func SliceRegion(b []byte, blockLen uint64, devID uint32) Region {
 	return Region{Base: uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))), Len: uint64(len(b)), BlockLen: blockLen, DevID: devID, Mem: SliceMemory(b)}
 }
 
-// span is a validated descriptor: its region and offset inside it.
+// span is a validated descriptor: its region and offset inside it, and,
+// for a dialed transfer's local descriptors, its offset in the transfer's
+// local byte stream (Local's descriptors back to back: Xfer.OnLanded).
 type span struct {
 	reg *Region
 	off uint64
 	n   uint64
+	at  uint64
 }
 
 // blockAt returns the id of the block holding byte off of the region.
@@ -160,10 +163,26 @@ func (rs regionSet) resolveAll(ds []Desc) ([]span, uint64, error) {
 		if err != nil {
 			return nil, 0, fmt.Errorf("descriptor %d: %w", i, err)
 		}
+		s.at = total
 		out[i] = s
 		total += s.n
 	}
 	return out, total, nil
+}
+
+// mergeSpans merges each span into the one before it when it continues it
+// in the same region (the bytes move in the same order to the same
+// places, in fewer, larger runs). It reuses spans' array.
+func mergeSpans(spans []span) []span {
+	out := spans[:0]
+	for _, s := range spans {
+		if n := len(out) - 1; n >= 0 && out[n].reg == s.reg && out[n].off+out[n].n == s.off && out[n].at+out[n].n == s.at {
+			out[n].n += s.n
+			continue
+		}
+		out = append(out, s)
+	}
+	return out
 }
 
 // MaxBlocksPerTransfer bounds the block ids one served READ or WRITE may

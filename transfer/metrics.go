@@ -24,6 +24,10 @@ type metrics struct {
 	notifs     *prometheus.CounterVec
 	tlsRefused *prometheus.CounterVec
 
+	sameHostFallbacks prometheus.Counter
+	sameHostBytesVec  *prometheus.CounterVec
+	sameHostBytes     [2]prometheus.Counter // by role
+
 	// byOp holds the children of the per-transfer series, looked up once
 	// (WithLabelValues hashes its labels and takes a lock on every call):
 	// [opIndex] then [role] then [result].
@@ -120,6 +124,14 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "kvsidecar_transfer_tls_refused_total",
 			Help: "TLS handshakes this agent refused as the serving side, by reason (no_certificate, unknown_authority, expired, not_yet_valid, key_usage, invalid).",
 		}, []string{"reason"}),
+		sameHostFallbacks: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvsidecar_transfer_same_host_fallbacks_total",
+			Help: "Same-host peers whose socket this agent could not use (unreachable, another agent or uid, pages it cannot map): their READs go over QUIC.",
+		}),
+		sameHostBytesVec: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvsidecar_transfer_same_host_bytes_total",
+			Help: "Payload bytes of READs that moved on the same-host path (mapped pages, no QUIC), by role; they count in kvsidecar_transfer_bytes_total too.",
+		}, []string{"role"}),
 	}
 	for _, r := range tlsRefusalReasons {
 		m.tlsRefused.WithLabelValues(r)
@@ -135,7 +147,8 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		promutil.Register(reg, &m.bytes), promutil.Register(reg, &m.xfers), promutil.Register(reg, &m.xferSecs),
 		promutil.Register(reg, &m.postSecs), promutil.Register(reg, &m.failures), promutil.Register(reg, &m.inflight),
 		promutil.Register(reg, &m.reconnects), promutil.Register(reg, &m.dials), promutil.Register(reg, &m.zeroRTT),
-		promutil.Register(reg, &m.notifs), promutil.Register(reg, &m.tlsRefused),
+		promutil.Register(reg, &m.notifs), promutil.Register(reg, &m.tlsRefused), promutil.Register(reg, &m.sameHostFallbacks),
+		promutil.Register(reg, &m.sameHostBytesVec),
 	} {
 		if err != nil {
 			return nil, fmt.Errorf("transfer: Config.Registerer: %w", err)
@@ -143,6 +156,9 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	}
 	// After registering: the children belong to the collectors the
 	// registry holds, which may be another agent's.
+	for r, role := range []string{"client", "server"} {
+		m.sameHostBytes[r] = m.sameHostBytesVec.WithLabelValues(role)
+	}
 	for i, op := range []Op{OpRead, OpWrite} {
 		om := &m.byOp[i]
 		om.xferSecs = m.xferSecs.WithLabelValues(op.label())

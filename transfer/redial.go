@@ -20,9 +20,9 @@ import (
 // calls to addr already started as well: they get its error instead of
 // dialing again (two requests that race to a peer that refuses them cost
 // one refused dial, not two).
-func (a *Agent) withConn(ctx context.Context, addr string, op func(p *peer, redialed bool) error) error {
-	call := a.markedCall(ctx, a.calls.Add(1))
-	p, err := a.peerFor(ctx, addr, call)
+func (d *dialer) withConn(ctx context.Context, addr string, op func(p *peer, redialed bool) error) error {
+	call := d.markedCall(ctx, d.calls.Add(1))
+	p, err := d.peerFor(ctx, addr, call)
 	if err != nil {
 		return err
 	}
@@ -36,10 +36,10 @@ func (a *Agent) withConn(ctx context.Context, addr string, op func(p *peer, redi
 		if redialed && p.conn.Context().Err() != nil && !handshakeDone(p.conn) {
 			// The new connection ended without completing its handshake
 			// (a dial in 0-RTT returns before that): the redial failed.
-			a.log.Info("transfer: redial failed", "peer", addr, "err", err)
+			d.log.Info("transfer: redial failed", "peer", addr, "err", err)
 			return orig
 		}
-		if ctx.Err() != nil || a.isClosed() {
+		if ctx.Err() != nil || d.isClosed() {
 			return err
 		}
 		switch {
@@ -62,11 +62,11 @@ func (a *Agent) withConn(ctx context.Context, addr string, op func(p *peer, redi
 			case <-ctx.Done():
 				return err
 			}
-			a.peerGone(p)
-			a.log.Info("transfer: connection died under a call; redialing once", "peer", addr, "err", err)
-			np, derr := a.peerFor(ctx, addr, call)
+			d.peerGone(p)
+			d.log.Info("transfer: connection died under a call; redialing once", "peer", addr, "err", err)
+			np, derr := d.peerFor(ctx, addr, call)
 			if derr != nil {
-				a.log.Info("transfer: redial failed", "peer", addr, "err", derr)
+				d.log.Info("transfer: redial failed", "peer", addr, "err", derr)
 				return err
 			}
 			p, redialed, resent, orig = np, true, false, err
@@ -77,7 +77,7 @@ func (a *Agent) withConn(ctx context.Context, addr string, op func(p *peer, redi
 				// anew instead of meeting this close again on the cached
 				// connection, whose context quic-go may not have ended
 				// yet.
-				a.dropFailed(p, err, false)
+				d.dropFailed(p, err, false)
 			}
 			return err
 		}

@@ -286,7 +286,7 @@ func TestRefusalNotRedialed(t *testing.T) {
 					// connector's READ racing its metadata exchange does)
 					// and asks for the connection only after it was
 					// refused and dropped gets the refusal, not a dial.
-					early := cli.calls.Add(1)
+					early := cli.dialer.calls.Add(1)
 					// So does a call whose goroutine starts only after
 					// the refusal, on a context marked before it (a
 					// connector marks each load's).
@@ -298,7 +298,7 @@ func TestRefusalNotRedialed(t *testing.T) {
 					require.True(t, te.ErrorCode.IsCryptoError(), "a TLS alert: %v", err)
 					require.Equal(t, call, cli.DialCount(simServer), "dialed once per call")
 					synctest.Wait()
-					_, lateErr := cli.peerFor(t.Context(), simServer, early)
+					_, lateErr := cli.dialer.peerFor(t.Context(), simServer, early)
 					require.Equal(t, err.Error(), lateErr.Error(), "the call that raced it meets the same refusal")
 					_, markedErr := cli.Handshake(marked, simServer, &v1.HandshakeRequest{})
 					require.Error(t, markedErr)

@@ -36,7 +36,7 @@ var tlsRefusalReasons = []string{tlsNoCertificate, tlsUnknownAuthority, tlsExpir
 // does. The dialer gets the TLS alert "bad certificate"; why is in this
 // side's log. A config with its own GetConfigForClient is left to
 // crypto/tls.
-func (a *Agent) servingTLS(st *tls.Config) *tls.Config {
+func (srv *server) servingTLS(st *tls.Config) *tls.Config {
 	if st.GetConfigForClient != nil {
 		return st
 	}
@@ -59,7 +59,7 @@ func (a *Agent) servingTLS(st *tls.Config) *tls.Config {
 		// says unknown_authority, not no_certificate.
 		c.ClientCAs = nil
 		c.VerifyConnection = func(cs tls.ConnectionState) error {
-			return a.checkPeerCert(cs, roots, x509.ExtKeyUsageClientAuth, "", peer)
+			return srv.checkPeerCert(cs, roots, x509.ExtKeyUsageClientAuth, "", peer)
 		}
 		return c, nil
 	}
@@ -74,14 +74,14 @@ func (a *Agent) servingTLS(st *tls.Config) *tls.Config {
 // and always presents its own first certificate, whatever CAs the peer
 // says it accepts. A config with its own VerifyConnection or
 // InsecureSkipVerify is left to crypto/tls.
-func (a *Agent) dialingTLS(tc *tls.Config, peer string) {
+func (d *dialer) dialingTLS(tc *tls.Config, peer string) {
 	if tc.InsecureSkipVerify || tc.VerifyConnection != nil {
 		return
 	}
 	roots, name := tc.RootCAs, tc.ServerName
 	tc.InsecureSkipVerify = true // the chain is verified below, for every handshake (resumed ones included)
 	tc.VerifyConnection = func(cs tls.ConnectionState) error {
-		return a.checkPeerCert(cs, roots, x509.ExtKeyUsageServerAuth, name, peer)
+		return d.checkPeerCert(cs, roots, x509.ExtKeyUsageServerAuth, name, peer)
 	}
 	if tc.GetClientCertificate == nil && len(tc.Certificates) > 0 {
 		cert := &tc.Certificates[0]
@@ -92,11 +92,11 @@ func (a *Agent) dialingTLS(tc *tls.Config, peer string) {
 // checkPeerCert verifies the peer's certificate of cs (peerCert) and, when
 // it is refused, counts it by reason and logs it with the peer's address
 // (rate-limited): the refusing side shows why, dialer or server.
-func (a *Agent) checkPeerCert(cs tls.ConnectionState, roots *x509.CertPool, usage x509.ExtKeyUsage, name, peer string) error {
+func (c *core) checkPeerCert(cs tls.ConnectionState, roots *x509.CertPool, usage x509.ExtKeyUsage, name, peer string) error {
 	reason, err := peerCert(cs, roots, usage, name, time.Now())
 	if err != nil {
-		a.m.tlsRefused.WithLabelValues(reason).Inc()
-		a.refusals.log(a.log, "tls "+reason, "transfer: refused a peer's TLS handshake", "peer", peer, "reason", reason, "err", err)
+		c.m.tlsRefused.WithLabelValues(reason).Inc()
+		c.refusals.log(c.log, "tls "+reason, "transfer: refused a peer's TLS handshake", "peer", peer, "reason", reason, "err", err)
 	}
 	return err
 }
@@ -142,15 +142,15 @@ func peerCert(cs tls.ConnectionState, roots *x509.CertPool, usage x509.ExtKeyUsa
 // the refusing side shows what the refused side is told (one line per
 // message and code per refusalLogEvery); back-pressure and
 // shutdown refusals at Debug.
-func (a *Agent) logRefusal(peer, msg string, err error, args ...any) {
+func (c *core) logRefusal(peer, msg string, err error, args ...any) {
 	code := codes.Of(err)
 	args = append([]any{"peer", peer, "code", code.String(), "err", err}, args...)
 	switch code {
 	case v1.Code_CODE_CAPABILITY_DENIED, v1.Code_CODE_OUT_OF_RANGE, v1.Code_CODE_INVALID_ARGUMENT, v1.Code_CODE_NOT_FOUND,
 		v1.Code_CODE_LEASE_EXPIRED, v1.Code_CODE_INCOMPATIBLE_MODEL, v1.Code_CODE_TP_MISMATCH:
-		a.refusals.log(a.log, msg+" "+code.String(), msg, args...)
+		c.refusals.log(c.log, msg+" "+code.String(), msg, args...)
 	default:
-		a.log.Debug(msg, args...)
+		c.log.Debug(msg, args...)
 	}
 }
 

@@ -44,70 +44,78 @@ type servedConn struct {
 // own (the dialing half never takes it); its goroutines, the accept loop,
 // one per served connection and those serving its streams, are in wg.
 type server struct {
+	*core
 	ln *quic.EarlyListener // set by Agent.Start under Agent.mu; nil: the agent does not serve
 
 	mu     sync.Mutex
 	closed bool // the agent is closing: no connection is added
 	conns  map[*quic.Conn]struct{}
+	local  *localServer // the same-host listener; nil: none
+	token  []byte       // the same-host socket's token (Agent.SameHost)
 
 	wg sync.WaitGroup
 }
 
 // add records conn as served and adds its goroutine to wg, unless the
 // server is closed.
-func (s *server) add(conn *quic.Conn) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
+func (srv *server) add(conn *quic.Conn) bool {
+	srv.mu.Lock()
+	defer srv.mu.Unlock()
+	if srv.closed {
 		return false
 	}
-	s.conns[conn] = struct{}{}
-	s.wg.Add(1)
+	srv.conns[conn] = struct{}{}
+	srv.wg.Add(1)
 	return true
 }
 
-func (s *server) remove(conn *quic.Conn) {
-	s.mu.Lock()
-	delete(s.conns, conn)
-	s.mu.Unlock()
+func (srv *server) remove(conn *quic.Conn) {
+	srv.mu.Lock()
+	delete(srv.conns, conn)
+	srv.mu.Unlock()
 }
 
-// shut marks the server closed, so no connection is added from now on, and
-// returns the connections to close.
-func (s *server) shut() []*quic.Conn {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.closed = true
-	conns := make([]*quic.Conn, 0, len(s.conns))
-	for c := range s.conns {
+// shut marks the server closed, so no connection is added from now on,
+// closes the same-host listener and its connections, and returns the QUIC
+// connections to close.
+func (srv *server) shut() []*quic.Conn {
+	srv.mu.Lock()
+	srv.closed = true
+	conns := make([]*quic.Conn, 0, len(srv.conns))
+	for c := range srv.conns {
 		conns = append(conns, c)
+	}
+	local := srv.local
+	srv.mu.Unlock()
+	if local != nil {
+		local.shut()
 	}
 	return conns
 }
 
-func (a *Agent) acceptLoop() {
-	defer a.server.wg.Done()
+func (srv *server) acceptLoop() {
+	defer srv.wg.Done()
 	for {
-		conn, err := a.server.ln.Accept(a.ctx)
+		conn, err := srv.ln.Accept(srv.ctx)
 		if err != nil {
 			return
 		}
-		if !a.server.add(conn) {
+		if !srv.add(conn) {
 			_ = conn.CloseWithError(0, "agent closing")
 			return
 		}
 		sc := &servedConn{conn: conn, peer: conn.RemoteAddr().String(),
-			budget: newBudget(a.cfg.MaxInflightPerPeer), dlists: make(map[uint64][]span), turn: make(chan struct{})}
-		go a.serveConn(sc)
+			budget: newBudget(srv.cfg.MaxInflightPerPeer), dlists: make(map[uint64][]span), turn: make(chan struct{})}
+		go srv.serveConn(sc)
 	}
 }
 
-func (a *Agent) serveConn(sc *servedConn) {
-	defer a.server.wg.Done()
+func (srv *server) serveConn(sc *servedConn) {
+	defer srv.wg.Done()
 	var wg sync.WaitGroup
 	defer func() {
 		wg.Wait()
-		a.server.remove(sc.conn)
+		srv.remove(sc.conn)
 	}()
 	// Datagrams carry only the dialer's keep-alive probes: discard them.
 	wg.Go(func() {
@@ -117,7 +125,7 @@ func (a *Agent) serveConn(sc *servedConn) {
 			}
 		}
 	})
-	a.acceptStreams(sc, &wg)
+	srv.acceptStreams(sc, &wg)
 }
 
 // idleServers bounds the goroutines a connection keeps waiting to accept
@@ -131,7 +139,7 @@ const idleServers = 4
 // on its path, streams are served concurrently, and a goroutine that has
 // served one (its stack grown to what serving takes) serves the next rather
 // than a fresh one. It returns when the connection ends.
-func (a *Agent) acceptStreams(sc *servedConn, wg *sync.WaitGroup) {
+func (srv *server) acceptStreams(sc *servedConn, wg *sync.WaitGroup) {
 	ctx := sc.conn.Context()
 	for {
 		str, err := sc.conn.AcceptStream(ctx)
@@ -141,9 +149,9 @@ func (a *Agent) acceptStreams(sc *servedConn, wg *sync.WaitGroup) {
 		select {
 		case sc.turn <- struct{}{}:
 		default:
-			wg.Go(func() { a.acceptStreams(sc, wg) })
+			wg.Go(func() { srv.acceptStreams(sc, wg) })
 		}
-		a.serveStream(sc, str)
+		srv.serveStream(sc, str)
 		if sc.idle.Add(1) > idleServers {
 			sc.idle.Add(-1)
 			return
@@ -178,7 +186,7 @@ func waitHandshake(sc *servedConn) error {
 	}
 }
 
-func (a *Agent) serveStream(sc *servedConn, str *quic.Stream) {
+func (srv *server) serveStream(sc *servedConn, str *quic.Stream) {
 	ctx := sc.conn.Context()
 	r := getReader(str)
 	defer putReader(r)
@@ -190,7 +198,7 @@ func (a *Agent) serveStream(sc *servedConn, str *quic.Stream) {
 	}
 	if req.GetWireVersion() != v1.WireVersion_WIRE_VERSION_1 {
 		err := errorf(v1.Code_CODE_INCOMPATIBLE_MODEL, "wire version %v, this agent speaks %v", req.GetWireVersion(), v1.WireVersion_WIRE_VERSION_1)
-		a.m.failures.WithLabelValues(codes.Of(err).String()).Inc()
+		srv.m.failures.WithLabelValues(codes.Of(err).String()).Inc()
 		str.CancelRead(quic.StreamErrorCode(codes.Of(err)))
 		reply(str, errorResponse(&req, err))
 		return
@@ -198,8 +206,8 @@ func (a *Agent) serveStream(sc *servedConn, str *quic.Stream) {
 	switch body := req.GetBody().(type) {
 	case *v1.PeerRequest_Handshake:
 		var resp *v1.HandshakeResponse
-		if a.cfg.OnHandshake != nil {
-			resp = a.cfg.OnHandshake(ctx, body.Handshake)
+		if srv.cfg.OnHandshake != nil {
+			resp = srv.cfg.OnHandshake(ctx, body.Handshake)
 		} else {
 			resp = &v1.HandshakeResponse{Error: codes.ToProto(errorf(v1.Code_CODE_UNAVAILABLE, "this agent serves no handshake"))}
 		}
@@ -210,8 +218,8 @@ func (a *Agent) serveStream(sc *servedConn, str *quic.Stream) {
 			return
 		}
 		var resp *v1.HeartbeatAck
-		if a.cfg.OnHeartbeat != nil {
-			resp = a.cfg.OnHeartbeat(ctx, sc.peer, body.Heartbeat)
+		if srv.cfg.OnHeartbeat != nil {
+			resp = srv.cfg.OnHeartbeat(ctx, sc.peer, body.Heartbeat)
 		} else {
 			resp = &v1.HeartbeatAck{LeaseExpiresUnixMs: make([]int64, len(body.Heartbeat.GetRequestIds()))}
 		}
@@ -221,23 +229,23 @@ func (a *Agent) serveStream(sc *servedConn, str *quic.Stream) {
 		if waitHandshake(sc) != nil {
 			return
 		}
-		err := a.prepare(sc, body.Prep)
+		err := srv.prepare(sc, body.Prep)
 		if err != nil {
-			a.logRefusal(sc.peer, "transfer: refused a descriptor list", err, "dlist", body.Prep.GetDlistId())
+			srv.logRefusal(sc.peer, "transfer: refused a descriptor list", err, "dlist", body.Prep.GetDlistId())
 		}
 		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Prep{Prep: codes.ToProto(err)}})
 	case *v1.PeerRequest_Unprep:
 		if waitHandshake(sc) != nil {
 			return
 		}
-		err := a.unprepare(sc, body.Unprep)
+		err := srv.unprepare(sc, body.Unprep)
 		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Unprep{Unprep: codes.ToProto(err)}})
 	case *v1.PeerRequest_Notification:
 		if waitHandshake(sc) != nil {
 			return
 		}
-		err := a.notify(ctx, sc, body.Notification)
-		a.m.notifs.WithLabelValues(codes.Of(err).String()).Inc()
+		err := srv.notify(ctx, sc, body.Notification)
+		srv.m.notifs.WithLabelValues(codes.Of(err).String()).Inc()
 		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Notification{Notification: &v1.NotificationAck{Error: codes.ToProto(err)}}})
 	case *v1.PeerRequest_Xfer:
 		// A READ is served in 0-RTT: its bytes go only to the holder of
@@ -246,7 +254,7 @@ func (a *Agent) serveStream(sc *servedConn, str *quic.Stream) {
 		if Op(body.Xfer.GetOp()) != OpRead && waitHandshake(sc) != nil {
 			return
 		}
-		a.serveXfer(ctx, sc, str, r, body.Xfer)
+		srv.serveXfer(ctx, sc, str, r, body.Xfer)
 	default:
 		err := errorf(v1.Code_CODE_INVALID_ARGUMENT, "request carries no known body")
 		str.CancelRead(quic.StreamErrorCode(codes.Of(err)))
@@ -271,25 +279,25 @@ func errorResponse(req *v1.PeerRequest, err error) *v1.PeerResponse {
 	return &v1.PeerResponse{Body: &v1.PeerResponse_Prep{Prep: pe}}
 }
 
-func (a *Agent) notify(ctx context.Context, sc *servedConn, n *v1.Notification) error {
+func (srv *server) notify(ctx context.Context, sc *servedConn, n *v1.Notification) error {
 	sc.notifMu.Lock()
 	defer sc.notifMu.Unlock()
 	if n.GetRequestId() == "" {
 		return errorf(v1.Code_CODE_INVALID_ARGUMENT, "notification has an empty request id")
 	}
-	if a.cfg.OnNotification == nil {
+	if srv.cfg.OnNotification == nil {
 		return errorf(v1.Code_CODE_NOT_FOUND, "request %q is unknown to this agent", n.GetRequestId())
 	}
-	return a.cfg.OnNotification(ctx, sc.peer, n)
+	return srv.cfg.OnNotification(ctx, sc.peer, n)
 }
 
 // prepare validates and stores a descriptor list for this connection.
-func (a *Agent) prepare(sc *servedConn, p *v1.PrepDescList) error {
+func (srv *server) prepare(sc *servedConn, p *v1.PrepDescList) error {
 	descs := p.GetDescs().GetDescs()
-	if len(descs) == 0 || len(descs) > a.cfg.MaxDescsPerTransfer {
-		return errorf(v1.Code_CODE_INVALID_ARGUMENT, "descriptor list %d has %d descriptors, want 1..%d", p.GetDlistId(), len(descs), a.cfg.MaxDescsPerTransfer)
+	if len(descs) == 0 || len(descs) > srv.cfg.MaxDescsPerTransfer {
+		return errorf(v1.Code_CODE_INVALID_ARGUMENT, "descriptor list %d has %d descriptors, want 1..%d", p.GetDlistId(), len(descs), srv.cfg.MaxDescsPerTransfer)
 	}
-	spans, _, err := a.regionSet().resolveAll(descsFromProto(p.GetDescs()))
+	spans, _, err := srv.regionSet().resolveAll(descsFromProto(p.GetDescs()))
 	if err != nil {
 		return fmt.Errorf("transfer: descriptor list %d: %w", p.GetDlistId(), err)
 	}
@@ -301,7 +309,7 @@ func (a *Agent) prepare(sc *servedConn, p *v1.PrepDescList) error {
 	if len(sc.dlists) >= maxListsPerConn {
 		return errorf(v1.Code_CODE_BUSY, "connection already holds %d descriptor lists", maxListsPerConn)
 	}
-	if limit := a.cfg.MaxPreparedDescsPerConn; len(spans) > limit-sc.prepared {
+	if limit := srv.cfg.MaxPreparedDescsPerConn; len(spans) > limit-sc.prepared {
 		return errorf(v1.Code_CODE_BUSY, "descriptor list %d: %d descriptors on top of the %d prepared on this connection exceed its limit of %d",
 			p.GetDlistId(), len(spans), sc.prepared, limit)
 	}
@@ -311,7 +319,7 @@ func (a *Agent) prepare(sc *servedConn, p *v1.PrepDescList) error {
 }
 
 // unprepare releases a descriptor list of this connection.
-func (a *Agent) unprepare(sc *servedConn, u *v1.UnprepDescList) error {
+func (srv *server) unprepare(sc *servedConn, u *v1.UnprepDescList) error {
 	sc.mu.Lock()
 	defer sc.mu.Unlock()
 	spans, ok := sc.dlists[u.GetDlistId()]
@@ -327,18 +335,22 @@ func (a *Agent) unprepare(sc *servedConn, u *v1.UnprepDescList) error {
 // registered regions, indexed ones against a prepared list, block ones
 // against the regions the request's region i names (regionMap[i], or
 // region i when regionMap is nil).
-func (a *Agent) servedSpans(sc *servedConn, x *v1.XferRequest, regionMap []int) ([]span, uint64, error) {
+func (srv *server) servedSpans(sc *servedConn, x *v1.XferRequest, regionMap []int) ([]span, uint64, error) {
 	switch d := x.GetDescs().(type) {
 	case *v1.XferRequest_List:
 		n := len(d.List.GetDescs())
-		if n == 0 || n > a.cfg.MaxDescsPerTransfer {
-			return nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "transfer names %d descriptors, want 1..%d", n, a.cfg.MaxDescsPerTransfer)
+		if n == 0 || n > srv.cfg.MaxDescsPerTransfer {
+			return nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "transfer names %d descriptors, want 1..%d", n, srv.cfg.MaxDescsPerTransfer)
 		}
-		return a.regionSet().resolveAll(descsFromProto(d.List))
+		spans, total, err := srv.regionSet().resolveAll(descsFromProto(d.List))
+		if err == nil && !x.GetChecksum() {
+			spans = mergeSpans(spans) // checksums pair with the descriptors as named
+		}
+		return spans, total, err
 	case *v1.XferRequest_Indexed:
 		idx := d.Indexed.GetIndices()
-		if len(idx) == 0 || len(idx) > a.cfg.MaxDescsPerTransfer {
-			return nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "transfer names %d indices, want 1..%d", len(idx), a.cfg.MaxDescsPerTransfer)
+		if len(idx) == 0 || len(idx) > srv.cfg.MaxDescsPerTransfer {
+			return nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "transfer names %d indices, want 1..%d", len(idx), srv.cfg.MaxDescsPerTransfer)
 		}
 		sc.mu.Lock()
 		list, ok := sc.dlists[d.Indexed.GetDlistId()]
@@ -360,61 +372,120 @@ func (a *Agent) servedSpans(sc *servedConn, x *v1.XferRequest, regionMap []int) 
 		if Op(x.GetOp()) != OpRead {
 			return nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "block descriptors name memory to READ; a %v names addresses", Op(x.GetOp()))
 		}
-		return a.regionSet().resolveBlocks(d.Blocks, regionMap, a.cfg.MaxDescsPerTransfer, !x.GetChecksum())
+		return srv.regionSet().resolveBlocks(d.Blocks, regionMap, srv.cfg.MaxDescsPerTransfer, !x.GetChecksum())
 	}
 	return nil, 0, errorf(v1.Code_CODE_INVALID_ARGUMENT, "transfer names no descriptors")
 }
 
-func (a *Agent) authorize(ctx context.Context, acc *Access) error {
+func (srv *server) authorize(ctx context.Context, acc *Access) error {
 	switch {
-	case a.cfg.Authorize != nil:
-		return a.cfg.Authorize(ctx, acc)
-	case a.cfg.CapabilityKey != nil:
-		return a.cfg.CapabilityKey.Verify(acc.Capability, acc.RequestID, acc.BlockIDs)
+	case srv.cfg.Authorize != nil:
+		return srv.cfg.Authorize(ctx, acc)
+	case srv.cfg.CapabilityKey != nil:
+		return srv.cfg.CapabilityKey.Verify(acc.Capability, acc.RequestID, acc.BlockIDs)
 	}
 	return errorf(v1.Code_CODE_CAPABILITY_DENIED, "this agent authorizes no transfers (no Authorize or CapabilityKey)")
 }
 
-// serveXfer serves one READ or WRITE. Every descriptor is checked and the
-// access authorized before any memory is touched.
-func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream, r *wire.Reader, x *v1.XferRequest) {
+// admission is a READ or WRITE the server admitted: every descriptor
+// checked, the access authorized (Config.Authorize or the capability key)
+// and its bytes counted against the connection's budget. The caller moves
+// the bytes, sets acc.Err to the outcome and calls end once.
+type admission struct {
+	op    Op
+	spans []span
+	total uint64
+	acc   *Access
+	end   func()
+}
+
+// admit runs every check of a served READ or WRITE before memory is
+// touched, whichever way its bytes then travel (a QUIC stream, or the
+// same-host path): the op, the expectations (Config.CheckExpect), the
+// descriptors (resolve, given the region map the expectations named),
+// total_len, the block ids, the authorization, then the budget b. early
+// reports whether the request came before its connection's handshake
+// completed (asked again before Config.Release); abort resets what serves
+// the transfer with the code (Access.Abort). On error nothing is held:
+// Release ran if Authorize had allowed the access.
+func (srv *server) admit(ctx context.Context, peer string, x *v1.XferRequest, resolve func(regionMap []int) ([]span, uint64, error),
+	b *budget, early func() bool, abort func(v1.Code)) (*admission, error) {
 	op := Op(x.GetOp())
-	refuse := func(err error) {
-		a.m.failures.WithLabelValues(codes.Of(err).String()).Inc()
-		a.m.xferDone(op, roleServer, false)
-		a.logRefusal(sc.peer, "transfer: refused a "+op.String(), err, "request_id", x.GetRequestId(), "xfer", x.GetXferId())
-		str.CancelRead(quic.StreamErrorCode(codes.Of(err)))
-		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{Error: codes.ToProto(err)}}})
-	}
 	if op != OpRead && op != OpWrite {
-		refuse(errorf(v1.Code_CODE_INVALID_ARGUMENT, "transfer op %v is neither READ nor WRITE", x.GetOp()))
-		return
+		return nil, errorf(v1.Code_CODE_INVALID_ARGUMENT, "transfer op %v is neither READ nor WRITE", x.GetOp())
 	}
 	var regionMap []int
 	if e := x.GetExpect(); e != nil {
 		err := errorf(v1.Code_CODE_UNAVAILABLE, "this agent has no metadata to check the request's expectations against")
-		if a.cfg.CheckExpect != nil {
-			regionMap, err = a.cfg.CheckExpect(ctx, e)
+		if srv.cfg.CheckExpect != nil {
+			regionMap, err = srv.cfg.CheckExpect(ctx, e)
 		}
 		if err != nil {
-			refuse(err)
-			return
+			return nil, err
 		}
 	}
-	spans, total, err := a.servedSpans(sc, x, regionMap)
+	spans, total, err := resolve(regionMap)
 	if err != nil {
-		refuse(err)
-		return
+		return nil, err
 	}
 	if total != x.GetTotalLen() {
-		refuse(errorf(v1.Code_CODE_INVALID_ARGUMENT, "total_len %d differs from the descriptors' %d bytes", x.GetTotalLen(), total))
-		return
+		return nil, errorf(v1.Code_CODE_INVALID_ARGUMENT, "total_len %d differs from the descriptors' %d bytes", x.GetTotalLen(), total)
 	}
 	ids, err := blockIDs(spans)
 	if err != nil {
-		refuse(err)
-		return
+		return nil, err
 	}
+	acc := &Access{Peer: peer, Op: op, RequestID: x.GetRequestId(), ExportID: x.GetExportId(), Capability: x.GetCapability(),
+		ConsumerEngineID: x.GetConsumerEngineId(), ConsumerTPRank: x.GetConsumerTpRank(),
+		BlockIDs: ids, Abort: func(err error) { abort(codes.Of(err)) }, Early: early()}
+	acc.Descs = make([]Desc, len(spans))
+	for i, s := range spans {
+		acc.Descs[i] = Desc{Addr: s.reg.Base + s.off, Len: s.n, DevID: s.reg.DevID}
+	}
+	if err := srv.authorize(ctx, acc); err != nil {
+		return nil, err
+	}
+	release := func() {
+		if srv.cfg.Release != nil {
+			acc.Early = acc.Early && early()
+			srv.cfg.Release(acc)
+		}
+	}
+	if err := b.acquire(ctx.Done(), func() error { return context.Cause(ctx) }, total); err != nil {
+		acc.Err = fmt.Errorf("%w: transfer: %w", ErrUnavailable, err)
+		release()
+		return nil, acc.Err
+	}
+	srv.m.inflight.Add(float64(total))
+	return &admission{op: op, spans: spans, total: total, acc: acc, end: func() {
+		b.release(total)
+		srv.m.inflight.Sub(float64(total))
+		release()
+	}}, nil
+}
+
+// refused counts and logs a transfer the server refused.
+func (srv *server) refused(peer string, x *v1.XferRequest, err error) {
+	op := Op(x.GetOp())
+	srv.m.failures.WithLabelValues(codes.Of(err).String()).Inc()
+	srv.m.xferDone(op, roleServer, false)
+	srv.logRefusal(peer, "transfer: refused a "+op.String(), err, "request_id", x.GetRequestId(), "xfer", x.GetXferId())
+}
+
+// served counts and logs the end of a transfer the server admitted; n is
+// the bytes moved.
+func (srv *server) served(peer string, x *v1.XferRequest, n uint64, err error) {
+	op := Op(x.GetOp())
+	if err != nil {
+		srv.m.failures.WithLabelValues(codes.Of(err).String()).Inc()
+		srv.log.Debug("transfer: served transfer failed", "peer", peer, "xfer", x.GetXferId(), "op", op, "bytes", n, "err", err)
+	}
+	srv.m.xferDone(op, roleServer, err == nil)
+}
+
+// serveXfer serves one READ or WRITE on a QUIC stream. Every descriptor is
+// checked and the access authorized (admit) before any memory is touched.
+func (srv *server) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream, r *wire.Reader, x *v1.XferRequest) {
 	// One reset per stream, whoever asks first: the watchdog (no progress)
 	// or the memory's owner through Access.Abort.
 	var resetOnce sync.Once
@@ -424,56 +495,33 @@ func (a *Agent) serveXfer(ctx context.Context, sc *servedConn, str *quic.Stream,
 			str.CancelWrite(quic.StreamErrorCode(code))
 		})
 	}
-	acc := &Access{Peer: sc.peer, Op: op, RequestID: x.GetRequestId(), ExportID: x.GetExportId(), Capability: x.GetCapability(),
-		ConsumerEngineID: x.GetConsumerEngineId(), ConsumerTPRank: x.GetConsumerTpRank(),
-		BlockIDs: ids, Abort: func(err error) { reset(codes.Of(err)) }, Early: !handshakeDone(sc.conn)}
-	acc.Descs = make([]Desc, len(spans))
-	for i, s := range spans {
-		acc.Descs[i] = Desc{Addr: s.reg.Base + s.off, Len: s.n, DevID: s.reg.DevID}
-	}
-	if err := a.authorize(ctx, acc); err != nil {
-		refuse(err)
-		return
-	}
-	if a.cfg.Release != nil {
-		defer func() {
-			acc.Early = acc.Early && !handshakeDone(sc.conn)
-			a.cfg.Release(acc)
-		}()
-	}
-	if err := sc.budget.acquire(ctx.Done(), func() error { return context.Cause(ctx) }, total); err != nil {
-		acc.Err = fmt.Errorf("%w: transfer: %w", ErrUnavailable, err)
-		refuse(acc.Err)
-		return
-	}
-	a.m.inflight.Add(float64(total))
-	defer func() {
-		sc.budget.release(total)
-		a.m.inflight.Sub(float64(total))
-	}()
-
-	wd := startWatchdog(a.cfg.ProgressTimeout, func() { reset(v1.Code_CODE_TIMEOUT) })
-	defer wd.stop()
-	wd.count = a.meter(op, roleServer)
-	var n uint64
-	if op == OpRead {
-		n, err = a.serveRead(str, spans, x.GetChecksum(), wd)
-	} else {
-		n, err = a.serveWrite(str, r, spans, x.GetChecksum(), wd, x.GetXferId())
-	}
-	acc.Err = err
+	adm, err := srv.admit(ctx, sc.peer, x, func(m []int) ([]span, uint64, error) { return srv.servedSpans(sc, x, m) },
+		sc.budget, func() bool { return !handshakeDone(sc.conn) }, reset)
 	if err != nil {
-		a.m.failures.WithLabelValues(codes.Of(err).String()).Inc()
-		a.log.Debug("transfer: served transfer failed", "peer", sc.peer, "xfer", x.GetXferId(), "op", op, "bytes", n, "err", err)
+		srv.refused(sc.peer, x, err)
+		str.CancelRead(quic.StreamErrorCode(codes.Of(err)))
+		reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{Error: codes.ToProto(err)}}})
+		return
 	}
-	a.m.xferDone(op, roleServer, err == nil)
+	defer adm.end()
+	wd := startWatchdog(srv.cfg.ProgressTimeout, func() { reset(v1.Code_CODE_TIMEOUT) })
+	defer wd.stop()
+	wd.count = srv.meter(adm.op, roleServer)
+	var n uint64
+	if adm.op == OpRead {
+		n, err = srv.serveRead(str, adm.spans, x.GetChecksum(), wd)
+	} else {
+		n, err = srv.serveWrite(str, r, adm.spans, x.GetChecksum(), wd, x.GetXferId())
+	}
+	adm.acc.Err = err
+	srv.served(sc.peer, x, n, err)
 }
 
 // serveRead streams the spans' bytes from memory, then the status. The
 // status header, slices under gatherMax and the final status are gathered
 // into few stream writes (a READ under gatherMax leaves in one, so its
 // reader wakes once); larger slices go out straight from memory.
-func (a *Agent) serveRead(str *quic.Stream, spans []span, checksum bool, wd *watchdog) (uint64, error) {
+func (srv *server) serveRead(str *quic.Stream, spans []span, checksum bool, wd *watchdog) (uint64, error) {
 	var sent uint64
 	g := newGatherWriter(str, &sent, wd)
 	defer g.release()
@@ -488,22 +536,17 @@ func (a *Agent) serveRead(str *quic.Stream, spans []span, checksum bool, wd *wat
 		return fail(err)
 	}
 	var sums []uint32
-	var staging []byte
-	for _, s := range spans {
-		var crc uint32
-		err := a.eachChunk(s, &staging, false, func(b []byte) error {
-			if checksum {
-				crc = crc32.Update(crc, castagnoli, b)
-			}
-			return g.write(b)
-		})
-		if err != nil {
-			return fail(err)
-		}
-		sums = append(sums, crc)
+	if checksum {
+		sums = make([]uint32, len(spans))
 	}
-	if !checksum {
-		sums = nil
+	err := srv.eachRun(spans, false, func(i int, _ uint64, b []byte) error {
+		if checksum {
+			sums[i] = crc32.Update(sums[i], castagnoli, b)
+		}
+		return g.write(b)
+	})
+	if err != nil {
+		return fail(err)
 	}
 	fin := &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{Bytes: spansLen(spans), Checksums: sums}}}
 	if err := g.frame(fin); err != nil {
@@ -525,27 +568,22 @@ func spansLen(spans []span) uint64 {
 }
 
 // serveWrite reads the bytes straight into memory and acks what landed.
-func (a *Agent) serveWrite(str *quic.Stream, r *wire.Reader, spans []span, checksum bool, wd *watchdog, xferID uint64) (uint64, error) {
-	var sums []uint32
-	var staging []byte
+func (srv *server) serveWrite(str *quic.Stream, r *wire.Reader, spans []span, checksum bool, wd *watchdog, xferID uint64) (uint64, error) {
+	sums := make([]uint32, len(spans))
 	var got uint64
-	for _, s := range spans {
-		var crc uint32
-		err := a.eachChunk(s, &staging, true, func(b []byte) error {
-			if err := readFull(r, b, &got, wd); err != nil {
-				return err
-			}
-			if checksum {
-				crc = crc32.Update(crc, castagnoli, b)
-			}
-			return nil
-		})
-		if err != nil {
-			str.CancelRead(quic.StreamErrorCode(codes.Of(err)))
-			str.CancelWrite(quic.StreamErrorCode(codes.Of(err)))
-			return got, err
+	err := srv.eachRun(spans, true, func(i int, _ uint64, b []byte) error {
+		if err := readFull(r, b, &got, wd); err != nil {
+			return err
 		}
-		sums = append(sums, crc)
+		if checksum {
+			sums[i] = crc32.Update(sums[i], castagnoli, b)
+		}
+		return nil
+	})
+	if err != nil {
+		str.CancelRead(quic.StreamErrorCode(codes.Of(err)))
+		str.CancelWrite(quic.StreamErrorCode(codes.Of(err)))
+		return got, err
 	}
 	var status error
 	if checksum {
@@ -556,8 +594,8 @@ func (a *Agent) serveWrite(str *quic.Stream, r *wire.Reader, spans []span, check
 			status = compareChecksums(want.GetChecksums(), sums)
 		}
 	}
-	if a.cfg.testHook != nil {
-		a.cfg.testHook("before-ack", xferID)
+	if srv.cfg.testHook != nil {
+		srv.cfg.testHook("before-ack", xferID)
 	}
 	reply(str, &v1.PeerResponse{Body: &v1.PeerResponse_Xfer{Xfer: &v1.XferStatus{Error: codes.ToProto(status), Bytes: got}}})
 	return got, status
@@ -602,36 +640,6 @@ func readFull(r io.Reader, b []byte, got *uint64, wd *watchdog) error {
 			}
 			return err
 		}
-	}
-	return nil
-}
-
-// eachChunk hands fn the span's bytes: the mapped memory itself when the
-// backend allows, else a staging buffer (filled before fn when !in, copied
-// into memory after fn when in).
-func (a *Agent) eachChunk(s span, staging *[]byte, in bool, fn func([]byte) error) error {
-	if b, err := s.reg.Mem.HostBytes(s.off, s.n); err == nil {
-		return fn(b)
-	}
-	if *staging == nil {
-		*staging = make([]byte, a.cfg.StagingBytes)
-	}
-	for done := uint64(0); done < s.n; {
-		b := (*staging)[:min(uint64(len(*staging)), s.n-done)]
-		if !in {
-			if err := s.reg.Mem.CopyOut(s.off+done, b); err != nil {
-				return fmt.Errorf("%w: transfer: copy out of region %#x: %w", ErrInternal, s.reg.Base, err)
-			}
-		}
-		if err := fn(b); err != nil {
-			return err
-		}
-		if in {
-			if err := s.reg.Mem.CopyIn(s.off+done, b); err != nil {
-				return fmt.Errorf("%w: transfer: copy into region %#x: %w", ErrInternal, s.reg.Base, err)
-			}
-		}
-		done += uint64(len(b))
 	}
 	return nil
 }

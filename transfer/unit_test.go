@@ -162,10 +162,10 @@ func TestRegisterRejectsOverlap(t *testing.T) {
 	require.ErrorContains(t, err, "overlaps")
 }
 
-// fuzzAgent is an agent-less serving state for decoder fuzzing: one 1 MiB
+// fuzzAgent is an agent-less serving half for decoder fuzzing: one 1 MiB
 // region at 1 MiB with 64 KiB blocks, and a prepared list.
-func fuzzAgent() (*Agent, *servedConn) {
-	a := &Agent{cfg: (&Config{}).withDefaults()}
+func fuzzAgent() (*server, *servedConn) {
+	a := &server{core: &core{cfg: (&Config{}).withDefaults()}}
 	a.regions = regionSet{{Base: 1 << 20, Len: 1 << 20, BlockLen: 64 << 10, Mem: SliceMemory(make([]byte, 1<<20))}}
 	sc := &servedConn{budget: newBudget(1 << 30), dlists: map[uint64][]span{}}
 	_ = a.prepare(sc, &v1.PrepDescList{DlistId: 1, Descs: descsToProto([]Desc{{Addr: 1 << 20, Len: 4096}})})
@@ -308,12 +308,12 @@ func TestBlockIDs(t *testing.T) {
 		spans []span
 		want  []uint32
 	}{
-		{"one block", []span{{contig, 4096, 4096}}, []uint32{1}},
-		{"straddles two", []span{{contig, 4095, 2}}, []uint32{0, 1}},
-		{"dedup across spans", []span{{contig, 0, 10}, {contig, 5, 10}, {contig, 8192, 1}}, []uint32{0, 2}},
-		{"padded: second page first block", []span{{padded, 4096, 1000}}, []uint32{4}},
-		{"padded: last block and padding", []span{{padded, 3000, 1096}}, []uint32{3}},
-		{"padded: whole second page", []span{{padded, 4096, 4096}}, []uint32{4, 5, 6, 7}},
+		{"one block", []span{{reg: contig, off: 4096, n: 4096}}, []uint32{1}},
+		{"straddles two", []span{{reg: contig, off: 4095, n: 2}}, []uint32{0, 1}},
+		{"dedup across spans", []span{{reg: contig, off: 0, n: 10}, {reg: contig, off: 5, n: 10}, {reg: contig, off: 8192, n: 1}}, []uint32{0, 2}},
+		{"padded: second page first block", []span{{reg: padded, off: 4096, n: 1000}}, []uint32{4}},
+		{"padded: last block and padding", []span{{reg: padded, off: 3000, n: 1096}}, []uint32{3}},
+		{"padded: whole second page", []span{{reg: padded, off: 4096, n: 4096}}, []uint32{4, 5, 6, 7}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -334,12 +334,12 @@ func TestBlockIDsBounded(t *testing.T) {
 		wantMsg string
 		wantN   int
 	}{
-		{"exactly the limit", []span{{bytewise, 0, MaxBlocksPerTransfer}}, nil, "", MaxBlocksPerTransfer},
-		{"duplicates count before merging", []span{{bytewise, 0, MaxBlocksPerTransfer}, {bytewise, 0, 1}}, ErrInvalidArgument,
+		{"exactly the limit", []span{{reg: bytewise, off: 0, n: MaxBlocksPerTransfer}}, nil, "", MaxBlocksPerTransfer},
+		{"duplicates count before merging", []span{{reg: bytewise, off: 0, n: MaxBlocksPerTransfer}, {reg: bytewise, off: 0, n: 1}}, ErrInvalidArgument,
 			"descriptors touch 1048577 blocks, more than the limit of 1048576 per transfer", 0},
-		{"whole region", []span{{bytewise, 0, 1 << 32}}, ErrInvalidArgument, "4294967296 blocks", 0},
-		{"65536 whole-region spans", slices.Repeat([]span{{bytewise, 0, 1 << 32}}, 1<<16), ErrInvalidArgument, "281474976710656 blocks", 0},
-		{"block id beyond uint32", []span{{bytewise, 1 << 32, 1}}, ErrOutOfRange, "descriptor 0 reaches block 4294967296", 0},
+		{"whole region", []span{{reg: bytewise, off: 0, n: 1 << 32}}, ErrInvalidArgument, "4294967296 blocks", 0},
+		{"65536 whole-region spans", slices.Repeat([]span{{reg: bytewise, off: 0, n: 1 << 32}}, 1<<16), ErrInvalidArgument, "281474976710656 blocks", 0},
+		{"block id beyond uint32", []span{{reg: bytewise, off: 1 << 32, n: 1}}, ErrOutOfRange, "descriptor 0 reaches block 4294967296", 0},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -485,4 +485,21 @@ func TestResolveUDP(t *testing.T) {
 		_, err := resolveUDP(ctx, "kvsidecar-peer.example:4791")
 		require.Error(t, err, "a name is not resolved under a cancelled context")
 	})
+}
+
+func TestMergeSpans(t *testing.T) {
+	a, b := &Region{Len: 1 << 20}, &Region{Len: 1 << 20}
+	got := mergeSpans([]span{
+		{reg: a, off: 0, n: 10, at: 0}, {reg: a, off: 10, n: 10, at: 10}, // continues: merged
+		{reg: b, off: 20, n: 10, at: 20}, // another region
+		{reg: b, off: 40, n: 10, at: 30}, // a gap in the region
+		{reg: b, off: 50, n: 5, at: 40},  // continues the one before
+	})
+	require.Equal(t, []span{{reg: a, off: 0, n: 20, at: 0}, {reg: b, off: 20, n: 10, at: 20}, {reg: b, off: 40, n: 15, at: 30}}, got)
+}
+
+func TestDefaultReadLanes(t *testing.T) {
+	for ncpu, want := range map[int]int{0: 1, 1: 1, 2: 2, 3: 3, 4: 4, 16: 4, 128: 4} {
+		require.Equal(t, want, DefaultReadLanes(ncpu), "%d CPUs", ncpu)
+	}
 }
