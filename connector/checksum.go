@@ -2,15 +2,18 @@ package connector
 
 import (
 	"cmp"
+	"crypto/rand"
 	"encoding/binary"
 	"fmt"
 	"hash/crc32"
 	"slices"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvsidecar/kvsidecar/internal/codes"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/kvsidecar/kvsidecar/transfer"
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
 
@@ -40,9 +43,18 @@ type ChecksumError struct {
 	Checked int
 	// First describes the first difference found.
 	First string
+	// Sampled, when the load verified a sample of its blocks (the
+	// same-host path, Config.SameHostVerifyEvery), are the sampled blocks
+	// that differ; Blocks is then every block of the load, since those
+	// not sampled may differ too.
+	Sampled []int
 }
 
 func (e *ChecksumError) Error() string {
+	if e.Sampled != nil {
+		return fmt.Sprintf("connector: load %q: %d sampled blocks differ from the CRC-32C their prefill recorded when the request finished (local blocks %v; first: %s); all %d blocks of the load are reported for recompute",
+			e.RequestID, len(e.Sampled), e.Sampled, e.First, len(e.Blocks))
+	}
 	return fmt.Sprintf("connector: load %q: %d of %d blocks differ from the CRC-32C their prefill recorded when the request finished (local blocks %v; first: %s); they are reported for recompute",
 		e.RequestID, len(e.Blocks), e.Checked, e.Blocks, e.First)
 }
@@ -161,33 +173,155 @@ func (r *Rank) checkChecksumHeads(l *load, i int) error {
 		Reason: codes.ReasonParamsOutOfRange}
 }
 
+// landVerifier folds the bytes one source's READs land into its
+// per-block, per-head CRC-32C as they land (transfer.Xfer.OnLanded), so a
+// decode rank verifies them while they are in cache instead of reading
+// them again; only the blocks it samples (every one in every, phase
+// chosen per load) are folded and checked.
+type landVerifier struct {
+	hb, nu, sliceLen uint64 // bytes of a head's slice, heads read, bytes read per block and region
+	nregions         uint64
+	every, phase     uint64
+	crcs             []uint32 // per local block of the load (l.dst) and head read
+	landed           atomic.Uint64
+	want             uint64 // bytes the sampled blocks land
+	nanos            atomic.Int64
+}
+
+// newLandVerifier is the verifier of source s of a load of n blocks into
+// nregions regions, sampling one block in every (1: all).
+func newLandVerifier(s Source, hb uint64, n, nregions int, every uint64) *landVerifier {
+	v := &landVerifier{hb: hb, nu: s.Len / hb, sliceLen: s.Len, nregions: uint64(nregions), every: max(every, 1)}
+	if v.every > 1 {
+		var b [8]byte
+		_, _ = rand.Read(b[:])
+		v.phase = binary.LittleEndian.Uint64(b[:]) % v.every
+	}
+	v.crcs = make([]uint32, uint64(n)*v.nu)
+	for k := range uint64(n) {
+		if v.sampled(k) {
+			v.want += v.sliceLen * v.nregions
+		}
+	}
+	return v
+}
+
+// sampled reports whether local block k (index in the load's blocks) is
+// verified.
+func (v *landVerifier) sampled(k uint64) bool { return (k+v.phase)%v.every == 0 }
+
+// onLanded is the OnLanded of the READ of the load's blocks [first,
+// first+n): its local stream holds, for each region in order, the n
+// blocks' slices back to back. The regions land in checksum order (the
+// caller checked that the rank's regions are in it), each block's on one
+// goroutine.
+func (v *landVerifier) onLanded(first, n int) func(at uint64, b []byte) {
+	regionLen := uint64(n) * v.sliceLen
+	return func(at uint64, b []byte) {
+		start := time.Now()
+		folded := uint64(0)
+		for len(b) > 0 {
+			rem := at % regionLen
+			k, within := uint64(first)+rem/v.sliceLen, rem%v.sliceLen
+			m := min(uint64(len(b)), v.sliceLen-within) // this block's slice
+			if v.sampled(k) {
+				for off := uint64(0); off < m; {
+					u, inHead := (within+off)/v.hb, (within+off)%v.hb
+					c := min(m-off, v.hb-inHead)
+					p := &v.crcs[k*v.nu+u]
+					*p = crc32.Update(*p, castagnoli, b[off:off+c])
+					off += c
+				}
+				folded += m
+			}
+			b, at = b[m:], at+m
+		}
+		if folded > 0 {
+			v.landed.Add(folded)
+			v.nanos.Add(int64(time.Since(start)))
+		}
+	}
+}
+
+// complete reports whether every byte of the sampled blocks went through
+// onLanded (not when they never passed through host memory: a same-host
+// READ of device pages).
+func (v *landVerifier) complete() bool { return v.landed.Load() == v.want }
+
+// verifierFor returns the landVerifier of source s of l (export e), read
+// on the same-host path when sh is set: nil when e carries no checksums or
+// they are not verified on the path. Over QUIC every block is verified;
+// on the same-host path one block in Config.SameHostVerifyEvery, and none
+// when the rank's memory is on a device (the bytes never pass through
+// host memory there).
+func (r *Rank) verifierFor(l *load, s Source, e *v1.RankExport, sh *transfer.SameHostPeer) *landVerifier {
+	if s.NotifyOnly || len(e.GetBlockChecksums()) == 0 || len(l.dst) == 0 {
+		return nil
+	}
+	every := uint64(1)
+	if sh != nil {
+		if r.cfg.SameHostVerifyEvery < 0 || !r.pool.HostAddressable() {
+			return nil
+		}
+		every = uint64(r.cfg.SameHostVerifyEvery)
+	}
+	return newLandVerifier(s, r.shape.HeadBlockBytes, len(l.dst), len(r.regions), every)
+}
+
 // verifyChecksums checks the heads every reading source of l wrote into
 // l.dst against the checksums its export carries and returns a
 // *ChecksumError naming the local blocks that differ (nil when none does,
-// or no export carries checksums).
+// or no export carries checksums). A source whose bytes were folded as
+// they landed (its landVerifier complete) is checked from those; any other
+// reads its heads again (headCRCs). Only the blocks a source's verifier
+// samples are checked.
 func (r *Rank) verifyChecksums(l *load) error {
 	start := time.Now()
+	var folded time.Duration
 	hb := r.shape.HeadBlockBytes
 	bad := map[int]bool{}
 	first := ""
-	checked := false
+	checked, sampled := false, false
 	var buf []byte
 	for i, s := range l.plan.Sources {
 		e := l.exports[i]
 		sums, units := e.GetBlockChecksums(), uint64(e.GetChecksumHeads())
-		if s.NotifyOnly || len(sums) == 0 {
+		v := l.verifiers[i]
+		if s.NotifyOnly || len(sums) == 0 || v == nil {
 			continue
 		}
 		if err := r.checkChecksumHeads(l, i); err != nil {
 			return fmt.Errorf("connector: load %q: %w", l.id, err)
 		}
 		checked = true
+		sampled = sampled || v.every > 1
 		u0, nu := s.RemoteOffset/hb, s.Len/hb
-		crcs := make([]uint32, uint64(len(l.dst))*nu)
-		if err := headCRCs(r.pool, r.regions, r.crcOrder, l.dst, s.LocalOffset, hb, nu, crcs, &buf); err != nil {
-			return fmt.Errorf("connector: load %q: checksums: %w", l.id, err)
+		crcs := v.crcs
+		folded += time.Duration(v.nanos.Load())
+		if !v.complete() {
+			var blocks []int
+			for k, b := range l.dst {
+				if v.sampled(uint64(k)) {
+					blocks = append(blocks, b)
+				}
+			}
+			got := make([]uint32, uint64(len(blocks))*nu)
+			if err := headCRCs(r.pool, r.regions, r.crcOrder, blocks, s.LocalOffset, hb, nu, got, &buf); err != nil {
+				return fmt.Errorf("connector: load %q: checksums: %w", l.id, err)
+			}
+			crcs = make([]uint32, uint64(len(l.dst))*nu)
+			j := 0
+			for k := range l.dst {
+				if v.sampled(uint64(k)) {
+					copy(crcs[uint64(k)*nu:uint64(k+1)*nu], got[uint64(j)*nu:uint64(j+1)*nu])
+					j++
+				}
+			}
 		}
 		for k, b := range l.dst {
+			if !v.sampled(uint64(k)) {
+				continue
+			}
 			rk := uint64(l.hit + k) // the block's index in the export
 			for u, got := range crcs[uint64(k)*nu : uint64(k+1)*nu] {
 				at := 4 * (rk*units + u0 + uint64(u))
@@ -202,7 +336,7 @@ func (r *Rank) verifyChecksums(l *load) error {
 		}
 	}
 	if checked {
-		r.observeChecksum("verify", start)
+		r.observeChecksumFor("verify", time.Since(start)+folded)
 	}
 	if len(bad) == 0 {
 		return nil
@@ -213,13 +347,24 @@ func (r *Rank) verifyChecksums(l *load) error {
 		blocks = append(blocks, b)
 	}
 	slices.Sort(blocks)
-	return &ChecksumError{RequestID: l.id, Blocks: blocks, Checked: len(l.dst), First: first}
+	ce := &ChecksumError{RequestID: l.id, Blocks: blocks, Checked: len(l.dst), First: first}
+	if sampled {
+		// The blocks not sampled may differ too: every block is
+		// recomputed.
+		ce.Sampled, ce.Blocks = blocks, slices.Clone(l.dst)
+		slices.Sort(ce.Blocks)
+	}
+	return ce
 }
 
 // observeChecksum counts the time since start spent on checksums (op
 // record or verify).
 func (r *Rank) observeChecksum(op string, start time.Time) {
-	d := time.Since(start)
+	r.observeChecksumFor(op, time.Since(start))
+}
+
+// observeChecksumFor counts d spent on checksums (op record or verify).
+func (r *Rank) observeChecksumFor(op string, d time.Duration) {
 	i := 0
 	if op == "verify" {
 		i = 1

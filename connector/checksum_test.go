@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/internal/codes"
+	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
@@ -23,12 +24,13 @@ func blockBytes(t testing.TB, p *vmm.Pool, reg vmm.RegionInfo, b uint32) []byte 
 // three faults that QUIC cannot see are each reported as a load error for
 // exactly the blocks they touch, never as done: a block the prefill engine
 // overwrote after the export, a block whose K and V regions were swapped
-// after the export, and one byte flipped in the decode's memory between
-// the READ and the load's completion. Each decode rank names only the
-// blocks whose bytes it holds differ; every other block is byte-exact;
-// the prefill is notified and frees its blocks. Both TP directions: a
-// decode rank reading some heads of a prefill rank (P1 → D2), and reading
-// two prefill ranks into one block (P2 → D1).
+// after the export, and one byte flipped in one head of a block after the
+// export. Each decode rank names only the blocks whose bytes it read
+// differ (the checksums fold as the bytes land; every block is verified:
+// SameHostVerifyEvery 1 on the same-host path); every other block is
+// byte-exact; the prefill is notified and frees its blocks. Both TP
+// directions: a decode rank reading some heads of a prefill rank
+// (P1 → D2), and reading two prefill ranks into one block (P2 → D1).
 //
 // fault-matrix: checksum-mismatch
 func TestChecksumsNameTheBlocksThatDiffer(t *testing.T) {
@@ -36,7 +38,7 @@ func TestChecksumsNameTheBlocksThatDiffer(t *testing.T) {
 		p, d := pd[0], pd[1]
 		t.Run(name(p, d), func(t *testing.T) {
 			pre := newInstance(t, instOpts{engine: "pre-crc-" + name(p, d), tp: p, geom: gqa8})
-			dec := newInstance(t, instOpts{engine: "dec-crc-" + name(p, d), tp: d, geom: gqa8})
+			dec := newInstance(t, instOpts{engine: "dec-crc-" + name(p, d), tp: d, geom: gqa8, verifyEvery: 1})
 			const key = 99
 			blocks := pre.alloc(t, 6)
 			pre.fill(t, key, blocks)
@@ -55,11 +57,11 @@ func TestChecksumsNameTheBlocksThatDiffer(t *testing.T) {
 			copy(k, v)
 			copy(v, tmp)
 
+			// On prefill rank 0, one byte of block 4 flips: in head 0,
+			// which decode rank 0 reads.
+			blockBytes(t, pre.pools[0], pre.pools[0].Regions()[2], blocks[4])[17] ^= 0x40
+
 			local := dec.alloc(t, 6)
-			// On decode rank 0, one byte of block 4 flips once it landed.
-			connector.SetAfterRead(dec.ranks[0], func(string) {
-				blockBytes(t, dec.pools[0], dec.pools[0].Regions()[2], local[4])[17] ^= 0x40
-			})
 			dec.startLoad(t, "dec-crc", local, params)
 			fails := dec.wait(t, "dec-crc")
 			for r, f := range fails {
@@ -80,4 +82,41 @@ func TestChecksumsNameTheBlocksThatDiffer(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestSameHostChecksumsSample: on the same-host path a decode rank folds
+// the checksums of one block in 16 (the default), so a request the prefill
+// overwrote half of after the export is caught by the sample and every block
+// of the load is reported for recompute, not only the sampled ones; over
+// QUIC every block is checked and exactly the ones that differ are named.
+//
+// fault-matrix: checksum-mismatch
+func TestSameHostChecksumsSample(t *testing.T) {
+	pre := newInstance(t, instOpts{engine: "pre-sample", tp: 1, geom: gqa8, numBlocks: 256})
+	dec := newInstance(t, instOpts{engine: "dec-sample", tp: 1, geom: gqa8, numBlocks: 256})
+	const n = 64
+	blocks := pre.alloc(t, n)
+	pre.fill(t, 5, blocks)
+	params := pre.finish(t, "req", blocks)
+	for _, reg := range pre.pools[0].Regions() {
+		for _, b := range blocks[:n/2] { // the first half differs
+			clear(blockBytes(t, pre.pools[0], reg, b))
+		}
+	}
+	local := dec.alloc(t, n)
+	dec.startLoad(t, "req", local, params)
+	f := dec.wait(t, "req")[0]
+	require.NotNil(t, f, "a load of overwritten blocks is never done")
+	require.Equal(t, v1.Code_CODE_DATA_LOSS, codes.Of(f.Err), "%v", f.Err)
+	var ce *connector.ChecksumError
+	require.ErrorAs(t, f.Err, &ce)
+	if sameHostOn() {
+		require.Len(t, ce.Sampled, n/2/connector.DefaultSameHostVerifyEvery, "one block in %d is checked", connector.DefaultSameHostVerifyEvery)
+		require.ElementsMatch(t, kvgeom.Ints(local), f.BlockIDs, "every block of the load is recomputed")
+		require.ErrorContains(t, f.Err, "sampled blocks differ")
+	} else {
+		require.Nil(t, ce.Sampled, "over QUIC every block is checked")
+		require.ElementsMatch(t, kvgeom.Ints(local[:n/2]), f.BlockIDs, "exactly the blocks that differ")
+	}
+	pre.waitSent(t, 0, "req")
 }

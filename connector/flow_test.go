@@ -28,6 +28,7 @@ func runPair(t *testing.T, geom *v1.ModelGeometry, p, d, nBlocks int) {
 	requireAllDone(t, dec.wait(t, "dec-1"))
 	checked := dec.check(t, key, local, 0)
 	require.Positive(t, checked)
+	dec.requirePath(t)
 
 	// Every consumer notified: every prefill rank released its lease and
 	// freed the blocks.

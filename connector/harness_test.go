@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"os"
 	"slices"
 	"testing"
 	"time"
@@ -68,6 +69,20 @@ type instOpts struct {
 	// tap, when set, wraps rank r's socket before its agent gets it (to
 	// watch or capture datagrams).
 	tap func(r int, pc net.PacketConn) net.PacketConn
+	// quicOnly turns the same-host path off for this instance, as
+	// KVSIDECAR_SAME_HOST=off does for every instance (make test runs
+	// this package both ways). Instances on the simulated network never
+	// use it: its sockets are real.
+	quicOnly bool
+	// verifyEvery is connector.Config.SameHostVerifyEvery (0: its default).
+	verifyEvery int
+}
+
+// sameHostOn reports whether instances use the same-host path by default
+// (KVSIDECAR_SAME_HOST is not off, as `serve --same-host` reads it).
+func sameHostOn() bool {
+	v := os.Getenv("KVSIDECAR_SAME_HOST")
+	return v != "off" && v != "false" && v != "0"
 }
 
 // simOpts returns options for instances on one in-memory network with the
@@ -123,10 +138,23 @@ func newInstance(t testing.TB, o instOpts) *instance {
 		in.pcs = append(in.pcs, pc)
 		in.addrs = append(in.addrs, pc.LocalAddr().String())
 	}
+	sockDir := ""
+	if o.sim == nil && !o.quicOnly && sameHostOn() {
+		dir, err := os.MkdirTemp("", "kvs-conn-") // short: a unix socket path holds 107 bytes
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = os.RemoveAll(dir) })
+		sockDir = dir
+	}
 	for r := range o.tp {
 		var pc net.PacketConn = in.pcs[r]
 		if o.tap != nil {
 			pc = o.tap(r, pc)
+		}
+		sameHost := ""
+		if sockDir != "" {
+			var err error
+			sameHost, err = connector.SameHostSocketPath(sockDir, o.engine, r)
+			require.NoError(t, err)
 		}
 		b, err := connector.BuildRank(t.Context(), &connector.BuildConfig{NumBlocks: o.numBlocks, PreallocPages: o.prealloc,
 			Rank: connector.Config{
@@ -135,6 +163,7 @@ func newInstance(t testing.TB, o instOpts) *instance {
 				Transfer: &transfer.Config{PacketConn: pc, ServerTLS: srv, ClientTLS: cli, ProgressTimeout: testutil.Scaled(5 * time.Second),
 					StatelessResetKey: o.resetKey},
 				RankAddrs: in.addrs, CapabilitySecret: o.secret, LeaseTTL: o.leaseTTL, HandshakeMode: o.mode, Registerer: o.reg,
+				SameHostSocket: sameHost, SameHostVerifyEvery: o.verifyEvery,
 			}})
 		require.NoError(t, err)
 		t.Cleanup(func() { require.NoError(t, b.Close()) })
@@ -143,6 +172,24 @@ func newInstance(t testing.TB, o instOpts) *instance {
 	}
 	t.Cleanup(in.close)
 	return in
+}
+
+// requirePath checks that the instance's READs took the path the
+// environment asks for: through mapped pages with the same-host path on
+// (each rank that read), over QUIC with it off.
+func (in *instance) requirePath(t testing.TB) {
+	t.Helper()
+	var local, all uint64
+	for _, r := range in.ranks {
+		local += r.Agent().SameHostBytes()
+		all += r.Agent().BytesMoved()
+	}
+	require.Positive(t, all, "the instance read something")
+	if in.opts.sim == nil && !in.opts.quicOnly && sameHostOn() {
+		require.Equal(t, all, local, "every byte read through the same-host path")
+	} else {
+		require.Zero(t, local, "no byte through the same-host path")
+	}
 }
 
 func (in *instance) close() {

@@ -39,6 +39,9 @@ type load struct {
 	// writes into them.
 	unpin func()
 	done  chan struct{}
+	// verifiers[i] folds source i's checksums as its bytes land (nil: its
+	// export carries none, or they are not verified on its path).
+	verifiers []*landVerifier
 	// start is when StartLoad accepted the load; firstByte observes the
 	// time to its first KV byte once.
 	start     time.Time
@@ -56,8 +59,9 @@ type load struct {
 // DoneRecving once every byte is in local pages and every source was
 // notified, or in Failed with every local block id to recompute (also when
 // the params carry no export of a source rank). Synchronous errors (bad
-// params, blocks that cannot be aligned, TP sizes that do not map, a
-// request already loading) name the field and start nothing.
+// params, blocks that cannot be aligned, token digests that differ from
+// the decode's prompt, TP sizes that do not map, a request already
+// loading) name the field and start nothing.
 func (r *Rank) StartLoad(ctx context.Context, meta *v1.ReqMeta) error {
 	if err := r.refuseIfDraining(); err != nil {
 		return err
@@ -91,6 +95,10 @@ func (r *Rank) StartLoad(ctx context.Context, meta *v1.ReqMeta) error {
 	}
 	hit, dst, err := AlignBlocks(meta)
 	if err != nil {
+		return err
+	}
+	// KV of other tokens than the decode's prompt is never read.
+	if err := checkTokenDigests(meta, hit, dst); err != nil {
 		return err
 	}
 	plan, err := PlanRank(r.shape, int(p.GetTpSize()), r.cfg.TPSize, r.cfg.TPRank)
@@ -293,9 +301,12 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 	ctx = r.agent.MarkCalls(ctx)
 	mds := make([]*handshake.Metadata, len(ts))
 	errs := make([]error, len(ts))
+	hsDone := make([]chan struct{}, len(ts))
 	var hsWG sync.WaitGroup
 	for i := range ts {
+		hsDone[i] = make(chan struct{})
 		hsWG.Go(func() {
+			defer close(hsDone[i])
 			mds[i], errs[i] = r.hs.Get(ctx, ts[i])
 			if errs[i] != nil {
 				// Name the params the expectation came from: a wrong
@@ -315,6 +326,7 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 		}
 	}
 	readErrs := make([]error, len(ts))
+	l.verifiers = make([]*landVerifier, len(ts))
 	var wg sync.WaitGroup
 	for i, s := range l.plan.Sources {
 		if s.NotifyOnly || len(l.dst) == 0 {
@@ -322,7 +334,19 @@ func (r *Rank) load(ctx context.Context, l *load) error {
 		}
 		remote := sourceBlocks(l.params, l.exports[i])[l.hit : l.hit+len(l.dst)]
 		wg.Go(func() {
-			readErrs[i] = r.readSource(ctx, l, s, l.exports[i], ts[i], remote)
+			// A source that may be on this host is read once its
+			// metadata says whether the same-host path reaches it (one
+			// round trip, none when cached); any other is read at once.
+			var sh *transfer.SameHostPeer
+			if r.mayBeSameHost(ts[i].Addr) {
+				<-hsDone[i]
+				if errs[i] != nil {
+					return // the handshake's error is the load's
+				}
+				sh = r.sameHostPeer(mds[i])
+			}
+			l.verifiers[i] = r.verifierFor(l, s, l.exports[i], sh)
+			readErrs[i] = r.readSource(ctx, l, s, l.exports[i], ts[i], remote, sh, l.verifiers[i])
 			if readErrs[i] != nil && codes.Of(readErrs[i]) == v1.Code_CODE_UNAVAILABLE && ctx.Err() == nil {
 				what := "did not serve the READ (it is starting, shutting down, or gone)"
 				if xe, ok := errors.AsType[*transfer.XferError](readErrs[i]); ok && xe.Bytes > 0 {
@@ -435,7 +459,10 @@ func checkRemoteBlocks(p *v1.KVTransferParams, e *v1.RankExport, md *handshake.M
 // memory, and holds no export of the old one, so the READ is refused
 // there with CODE_LEASE_EXPIRED, never served from the wrong place. A READ
 // moves bytes only into this load's own blocks, so reading again is safe.
-func (r *Rank) readSource(ctx context.Context, l *load, s Source, e *v1.RankExport, t handshake.Target, remote []uint32) error {
+// With sh (the source is on this host) the READs go on the same-host path,
+// or over QUIC when that path cannot be had. With v, the bytes are folded
+// into the source's checksums as they land.
+func (r *Rank) readSource(ctx context.Context, l *load, s Source, e *v1.RankExport, t handshake.Target, remote []uint32, sh *transfer.SameHostPeer, v *landVerifier) error {
 	onRedial := func(ctx context.Context) error {
 		r.hs.Forget(t.Addr)
 		_, err := r.hs.Get(ctx, t)
@@ -459,8 +486,14 @@ func (r *Rank) readSource(ctx context.Context, l *load, s Source, e *v1.RankExpo
 		}
 		x := &transfer.Xfer{Op: transfer.OpRead, Peer: t.Addr, RequestID: l.params.GetRemoteRequestId(),
 			ExportID: e.GetExportId(), Capability: e.GetCapability(), Local: loc, Expect: expect, OnRedial: onRedial, OnFirstByte: firstByte,
-			ConsumerEngineID: r.cfg.EngineID, ConsumerTPRank: uint32(r.cfg.TPRank),
+			ConsumerEngineID: r.cfg.EngineID, ConsumerTPRank: uint32(r.cfg.TPRank), SameHost: sh,
 			RemoteBlocks: &transfer.BlockDescs{NumRegions: uint32(len(r.regions)), Offset: s.RemoteOffset, Len: s.Len, BlockIDs: remote[first:last]}}
+		if v != nil && v.every == 1 && r.crcInOrder {
+			// Every block is folded as it lands; a sample (the same-host
+			// path) is cheaper read again afterwards than hooked, which
+			// would cut the copy into cache-sized runs.
+			x.OnLanded = v.onLanded(first, last-first)
+		}
 		res, err := r.agent.Transfer(ctx, x)
 		if err != nil {
 			return err

@@ -1,6 +1,8 @@
 package connector
 
 import (
+	"bytes"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -171,7 +173,8 @@ func UnmarshalKVTransferParams(data []byte) (*v1.KVTransferParams, error) {
 // tp_size present and in [1, MaxTPSize]; remote_engine_id and
 // remote_request_id set; remote_rank_addrs either empty (then remote_host
 // and remote_port locate rank 0 and rank r is at remote_port+r) or exactly
-// tp_size valid host:port entries; lease_expires_unix_ms not negative;
+// tp_size valid host:port entries; token_digests empty or TokenDigestLen
+// bytes per remote block; lease_expires_unix_ms not negative;
 // rank_exports entries of ranks below tp_size, each with an export_id, a
 // capability and no block_ids or one per remote block, no rank twice. A
 // violation is a *ParamsError naming the field and the reason.
@@ -218,6 +221,9 @@ func validateRemotePrefill(p *v1.KVTransferParams) *ParamsError {
 			return &ParamsError{Field: "remote_port", Value: strconv.FormatUint(uint64(port), 10),
 				Rule: fmt.Sprintf("must be in [1, %d] so that ranks 0..%d fit at remote_port+rank", 65536-tp, tp-1), Reason: codes.ReasonParamsOutOfRange}
 		}
+	}
+	if pe := checkTokenDigestCount("token_digests", p.GetTokenDigests(), len(p.GetRemoteBlockIds())); pe != nil {
+		return pe
 	}
 	if p.GetLeaseExpiresUnixMs() < 0 {
 		return &ParamsError{Field: "lease_expires_unix_ms", Value: strconv.FormatInt(p.GetLeaseExpiresUnixMs(), 10), Rule: "must not be negative", Reason: codes.ReasonParamsOutOfRange}
@@ -283,7 +289,8 @@ func sourceBlocks(p *v1.KVTransferParams, e *v1.RankExport) []uint32 {
 // else the first part), whose remote_block_ids, addresses and incarnation
 // the result carries. lease_expires_unix_ms is the earliest of the parts
 // (every rank's lease must still hold). The parts must name the same
-// request, engine, tp_size and number of blocks, and no rank twice, and
+// request, engine, tp_size, number of blocks, prompt_tokens and
+// token_digests, and no rank twice, and
 // each must pass ValidateRemotePrefill. A refusal of a part is a
 // *PartError naming the part, whose *ParamsError names the field and the
 // reason (codes.ReasonMergePartsDiffer, codes.ReasonParamsRankRepeated, or
@@ -320,6 +327,11 @@ func MergeExports(parts ...*v1.KVTransferParams) (*v1.KVTransferParams, error) {
 		case len(p.GetRemoteBlockIds()) != len(base.GetRemoteBlockIds()):
 			return nil, differs("remote_block_ids", fmt.Sprintf("%d entries", len(p.GetRemoteBlockIds())),
 				fmt.Sprintf("every rank holds the same %d token blocks", len(base.GetRemoteBlockIds())))
+		case p.GetPromptTokens() != base.GetPromptTokens():
+			return nil, differs("prompt_tokens", strconv.FormatUint(uint64(p.GetPromptTokens()), 10), fmt.Sprintf("differs from %d", base.GetPromptTokens()))
+		case !bytes.Equal(p.GetTokenDigests(), base.GetTokenDigests()):
+			return nil, differs("token_digests", hex.EncodeToString(p.GetTokenDigests()),
+				fmt.Sprintf("differs from %s: every rank holds the KV of the same tokens", hex.EncodeToString(base.GetTokenDigests())))
 		}
 		if p.GetLeaseExpiresUnixMs() != 0 && (out.GetLeaseExpiresUnixMs() == 0 || p.GetLeaseExpiresUnixMs() < out.GetLeaseExpiresUnixMs()) {
 			out.LeaseExpiresUnixMs = p.GetLeaseExpiresUnixMs()

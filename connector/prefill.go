@@ -29,6 +29,12 @@ import (
 // MergeExports before handing them to the proxy. For any other finish the
 // blocks are released at once and nil is returned.
 //
+// The engine may say what the blocks encode (in.prompt_tokens, and
+// in.token_digests: TokenDigests of the prompt, one per block); both are
+// carried unchanged in the params, so a decode loads them only for the
+// same tokens (see checkTokenDigests). A count that does not fit blockIDs
+// is a *ParamsError and takes nothing over.
+//
 // blockIDs must be blocks this rank holds now: allocated in its pool (under
 // coordinated ownership on rank 0; on ranks 1..N-1, whose pages rank 0
 // maps, their pages must be mapped). The first id that is not fails the
@@ -62,6 +68,16 @@ func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs [
 		return nil, err
 	}
 	hold := in.GetDoRemoteDecode() && status == v1.FinishStatus_FINISH_STATUS_LENGTH && len(ids) > 0
+	if hold {
+		// What the engine says the blocks encode: refused before they are
+		// taken over when it cannot describe them.
+		if pe := checkTokenDigestCount("token_digests", in.GetTokenDigests(), len(ids)); pe != nil {
+			return nil, pe
+		}
+		if pe := checkPromptTokens(in.GetPromptTokens(), len(ids), int(r.cfg.Geometry.GetBlockSize())); pe != nil {
+			return nil, pe
+		}
+	}
 	session := sessionOf(ctx)
 	// Take the blocks over only if no load writes into them and no free is
 	// in progress. A block may be in several requests (a shared prefix):
@@ -128,7 +144,9 @@ func (r *Rank) RequestFinished(ctx context.Context, requestID string, blockIDs [
 		LeaseExpiresUnixMs: expires.UnixMilli(),
 		RankExports: []*v1.RankExport{{TpRank: uint32(r.cfg.TPRank), ExportId: export, Capability: capab,
 			CapabilityKeyId: r.capKey.ID(), BlockChecksums: sums, ChecksumHeads: heads}},
-		BlockSize: r.cfg.Geometry.GetBlockSize(),
+		BlockSize:    r.cfg.Geometry.GetBlockSize(),
+		PromptTokens: in.GetPromptTokens(),
+		TokenDigests: append([]byte(nil), in.GetTokenDigests()...),
 	}
 	out.RemoteHost, out.RemotePort = host, port
 	r.cfg.Logger.Debug("request held for decode", "request_id", requestID, "export_id", strconv.FormatUint(export, 16),

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -31,6 +32,11 @@ const (
 	DefaultLeaseTTL = 120 * time.Second
 	// DefaultLoadTimeout bounds one StartLoad from handshake to notification.
 	DefaultLoadTimeout = 120 * time.Second
+	// DefaultSameHostVerifyEvery is Config.SameHostVerifyEvery's default:
+	// one block in 16, so verifying costs about a sixteenth of a CRC-32C
+	// pass over the bytes (see the README's checksum figures: a full pass
+	// costs more than half of a same-host READ's time).
+	DefaultSameHostVerifyEvery = 16
 	// DefaultMaxDescsPerXfer bounds the descriptors of one READ; a larger
 	// load is split into several READs.
 	DefaultMaxDescsPerXfer = 16384
@@ -105,10 +111,26 @@ type Config struct {
 	// decode rank always checks the checksums an export carries before it
 	// reports the load done. Default false: checksums on.
 	DisableChecksums bool
+	// SameHostVerifyEvery is how many blocks a decode rank reading a
+	// source on the same-host path verifies the checksums of: one in
+	// SameHostVerifyEvery, which ones chosen anew per load. There the
+	// copy runs near memory speed and a CRC-32C of every byte would cost
+	// more than half the transfer time; over QUIC every block is verified.
+	// Default (0) DefaultSameHostVerifyEvery; 1: every block; negative:
+	// none. Device memory is not verified on the same-host path.
+	SameHostVerifyEvery int
 	// HandshakeMode: handshake.ModePiggyback (default) or ModeLegacy.
 	HandshakeMode handshake.Mode
 	// DeviceID is advertised in the agent metadata. Default 0.
 	DeviceID uint32
+	// SameHostSocket, when set, is the path of the unix socket on which
+	// the rank offers its pages to ranks on the same host
+	// (SameHostSocketPath; its directory the user's own, mode 0700), and
+	// the rank reads from a source on this host (its metadata says so)
+	// through that source's socket instead of QUIC: mapped pages and a
+	// memcpy or device copies (transfer's same-host path). Default "":
+	// off, every READ goes over QUIC.
+	SameHostSocket string
 	// Logger: default discards.
 	Logger *slog.Logger
 	// Registerer for metrics of the connector, handshake and transfer
@@ -132,6 +154,9 @@ func (c *Config) withDefaults() (Config, error) {
 	}
 	if out.MaxDescsPerXfer == 0 {
 		out.MaxDescsPerXfer = DefaultMaxDescsPerXfer
+	}
+	if out.SameHostVerifyEvery == 0 {
+		out.SameHostVerifyEvery = DefaultSameHostVerifyEvery
 	}
 	if out.Logger == nil {
 		out.Logger = slog.New(slog.DiscardHandler)
@@ -198,6 +223,9 @@ type Rank struct {
 	m           *metrics
 	local       *handshake.Metadata
 	crcOrder    []int           // region indices in checksum order (checksumOrder)
+	crcInOrder  bool            // the regions are in checksum order: checksums fold as bytes land
+	mem         *PoolMemory     // the pool as the agent sees it
+	hostID      string          // this host's identity when the same-host path is on
 	crcNanos    [2]atomic.Int64 // time spent recording [0] and verifying [1] checksums
 	// afterRead, set by tests, runs when a load's READs all succeeded,
 	// before its checksums are verified.
@@ -262,7 +290,9 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 	}
 	r := &Rank{cfg: c, pool: c.Pool, regions: c.Pool.Regions(), shape: shape, modelHash: handshake.ModelHash(c.Geometry),
 		capKey: transfer.NewCapabilityKeyFromSecret(c.CapabilitySecret), loads: map[string]*load{}, busy: map[int]blockUse{}, refs: map[int]int{}, orphans: map[int]struct{}{}, sessions: map[uint64]bool{}, changed: make(chan struct{})}
+	r.mem = NewPoolMemory(c.Pool)
 	r.crcOrder = checksumOrder(r.regions)
+	r.crcInOrder = slices.IsSorted(r.crcOrder)
 	var inc [8]byte
 	_, _ = rand.Read(inc[:])
 	r.incarnation = binary.LittleEndian.Uint64(inc[:]) | 1
@@ -271,11 +301,7 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 	}
 
 	tc := *c.Transfer
-	tc.Regions = nil
-	for _, ri := range r.regions {
-		tc.Regions = append(tc.Regions, transfer.Region{Base: ri.Base, Len: ri.Len, BlockLen: ri.BlockLen,
-			PageSize: ri.PageSize, DevID: uint32(ri.DevID), Mem: poolMemory{c.Pool, ri.Index}})
-	}
+	tc.Regions = r.mem.Regions()
 	tc.Authorize = r.authorize
 	tc.Release = r.release
 	tc.CapabilityKey = nil
@@ -286,6 +312,7 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 	// The agent dials only for calls made through r.hs, by a load or a
 	// heartbeat, all after r.hs is set: a connection is lost after that.
 	tc.OnPeerGone = func(addr string, err error) { r.hs.Forget(addr) }
+	r.hostID = r.sameHostTransfer(&tc)
 	if tc.Registerer == nil {
 		tc.Registerer = c.Registerer
 	}
@@ -315,6 +342,9 @@ func NewRank(ctx context.Context, cfg *Config) (*Rank, error) {
 		Incarnation: r.incarnation, TPRank: c.TPRank, TPSize: c.TPSize, DeviceID: c.DeviceID, ModelHash: r.modelHash,
 		Geometry: c.Geometry, BlockSize: int(c.Geometry.GetBlockSize()), NumBlocks: c.Pool.NumBlocks(),
 		HeadsPerRank: layout.HeadsPerRank, Addr: r.cfg.AdvertiseAddr, CapabilityKeyID: r.capKey.ID()}
+	if sh := r.agent.SameHost(); sh != nil && r.hostID != "" {
+		r.local.SameHost = &handshake.SameHost{HostID: r.hostID, Socket: sh.Socket, Token: sh.Token, PageKind: sh.Kind}
+	}
 	for _, ri := range r.regions {
 		r.local.Regions = append(r.local.Regions, handshake.Region{Base: ri.Base, Len: ri.Len, BlockLen: ri.BlockLen,
 			DevID: uint32(ri.DevID), Layer: uint32(ri.Layer), Kind: ri.Kind, PageSize: ri.PageSize})
@@ -349,16 +379,6 @@ func (r *Rank) Handshakes() *handshake.Client { return r.hs }
 
 // Metadata is what this rank tells peers about itself.
 func (r *Rank) Metadata() *handshake.Metadata { return r.local }
-
-// poolMemory adapts one region of a vmm.Pool to transfer.Memory.
-type poolMemory struct {
-	p      *vmm.Pool
-	region int
-}
-
-func (m poolMemory) HostBytes(off, n uint64) ([]byte, error) { return m.p.HostBytes(m.region, off, n) }
-func (m poolMemory) CopyOut(off uint64, dst []byte) error    { return m.p.CopyOut(m.region, off, dst) }
-func (m poolMemory) CopyIn(off uint64, src []byte) error     { return m.p.CopyIn(m.region, off, src) }
 
 func (r *Rank) onHandshake(ctx context.Context, req *v1.HandshakeRequest) *v1.HandshakeResponse {
 	return r.hsServer.Handle(ctx, req)
@@ -556,5 +576,6 @@ func (r *Rank) close(code v1.Code, reason string) error {
 	r.mu.Lock()
 	r.drained = st
 	r.mu.Unlock()
-	return errors.Join(r.hs.Close(), r.agent.CloseWithReason(code, reason))
+	err := errors.Join(r.hs.Close(), r.agent.CloseWithReason(code, reason))
+	return errors.Join(err, r.mem.Close())
 }
