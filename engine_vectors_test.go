@@ -2,6 +2,7 @@ package kvsidecar_test
 
 import (
 	"bytes"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -30,7 +31,8 @@ var update = flag.Bool("update", false, "rewrite testdata/engine_vectors.json fr
 const vectorsPath = "testdata/engine_vectors.json"
 
 const vectorsAbout = "Cases of the rules the Python client follows beside the Go code: block offsets " +
-	"(kvgeom.Packing), local API socket paths (localapi.SocketPath) and export merges (connector.MergeExports). " +
+	"(kvgeom.Packing), local API socket paths (localapi.SocketPath), export merges (connector.MergeExports) and " +
+	"token digests (connector.TokenDigests). " +
 	"Written by `go test -run TestEngineVectors -update .` (engine_vectors_test.go) from the Go functions; " +
 	"TestEngineVectors fails when the file differs from them, python/tests/test_engine_vectors.py when the " +
 	"Python functions do. Do not edit by hand. offsets: [block, byte offset of the block in its region]; " +
@@ -47,6 +49,7 @@ func TestEngineVectors(t *testing.T) {
 		"block_offsets": blockOffsetVectors(t),
 		"socket_paths":  socketPathVectors(),
 		"export_merges": mergeVectors(t),
+		"token_digests": tokenDigestVectors(),
 	})
 	if *update {
 		var b bytes.Buffer
@@ -60,7 +63,7 @@ func TestEngineVectors(t *testing.T) {
 	want := decodeJSON(t, raw).(map[string]any)
 	require.ElementsMatch(t, slices.Collect(maps.Keys(want)), slices.Collect(maps.Keys(got)))
 	require.Equal(t, want["about"], got["about"])
-	for _, section := range []string{"block_offsets", "socket_paths", "export_merges"} {
+	for _, section := range []string{"block_offsets", "socket_paths", "export_merges", "token_digests"} {
 		w, g := want[section].([]any), got[section].([]any)
 		require.Len(t, w, len(g), "%s: cases in the file", section)
 		for i := range g {
@@ -254,6 +257,7 @@ func mergeVectors(t *testing.T) []any {
 		return q
 	}
 	noExports := func(p *v1.KVTransferParams) { p.RankExports = nil }
+	digests3 := connector.TokenDigests(vectorTokens(40), 16, nil)
 	p0, p1 := part(0, 2, []uint32{7, 8, 9}, 2000), part(1, 2, []uint32{3, 2, 1}, 1000)
 	q := func(r uint32, ids []uint32, exp int64) *v1.KVTransferParams { return part(r, 4, ids, exp) }
 	type mc struct {
@@ -290,6 +294,9 @@ func mergeVectors(t *testing.T) []any {
 				p.RankExports[0].ChecksumHeads = 1
 			}),
 			with(p1, func(p *v1.KVTransferParams) { p.RemoteRankAddrs = []string{"10.0.0.1:5600", "[fd00::2]:5601"} })}},
+		{"prompt_tokens and token digests are carried", []*v1.KVTransferParams{
+			with(p0, func(p *v1.KVTransferParams) { p.PromptTokens = 40; p.TokenDigests = digests3 }),
+			with(p1, func(p *v1.KVTransferParams) { p.PromptTokens = 40; p.TokenDigests = digests3 })}},
 		{"a signed port reads as Go's strconv.Atoi reads it", []*v1.KVTransferParams{
 			with(p0, func(p *v1.KVTransferParams) { p.RemoteRankAddrs = []string{"h:+5600", "h:05601"} }), p1}},
 
@@ -299,6 +306,10 @@ func mergeVectors(t *testing.T) []any {
 		{"refused: another TP size", []*v1.KVTransferParams{p0, q(1, []uint32{3, 2, 1}, 1)}},
 		{"refused: another number of blocks", []*v1.KVTransferParams{p0, part(1, 2, []uint32{3, 2}, 1)}},
 		{"refused: a rank twice", []*v1.KVTransferParams{p0, p1, part(1, 2, []uint32{4, 5, 6}, 1)}},
+		{"refused: another prompt length", []*v1.KVTransferParams{p0, with(p1, func(p *v1.KVTransferParams) { p.PromptTokens = 40 })}},
+		{"refused: other token digests", []*v1.KVTransferParams{with(p0, func(p *v1.KVTransferParams) { p.TokenDigests = digests3 }),
+			with(p1, func(p *v1.KVTransferParams) { p.TokenDigests = connector.TokenDigests(make([]uint32, 40), 16, nil) })}},
+		{"refused: token digests beside none", []*v1.KVTransferParams{with(p0, func(p *v1.KVTransferParams) { p.TokenDigests = digests3 }), p1}},
 		{"refused: rank 0 twice, the base first", []*v1.KVTransferParams{p0, part(0, 2, []uint32{7, 8, 9}, 1)}},
 		{"refused: a rank twice in one part", []*v1.KVTransferParams{p0, with(p1, func(p *v1.KVTransferParams) {
 			p.RankExports = append(p.RankExports, &v1.RankExport{TpRank: 1, ExportId: 9, Capability: []byte{9}})
@@ -334,6 +345,7 @@ func mergeVectors(t *testing.T) []any {
 		{"an export without an id", func(p *v1.KVTransferParams) { p.RankExports[0].ExportId = 0 }},
 		{"an export without a capability", func(p *v1.KVTransferParams) { p.RankExports[0].Capability = nil }},
 		{"an export's block ids of another length", func(p *v1.KVTransferParams) { p.RankExports[0].BlockIds = []uint32{1} }},
+		{"token digests of another length", func(p *v1.KVTransferParams) { p.TokenDigests = digests3[:16] }},
 	} {
 		cases = append(cases, mc{"refused: " + b.name, []*v1.KVTransferParams{p0, with(p1, b.edit)}})
 	}
@@ -355,6 +367,50 @@ func mergeVectors(t *testing.T) []any {
 		}
 		require.Equal(t, strings.HasPrefix(c.name, "refused: "), err != nil, "%s: %v", c.name, err)
 		out = append(out, v)
+	}
+	return out
+}
+
+// vectorTokens returns n token ids, from a 32-bit step so that every byte
+// of their encoding varies.
+func vectorTokens(n int) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = uint32(i)*2654435761 + 12345
+	}
+	return out
+}
+
+// tokenDigestVectors: connector.TokenDigests of prompts of every shape a
+// block can have (empty, one token, part full, full, several), block sizes
+// of 1, 16 and 32, a salt, and a token of every byte (the largest id).
+func tokenDigestVectors() []any {
+	type dc struct {
+		name      string
+		tokens    []uint32
+		blockSize int
+		salt      string
+	}
+	cases := []dc{
+		{"no tokens", nil, 16, ""},
+		{"one token", []uint32{7}, 16, ""},
+		{"a part-full block", vectorTokens(5), 16, ""},
+		{"one full block", vectorTokens(16), 16, ""},
+		{"a full block and one token", vectorTokens(17), 16, ""},
+		{"three blocks and a part", vectorTokens(52), 16, ""},
+		{"blocks of one token", vectorTokens(4), 1, ""},
+		{"blocks of 32 tokens", vectorTokens(70), 32, ""},
+		{"a salt", vectorTokens(20), 16, "lora:adapter-1"},
+		{"the largest token id", []uint32{0xffffffff, 0, 1}, 2, ""},
+	}
+	out := make([]any, 0, len(cases))
+	for _, c := range cases {
+		tokens := make([]any, len(c.tokens))
+		for i, tk := range c.tokens {
+			tokens[i] = tk
+		}
+		out = append(out, map[string]any{"name": c.name, "tokens": tokens, "block_size": c.blockSize, "salt": c.salt,
+			"digests": hex.EncodeToString(connector.TokenDigests(c.tokens, c.blockSize, []byte(c.salt)))})
 	}
 	return out
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"math"
@@ -17,6 +18,8 @@ import (
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	"github.com/kvsidecar/kvsidecar/transfer"
+	"github.com/kvsidecar/kvsidecar/vmm"
+	"github.com/kvsidecar/kvsidecar/vmm/cuda"
 )
 
 // maxBenchRTT caps bench handshake --rtt: a handshake takes several round
@@ -132,15 +135,35 @@ func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fs := newFlagSet("bench transfer", "Measure transfer throughput against raw QUIC and TLS/TCP baselines.", stdout)
 	blocks := fs.String("block-sizes", "4K,64K,1M,16M,64M", "descriptor sizes, comma-separated (K, M, G suffixes: KiB, MiB, GiB); at least one within --max-bytes")
 	batches := fs.String("batch-sizes", "1,16", fmt.Sprintf("descriptors per transfer, comma-separated, each 1..%d", transfer.DefaultMaxDescsPerTransfer))
-	maxBytes := fs.String("max-bytes", "128M", fmt.Sprintf("cap of block size × batch, 1..%s (two buffers of it are allocated); larger cells are skipped with a note", sizeString(maxMaxBytes)))
+	maxBytes := fs.String("max-bytes", "128M", fmt.Sprintf("cap of block size × batch, 1..%s (four buffers of it are allocated: two for the sweep, two pools for the path rows); larger cells are skipped with a note", sizeString(maxMaxBytes)))
 	cellTime := fs.Duration("cell-time", demo.DefaultCellTime, fmt.Sprintf("time spent on each (op, block, batch) cell, > 0 and <= %v (at least 3 transfers run)", maxCellTime))
-	rounds := fs.Int("bulk-rounds", demo.DefaultBulkRounds, fmt.Sprintf("rounds of the bulk comparison with the baselines (best kept), 1..%d", maxBulkRounds))
+	rounds := fs.Int("bulk-rounds", demo.DefaultBulkRounds, fmt.Sprintf("rounds of the bulk comparison with the baselines and of the path rows with their floors (best kept), 1..%d", maxBulkRounds))
 	samples := fs.Int("latency-samples", demo.DefaultLatencySamples, fmt.Sprintf("timed warm READs of one 4 KiB and one 64 KiB descriptor, and raw quic-go 4 KiB round trips, 1..%d", maxLatencySamples))
 	check := fs.Bool("check", false, "verify every byte of every transfer")
 	rtt := fs.Duration("rtt", 0, fmt.Sprintf("also time a 16 MiB READ through sockets that delay every packet by rtt/2, %v..%v; 0: none", minRTT, maxBenchRTT))
+	lanes := fs.String("lanes", "1,2,4", fmt.Sprintf("READ lane counts of the path rows (same-host and QUIC READs), comma-separated, each 1..%d; 1 is always measured", transfer.MaxReadLanes))
+	backend := fs.String("backend", "host", "page backend of the path rows' pools: host (memfd) or cuda (device 0: device memory, with the cuda floors)")
+	cudaLibrary := fs.String("cuda-library", cuda.DefaultLibrary, "CUDA driver library to dlopen, a name the dynamic loader finds or a path (cuda backend only)")
 	asJSON := fs.Bool("json", false, "print the result as one JSON object on the last line of stdout (the table goes to stderr)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
+	}
+	ks, err := parseLanes(*lanes)
+	if err != nil {
+		return usageErrorf("--lanes %q: %v", *lanes, err)
+	}
+	var be demo.BackendFunc
+	switch *backend {
+	case "host":
+		if flagSet(fs.FlagSet, "cuda-library") {
+			return usageErrorf("--cuda-library %q: only the cuda backend loads a driver", *cudaLibrary)
+		}
+	case "cuda":
+		be = func(string, int) (vmm.Backend, error) {
+			return cuda.New(&cuda.Config{Device: 0, Library: *cudaLibrary})
+		}
+	default:
+		return usageErrorf("--backend %q: want host or cuda", *backend)
 	}
 	if *rtt != 0 {
 		if err := checkDuration("rtt", *rtt, minRTT, maxBenchRTT); err != nil {
@@ -178,8 +201,11 @@ func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer)
 		return err
 	}
 	res, err := demo.RunTransferBench(ctx, &demo.TransferConfig{BlockSizes: bs, BatchSizes: ns, MaxTransferBytes: mb[0],
-		CellTime: *cellTime, BulkRounds: *rounds, LatencySamples: *samples, RTT: *rtt, Check: *check})
+		CellTime: *cellTime, BulkRounds: *rounds, LatencySamples: *samples, RTT: *rtt, Check: *check, Lanes: ks, Backend: be})
 	if err != nil {
+		if be != nil && errors.Is(err, cuda.ErrNoGPU) {
+			return fmt.Errorf("--backend cuda: no GPU this process can use (%s): %w", *cudaLibrary, err)
+		}
 		return err
 	}
 	table := stdout
@@ -214,7 +240,9 @@ func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fmt.Fprintf(table, "\nwarm small reads, loopback, %d samples each (p50 / p99 us):\n", res.LatencySamples)
 	fmt.Fprintf(table, "  sidecar READ 4K   %.1f / %.1f\n  sidecar READ 64K  %.1f / %.1f\n  raw quic-go 4K    %.1f / %.1f  (sidecar/raw quic-go p50 = %.3f)\n",
 		res.Read4KP50Us, res.Read4KP99Us, res.Read64KP50Us, res.Read64KP99Us, res.RawQUIC4KP50Us, res.RawQUIC4KP99Us, res.RatioRead4KOverRawQUIC)
-	printLanes(table, res, *rounds)
+	if err := printPaths(table, res, *rounds); err != nil {
+		return err
+	}
 	if res.RTTMs > 0 {
 		fmt.Fprintf(table, "\nREAD of %s at %.1f ms RTT (receive windows %s), packets declared lost %d:\n", sizeString(res.RTTBulkBytes), res.RTTMs,
 			sizeString(int(res.RTTWindowBytes)), *res.RTTBulkLostPackets)
@@ -226,13 +254,83 @@ func benchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer)
 	return nil
 }
 
-// printLanes prints the lane rows of a transfer bench.
-func printLanes(w io.Writer, res *demo.TransferResult, rounds int) {
-	fmt.Fprintf(w, "\nbulk READ over K lanes, %s in %s descriptors, loopback, best of %d (GB per CPU-second: both agents, all rounds):\n",
-		sizeString(res.BulkBytes), sizeString(res.BulkBlockSize), rounds)
-	for _, l := range res.Lanes {
-		fmt.Fprintf(w, "  K=%d  %.3f GB/s  %.3f GB per CPU-second\n", l.K, l.GBPerS, l.GBPerCPUSecond)
+// printPaths prints the path rows of a transfer bench and the floors
+// beside them.
+func printPaths(w io.Writer, res *demo.TransferResult, rounds int) error {
+	device := res.PathMemory == "device"
+	mem := "host backend, memfd pages"
+	if device {
+		mem = "cuda backend, device pages"
 	}
+	fmt.Fprintf(w, "\nsame-host and QUIC READs of %s in %s descriptors between two pools (%s), loopback, best of %d:\n",
+		sizeString(res.PathBytes), sizeString(res.PathBlockBytes), mem, rounds)
+	fmt.Fprintln(w, "  floors, measured in the same rounds:")
+	fw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	if device {
+		fmt.Fprintf(fw, "    pinned device->host copy\t%8.3f GB/s\n", res.DeviceToHostFloorGBPerS)
+		fmt.Fprintf(fw, "    pinned host->device copy\t%8.3f GB/s\n", res.HostToDeviceFloorGBPerS)
+		fmt.Fprintf(fw, "    device copy, imported pages\t%8.3f GB/s\n", res.DeviceCopyFloorGBPerS)
+	} else {
+		fmt.Fprintf(fw, "    memcpy, one thread\t%8.3f GB/s  (K threads: the memcpy column)\n", res.MemcpyFloorGBPerS)
+	}
+	chunks := sizeString(res.PathBlockBytes)
+	fmt.Fprintf(fw, "    raw quic-go, %s chunks\t%8.3f GB/s\n", chunks, res.PathRawQUICGBPerS)
+	fmt.Fprintf(fw, "    TLS 1.3 over TCP, %s chunks\t%8.3f GB/s\n", chunks, res.PathTLSTCPGBPerS)
+	if err := fw.Flush(); err != nil {
+		return err
+	}
+	if !device {
+		fmt.Fprintf(w, "  mmap (MAP_POPULATE) + munmap of the READ's %s of source pages, no copy: %.4fs = %.1f%% of the 1-lane same-host READ\n",
+			sizeString(res.PathBytes), res.MapUnmapSeconds, 100*res.MapUnmapShareOfSameHostRead)
+	}
+	fmt.Fprintf(w, "  checksums: CRC-32C in %s pieces, record (source) %.4fs + verify (destination, a pass after the READ) %.4fs\n",
+		sizeString(res.ChecksumUnitBytes), res.ChecksumRecordSeconds, res.ChecksumVerifySeconds)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	floor := "memcpy GB/s\t/memcpy"
+	if device {
+		floor = "/device copy"
+	}
+	fmt.Fprintf(tw, "K\t%s\tsame-host GB/s\tGB/CPU-s\tcrc share\t\tQUIC GB/s\t/raw quic-go\t/TLS-TCP\tGB/CPU-s\tcrc share\tsame-host/QUIC\t\n",
+		floor)
+	for _, l := range res.Lanes {
+		fmt.Fprintf(tw, "%d\t", l.K)
+		if device {
+			fmt.Fprintf(tw, "%.3f\t", l.RatioSameHostOverDeviceCopy)
+		} else {
+			fmt.Fprintf(tw, "%.3f\t%.3f\t", l.MemcpyFloorGBPerS, l.RatioSameHostOverMemcpy)
+		}
+		fmt.Fprintf(tw, "%.3f\t%.3f\t%.1f%%\t\t%.3f\t%.3f\t%.3f\t%.3f\t%.1f%%\t%.1f\t\n", l.SameHostReadGBPerS, l.SameHostReadGBPerCPUSecond,
+			100*l.SameHostChecksumShareOfRead, l.QUICReadGBPerS, l.RatioQUICOverRawQUIC, l.RatioQUICOverTLSTCP, l.QUICReadGBPerCPUSecond,
+			100*l.QUICChecksumShareOfRead, l.RatioSameHostOverQUIC)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	over, ratio := "memcpy", res.RatioSameHostOverMemcpy
+	if device {
+		over, ratio = "device copy", res.RatioSameHostOverDeviceCopy
+	}
+	fmt.Fprintf(w, "  1 lane: same-host READ %.3f GB/s = %.3f x %s, %.1f x the QUIC READ (%.3f GB/s)\n",
+		res.SameHostReadGBPerS, ratio, over, res.RatioSameHostOverQUIC, res.QUICReadGBPerS)
+	fmt.Fprintln(w, "  (GB per CPU-second: both agents, all rounds; crc share: record + verify over the READ's time)")
+	return nil
+}
+
+// parseLanes parses "1,2,4": lane counts in [1, transfer.MaxReadLanes],
+// none twice.
+func parseLanes(s string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		k, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || k < 1 || k > transfer.MaxReadLanes {
+			return nil, fmt.Errorf("%q: want a lane count 1..%d", strings.TrimSpace(f), transfer.MaxReadLanes)
+		}
+		if slices.Contains(out, k) {
+			return nil, fmt.Errorf("%d appears twice", k)
+		}
+		out = append(out, k)
+	}
+	return out, nil
 }
 
 // parseSizes parses "4K,64K,1M" (K = KiB, M = MiB, G = GiB).

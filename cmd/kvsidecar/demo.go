@@ -10,6 +10,7 @@ import (
 	"math"
 	"os"
 	"os/signal"
+	"runtime"
 	"strings"
 	"syscall"
 	"text/tabwriter"
@@ -20,6 +21,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/connector"
 	"github.com/kvsidecar/kvsidecar/handshake"
 	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
+	"github.com/kvsidecar/kvsidecar/transfer"
 	"github.com/kvsidecar/kvsidecar/vmm"
 	"github.com/kvsidecar/kvsidecar/vmm/cuda"
 )
@@ -43,6 +45,9 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	cacheEntries := fs.Int("cache-entries", demo.DefaultCacheEntries, fmt.Sprintf("decode prefix cache size in 512-token hash blocks, 0..%d (0: no cache)", maxCacheEntries))
 	hsMode := fs.String("handshake-mode", "piggyback", "decode handshake mode: piggyback or legacy")
 	checksums := fs.Bool("checksums", true, "record and verify end-to-end CRC-32C checksums of the KV (serve --checksums)")
+	readLanes := fs.Int("read-lanes", transfer.DefaultReadLanes(runtime.NumCPU()), fmt.Sprintf("QUIC connections, or same-host copiers, one READ runs on, in [1, %d] (serve --read-lanes; default: one per CPU, at most 4)", transfer.MaxReadLanes))
+	sameHost := onOff(true)
+	fs.Var(&sameHost, "same-host", "on or off: decode ranks read from the prefill ranks' mapped pages (serve --same-host); off: over QUIC")
 	asJSON := fs.Bool("json", false, "print the summary as one JSON object on the last line of stdout (the table goes to stderr)")
 	verbose := fs.Bool("v", false, "log the ranks' warnings to stderr")
 	var budget byteSize
@@ -57,7 +62,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if _, err := checkModelTP(*model, *prefillTP, *decodeTP); err != nil {
 		return err
 	}
-	if err := errors.Join(checkSpeedup(*speedup), checkInt("concurrency", *concurrency, 1, maxConcurrency),
+	if err := errors.Join(checkSpeedup(*speedup), checkInt("concurrency", *concurrency, 1, maxConcurrency), checkInt("read-lanes", *readLanes, 1, transfer.MaxReadLanes),
 		checkInt("cache-entries", *cacheEntries, 0, maxCacheEntries)); err != nil {
 		return firstUsage(err)
 	}
@@ -87,7 +92,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	}
 	cfg := &demo.Config{Model: *model, PrefillTP: *prefillTP, DecodeTP: *decodeTP, Requests: n,
 		Speedup: *speedup, Trace: tr, Concurrency: *concurrency, CacheEntries: cache, HandshakeMode: mode,
-		NoChecksums: !*checksums}
+		NoChecksums: !*checksums, NoSameHost: !bool(sameHost), ReadLanes: *readLanes}
 	switch *backend {
 	case "host":
 		if flagSet(fs.FlagSet, "cuda-library") {
@@ -254,6 +259,10 @@ func printDemoSummary(w io.Writer, s *demo.Summary) {
 	if s.LatencySamples > 0 && s.LatencySamples <= demo.P99MaxSamples {
 		latency += fmt.Sprintf(" (p99 is the max of %d samples)", s.LatencySamples)
 	}
+	path := "QUIC (--same-host=off)"
+	if s.SameHost {
+		path = fmt.Sprintf("same-host: %s of the bytes through mapped pages, the rest over QUIC", gib(s.SameHostBytes))
+	}
 	rows := [][2]string{
 		{"model", fmt.Sprintf("%s, prefill TP %d -> decode TP %d", s.Model, s.PrefillTP, s.DecodeTP)},
 		{"trace", s.Trace},
@@ -269,6 +278,7 @@ func printDemoSummary(w io.Writer, s *demo.Summary) {
 		{"wall throughput", fmt.Sprintf("%.3f GB/s (bytes moved over the %.2fs replay, arrival gaps included)", s.WallGBPerS, s.WallSeconds)},
 		{"checksums", fmt.Sprintf("CRC-32C, all ranks: %.3fs verifying (%.1f%% of the transfer time), %.3fs recording at RequestFinished (%.1f%% with it)",
 			s.ChecksumVerifySeconds, 100*s.ChecksumVerifyShare, s.ChecksumRecordSeconds, 100*s.ChecksumShare)},
+		{"path", path},
 		{"handshakes", fmt.Sprintf("%d exchanges over %d QUIC connections = %d RTTs", s.Handshakes, s.Dials, s.HandshakeRTTs)},
 		{"peak pages mapped, prefill", pages(s.PeakPagesPrefill)},
 		{"peak pages mapped, decode", pages(s.PeakPagesDecode)},

@@ -70,6 +70,11 @@ func TestDemoBenchFlagErrors(t *testing.T) {
 		{"xfer batch", []string{"bench", "transfer", "--batch-sizes", "1,65537"}, "--batch-sizes 65537: want 1..65536 descriptors per transfer"},
 		{"xfer block zero", []string{"bench", "transfer", "--block-sizes", "4K,0"}, `--block-sizes "4K,0": "0" is not a positive size`},
 		{"xfer block overflow", []string{"bench", "transfer", "--block-sizes", "99999999999999G"}, `"99999999999999" overflows`},
+		{"xfer lanes zero", []string{"bench", "transfer", "--lanes", "1,0"}, `--lanes "1,0": "0": want a lane count 1..16`},
+		{"xfer lanes above", []string{"bench", "transfer", "--lanes", "17"}, `--lanes "17": "17": want a lane count 1..16`},
+		{"xfer lanes twice", []string{"bench", "transfer", "--lanes", "2,4,2"}, `--lanes "2,4,2": 2 appears twice`},
+		{"xfer backend", []string{"bench", "transfer", "--backend", "tpu"}, `--backend "tpu": want host or cuda`},
+		{"xfer cuda library on host", []string{"bench", "transfer", "--cuda-library", "/x/libcuda.so.1"}, `--cuda-library "/x/libcuda.so.1": only the cuda backend loads a driver`},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -137,6 +142,25 @@ func TestBenchTransferSkipsWithNote(t *testing.T) {
 	require.Contains(t, table, "p99 is their maximum")
 	require.Contains(t, table, "bulk, 1M in 4K descriptors")
 	require.Contains(t, table, "warm small reads, loopback, 20 samples each")
+	require.Contains(t, table, "same-host and QUIC READs of 1M in 1M descriptors between two pools (host backend, memfd pages), loopback, best of 1:")
+	require.Contains(t, table, "memcpy, one thread")
+	require.Contains(t, table, "mmap (MAP_POPULATE) + munmap of the READ's 1M of source pages")
+	require.Regexp(t, `(?m)^\s+K\s+memcpy GB/s\s+/memcpy\s+same-host GB/s\s+GB/CPU-s\s+crc share\s+QUIC GB/s\s+/raw quic-go\s+/TLS-TCP\s+GB/CPU-s\s+crc share\s+same-host/QUIC$`, table)
+	require.Regexp(t, `(?m)^\s+1\s+[0-9.]+\s+[0-9.]+\s+`, table, "the one-lane row")
+	require.Regexp(t, `(?m)^\s+4\s+[0-9.]+\s+[0-9.]+\s+`, table, "the four-lane row")
+	require.Contains(t, table, "1 lane: same-host READ ")
+}
+
+// TestBenchTransferCUDANoDriver: --backend cuda without a driver that
+// loads fails with exit 1 and says so, naming the library, before it
+// prints a row.
+func TestBenchTransferCUDANoDriver(t *testing.T) {
+	var out, errb bytes.Buffer
+	code := run(context.Background(), []string{"bench", "transfer", "--backend", "cuda", "--cuda-library", "/nonexistent/libcuda.so.1",
+		"--block-sizes", "1M", "--max-bytes", "1M"}, &out, &errb)
+	require.Equal(t, 1, code, errb.String())
+	require.Contains(t, errb.String(), "--backend cuda: no GPU this process can use (/nonexistent/libcuda.so.1)")
+	require.Empty(t, out.String(), "no row was measured")
 }
 
 // TestDemoProgressLines: the demo's progress moves while a request is in

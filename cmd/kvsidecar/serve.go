@@ -365,6 +365,12 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 			return nil, codes.New(v1.Code_CODE_UNAVAILABLE, "kvsidecar serve: --backend cuda: %v", err)
 		}
 	}
+	sameHost := ""
+	if f.sameHost {
+		if sameHost, err = connector.SameHostSocketPath(f.socketDir, f.engineID, f.tpRank); err != nil {
+			return nil, codes.New(v1.Code_CODE_INVALID_ARGUMENT, "kvsidecar serve: --same-host: %v", err)
+		}
+	}
 	var tracker *localapi.PageTracker
 	// Until the rank's agent has the socket, a failure gives it back (the
 	// agent closes it itself on its own failures).
@@ -386,7 +392,7 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 				ProgressTimeout: f.progressTimeout, StatelessResetKey: cfg.resetKey, QlogDir: f.qlogDir, ReadLanes: f.readLanes},
 			AdvertiseAddr: cfg.advertise, RankAddrs: cfg.rankAddrs, CapabilitySecret: cfg.secret, Ownership: cfg.ownership,
 			LeaseTTL: f.leaseTTL, LoadTimeout: f.loadTimeout, HandshakeMode: cfg.mode, DeviceID: uint32(max(f.device, 0)),
-			DisableChecksums: !f.checksums, Logger: log, Registerer: reg,
+			DisableChecksums: !f.checksums, SameHostSocket: sameHost, SameHostVerifyEvery: verifyEvery(f.sameHostVerifyEvery), Logger: log, Registerer: reg,
 		}})
 	if err != nil {
 		return nil, err
@@ -399,6 +405,15 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 	created.NumBlocks, created.Ownership = uint32(n), cfg.ownership
 	return &localapi.Cache{Pool: b.Pool, Rank: b.Rank, Tracker: tracker, Create: created, EngineID: f.engineID,
 		DeviceMemory: be != nil, Close: b.Close}, nil
+}
+
+// verifyEvery is connector.Config.SameHostVerifyEvery for
+// --same-host-verify-every n (0 there means none).
+func verifyEvery(n int) int {
+	if n == 0 {
+		return -1
+	}
+	return n
 }
 
 // applyLimit sets --memory-limit on pool, resolved against its page size

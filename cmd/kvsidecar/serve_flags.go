@@ -32,12 +32,13 @@ type serveFlags struct {
 	engineID, role, ownership, backend, model, dtype, attention string
 	cudaLibrary, kvLayout                                       string
 	tpRank, tpSize, device, layers, kvHeads, headDim, blockSize int
-	numBlocks, readLanes                                        int
+	numBlocks, readLanes, sameHostVerifyEvery                   int
 	memoryLimit, listen, advertise, rankAddrs, allowPeers       string
 	tlsCert, tlsKey, tlsCA, capKeyFile, socketDir, metricsAddr  string
 	qlogDir, logLevel, handshakeMode                            string
 	leaseTTL, drainTimeout, loadTimeout, progressTimeout        time.Duration
 	checksums                                                   bool
+	sameHost                                                    onOff
 
 	// given holds the names of the flags set explicitly, on the command
 	// line or through KVSIDECAR_<FLAG> (flag.FlagSet.Visit after applyEnv).
@@ -83,20 +84,39 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&f.loadTimeout, "load-timeout", connector.DefaultLoadTimeout, "bound on one decode load")
 	fs.DurationVar(&f.progressTimeout, "progress-timeout", transfer.DefaultProgressTimeout, "how long one transfer (served or read) may go without a byte moving before it fails with CODE_TIMEOUT")
 	fs.StringVar(&f.handshakeMode, "handshake-mode", "piggyback", "piggyback or legacy")
-	fs.IntVar(&f.readLanes, "read-lanes", defaultReadLanes(runtime.NumCPU()), fmt.Sprintf("QUIC connections, each from its own UDP socket, that one READ of 1 MiB or more is striped over, in [1, %d] (default: a quarter of the CPUs, 1 to 4)", transfer.MaxReadLanes))
+	fs.IntVar(&f.readLanes, "read-lanes", transfer.DefaultReadLanes(runtime.NumCPU()), fmt.Sprintf("QUIC connections, each from its own UDP socket, that one READ of 1 MiB or more is striped over, in [1, %d] (default: one per CPU, at most 4)", transfer.MaxReadLanes))
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM/SIGINT/SIGHUP, how long in-flight transfers may take before they are aborted")
+	f.sameHost = true
+	fs.Var(&f.sameHost, "same-host", "on or off: offer this rank's pages to sidecars on the same host on a unix socket in --socket-dir, and read from a prefill rank on this host (its metadata says so) through its socket, mapping its pages, instead of over QUIC; off: every READ goes over QUIC")
+	fs.IntVar(&f.sameHostVerifyEvery, "same-host-verify-every", connector.DefaultSameHostVerifyEvery, "a decode rank reading through the same-host path verifies the checksums of one block in N (which ones chosen anew per load; a mismatch recomputes the whole load), 1 for every block, 0 for none; over QUIC every block is verified")
 	fs.BoolVar(&f.checksums, "checksums", true, "record a CRC-32C per exported block and KV head when a request finishes, carried in its kv_transfer_params for the decode to check (a request's kv_transfer_params \"checksums\" overrides it); a decode always checks the checksums an export carries")
 }
 
-// defaultReadLanes is --read-lanes' default on a host with ncpu CPUs:
-// min(4, max(1, ncpu/4)). Each lane runs quic-go's packet path, about one
-// core per side at full speed, and the sidecar shares its host with the
-// engine's own threads and with the sidecars of the other GPUs, so it
-// takes a quarter of the cores: 1 lane on a 2-core host, where a second
-// lane only competes for the same cores, and 4 on 16 cores or more, past
-// which a READ gains little while every lane costs a connection (a
-// handshake and keep-alives) per peer.
-func defaultReadLanes(ncpu int) int { return min(4, max(1, ncpu/4)) }
+// onOff is a boolean flag that also takes "on" and "off" (--same-host=off);
+// given bare it is on.
+type onOff bool
+
+func (o *onOff) String() string {
+	if o != nil && bool(*o) {
+		return "on"
+	}
+	return "off"
+}
+
+func (o *onOff) Set(v string) error {
+	switch strings.ToLower(v) {
+	case "on", "true", "1":
+		*o = true
+	case "off", "false", "0":
+		*o = false
+	default:
+		return fmt.Errorf("%q: want on or off", v)
+	}
+	return nil
+}
+
+// IsBoolFlag lets the flag be given bare (--same-host).
+func (o *onOff) IsBoolFlag() bool { return true }
 
 // cudaConfig is the cuda backend's configuration from the flags.
 func (f *serveFlags) cudaConfig() *cuda.Config {
@@ -413,6 +433,9 @@ func (f *serveFlags) validate() (*serveConfig, error) {
 	}
 	if f.drainTimeout <= 0 {
 		return bad("drain-timeout", "%v: must be positive", f.drainTimeout)
+	}
+	if f.sameHostVerifyEvery < 0 {
+		return bad("same-host-verify-every", "%d: must be >= 0 (0: none)", f.sameHostVerifyEvery)
 	}
 	if f.readLanes < 1 || f.readLanes > transfer.MaxReadLanes {
 		return bad("read-lanes", "%d: must be in [1, %d]", f.readLanes, transfer.MaxReadLanes)

@@ -85,9 +85,3 @@ func TestServeEnv(t *testing.T) {
 	require.Equal(t, 2, code)
 	require.Contains(t, errb.String(), `KVSIDECAR_TP_SIZE="many" (for --tp-size)`)
 }
-
-func TestDefaultReadLanes(t *testing.T) {
-	for ncpu, want := range map[int]int{1: 1, 2: 1, 7: 1, 8: 2, 12: 3, 16: 4, 128: 4} {
-		require.Equal(t, want, defaultReadLanes(ncpu), "%d CPUs", ncpu)
-	}
-}

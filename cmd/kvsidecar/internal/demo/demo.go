@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"math"
 	"os"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -21,6 +22,7 @@ import (
 	"github.com/kvsidecar/kvsidecar/internal/kvgen"
 	"github.com/kvsidecar/kvsidecar/internal/kvgeom"
 	v1 "github.com/kvsidecar/kvsidecar/proto/kvsidecar/v1"
+	"github.com/kvsidecar/kvsidecar/transfer"
 	"github.com/kvsidecar/kvsidecar/vmm"
 )
 
@@ -151,6 +153,14 @@ type Config struct {
 	// NoChecksums turns the end-to-end checksums of exports off
 	// (connector.Config.DisableChecksums). Default false: on.
 	NoChecksums bool
+	// ReadLanes is every rank's transfer.Config.ReadLanes: the QUIC
+	// connections, or the same-host copiers, one READ runs on. Default
+	// transfer.DefaultReadLanes of this host's CPUs (serve's default).
+	ReadLanes int
+	// NoSameHost sends every READ over QUIC. Default false: the ranks,
+	// all on this host, read from each other's mapped pages
+	// (connector.Config.SameHostSocket).
+	NoSameHost bool
 	// Backend returns each rank's vmm backend. Default nil: the host
 	// (memfd) backend.
 	Backend BackendFunc
@@ -205,7 +215,12 @@ type Summary struct {
 	// BytesMoved: KV bytes that landed in decode pages, all ranks;
 	// BytesVerified: bytes checked against the deterministic content;
 	// Mismatches: bytes that differed.
-	BytesMoved    uint64 `json:"bytes_moved"`
+	BytesMoved uint64 `json:"bytes_moved"`
+	// SameHost says the ranks offered and used the same-host path
+	// (Config.NoSameHost unset); SameHostBytes is how many of BytesMoved
+	// moved on it (mapped pages, no QUIC).
+	SameHost      bool   `json:"same_host"`
+	SameHostBytes uint64 `json:"same_host_bytes"`
 	BytesVerified uint64 `json:"bytes_verified"`
 	Mismatches    uint64 `json:"mismatches"`
 	// FailedRequests: requests whose KV did not fully arrive.
@@ -279,6 +294,9 @@ func (c *Config) withDefaults() (Config, error) {
 	}
 	if out.Concurrency == 0 {
 		out.Concurrency = DefaultConcurrency
+	}
+	if out.ReadLanes == 0 {
+		out.ReadLanes = transfer.DefaultReadLanes(runtime.NumCPU())
 	}
 	if out.CacheEntries == 0 {
 		out.CacheEntries = DefaultCacheEntries
@@ -425,7 +443,8 @@ func newRun(ctx context.Context, c Config, reqs []trace.Request) (_ *runner, err
 			err = errors.Join(err, r.close())
 		}
 	}()
-	base := instanceOpts{geom: c.Geometry, srvTLS: srv, cliTLS: cli, backend: c.Backend, logger: c.Logger, reg: c.Registerer, noCRC: c.NoChecksums}
+	base := instanceOpts{geom: c.Geometry, srvTLS: srv, cliTLS: cli, backend: c.Backend, logger: c.Logger, reg: c.Registerer, noCRC: c.NoChecksums,
+		sameHost: !c.NoSameHost, lanes: c.ReadLanes}
 	po := base
 	po.engine, po.side, po.tp = "demo-prefill", "prefill", c.PrefillTP
 	// Coordinated: the demo frees prefill blocks on every pool at once after
@@ -570,6 +589,10 @@ dispatch:
 		}
 	}
 	s.HandshakeRTTs = s.Handshakes + s.Dials
+	s.SameHost = !r.cfg.NoSameHost
+	for _, rk := range r.dec.ranks {
+		s.SameHostBytes += rk.Agent().SameHostBytes()
+	}
 	for _, rk := range append(slices.Clone(r.pre.ranks), r.dec.ranks...) {
 		st := rk.Stats()
 		s.ChecksumRecordSeconds += st.ChecksumRecordSeconds

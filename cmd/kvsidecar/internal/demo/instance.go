@@ -41,6 +41,8 @@ type instanceOpts struct {
 	ownership v1.Ownership
 	mode      handshake.Mode
 	noCRC     bool          // connector.Config.DisableChecksums
+	sameHost  bool          // connector.Config.SameHostSocket, in a directory of the instance's own
+	lanes     int           // transfer.Config.ReadLanes
 	delay     time.Duration // one-way delay on every datagram the instance sends
 	sim       packetNet     // tests: listen on this simulated network (its own delay) instead of UDP
 	srvTLS    *tls.Config
@@ -68,7 +70,8 @@ type instance struct {
 	addrs    []string
 	heads    int // KV heads as kvgen sees them (1 for MLA)
 	baseline int // physPages right after start: the null blocks' pages
-	// groupDir holds the TP group's sockets under coordinated ownership.
+	// groupDir holds the TP group's sockets under coordinated ownership,
+	// and the ranks' same-host sockets.
 	groupDir string
 
 	mu sync.Mutex // lockstep Alloc/Free over the pools of owners
@@ -131,13 +134,16 @@ func newInstance(ctx context.Context, o instanceOpts) (in *instance, err error) 
 		order[r] = r
 	}
 	var group *tpgroup.Config
-	if in.coordinated() {
-		// The TP group's sockets live in a directory of their own; the
-		// followers are built first, so rank 0 maps pages on every rank
-		// from its first one on.
+	if in.coordinated() || o.sameHost && o.sim == nil {
+		// The TP group's and the same-host sockets live in a directory
+		// of their own (MkdirTemp makes it 0700).
 		if in.groupDir, err = os.MkdirTemp("", "kvsidecar-demo-tp-*"); err != nil {
-			return in, fmt.Errorf("demo: %s: TP group directory: %w", o.side, err)
+			return in, fmt.Errorf("demo: %s: socket directory: %w", o.side, err)
 		}
+	}
+	if in.coordinated() {
+		// The followers are built first, so rank 0 maps pages on every
+		// rank from its first one on.
 		group = &tpgroup.Config{Dir: in.groupDir, Logger: o.logger}
 		slices.Reverse(order)
 	}
@@ -148,14 +154,20 @@ func newInstance(ctx context.Context, o instanceOpts) (in *instance, err error) 
 				return in, fmt.Errorf("demo: %s rank %d: backend: %w", o.side, r, err)
 			}
 		}
+		sameHost := ""
+		if o.sameHost && o.sim == nil {
+			if sameHost, err = connector.SameHostSocketPath(in.groupDir, o.engine, r); err != nil {
+				return in, fmt.Errorf("demo: %s rank %d: %w", o.side, r, err)
+			}
+		}
 		// No prealloc reserve: a page is mapped only while a block in it is
 		// allocated, so the pages still mapped after the run show leaks.
 		b, berr := connector.BuildRank(ctx, &connector.BuildConfig{NumBlocks: o.numBlocks, Backend: be, PreallocPages: -1, Group: group,
 			Rank: connector.Config{EngineID: o.engine, TPRank: r, TPSize: o.tp, Geometry: o.geom,
 				Transfer: &transfer.Config{PacketConn: in.pcs[r], ServerTLS: o.srvTLS, ClientTLS: o.cliTLS,
-					AllowedPeers: loopbackPeers, Logger: o.logger, Registerer: o.reg},
+					AllowedPeers: loopbackPeers, ReadLanes: o.lanes, Logger: o.logger, Registerer: o.reg},
 				RankAddrs: in.addrs, CapabilitySecret: secret, Ownership: o.ownership,
-				HandshakeMode: o.mode, DisableChecksums: o.noCRC, Logger: o.logger, Registerer: o.reg}})
+				HandshakeMode: o.mode, DisableChecksums: o.noCRC, SameHostSocket: sameHost, Logger: o.logger, Registerer: o.reg}})
 		if berr != nil {
 			return in, fmt.Errorf("demo: %s rank %d: %w", o.side, r, berr)
 		}

@@ -45,6 +45,10 @@ const (
 	DefaultLatencySamples = 2000
 	// DefaultRTTBulkBytes: the READ at an injected RTT moves 16 MiB.
 	DefaultRTTBulkBytes = 16 << 20
+	// maxPathBlockBytes bounds TransferConfig.PathBlockBytes: a block
+	// never straddles a page, and pages are 2 MiB (the host backend's, and
+	// the CUDA granularity of current GPUs).
+	maxPathBlockBytes = 2 << 20
 )
 
 // TransferConfig configures RunTransferBench; the zero value (and nil)
@@ -63,7 +67,8 @@ type TransferConfig struct {
 	// CellTime is the time spent per cell (at least 3 transfers run).
 	// Default DefaultCellTime.
 	CellTime time.Duration
-	// BulkRounds of the baseline comparison. Default DefaultBulkRounds.
+	// BulkRounds of the baseline comparison, and of the path rows with
+	// their floors (best kept). Default DefaultBulkRounds.
 	BulkRounds int
 	// LatencySamples is the number of timed warm READs of one 4 KiB and of
 	// one 64 KiB descriptor, and of raw quic-go 4 KiB round trips, run
@@ -80,6 +85,25 @@ type TransferConfig struct {
 	// Check verifies every byte of every transfer (the destination is
 	// zeroed before each one).
 	Check bool
+	// Lanes are the READ lane counts (transfer.Config.ReadLanes) of the
+	// path rows (LaneRow), each in [1, transfer.MaxReadLanes], none twice;
+	// K = 1 is always measured, first (the headline figures are its).
+	// Default DefaultLanes.
+	Lanes []int
+	// PathBlockBytes is the descriptor size of the path rows' READs, a
+	// multiple of 4096 in [4096, 2 MiB] (a block never straddles a page of
+	// the pools); they move the bulk comparison's bytes (BulkBytes, in
+	// whole descriptors, at least one; a descriptor of fewer bytes when
+	// the bulk is smaller). Default DefaultPathBlockBytes.
+	PathBlockBytes int
+	// Backend returns the vmm backend of the path rows' two pools, side
+	// "prefill" (the serving agent's) and "decode" (the readers'), rank
+	// 0; the bench closes them. A backend whose memory is not
+	// host-addressable (vmm/cuda) makes the path rows device memory, with
+	// the cuda floors. It is called before anything is measured, so a
+	// driver that does not load fails the run at once. Default nil: one
+	// host backend (memfd) for both pools.
+	Backend BackendFunc
 	// Logger receives the agents' logs. Default nil: discard.
 	Logger *slog.Logger
 }
@@ -153,8 +177,50 @@ type TransferResult struct {
 	RawQUIC4KP50Us         float64 `json:"raw_quic_4k_p50_us"`
 	RawQUIC4KP99Us         float64 `json:"raw_quic_4k_p99_us"`
 	RatioRead4KOverRawQUIC float64 `json:"ratio_read_4k_over_raw_quic"`
-	// Lanes is the bulk READ on 1, 2 and 4 READ lanes (LaneSweep).
-	Lanes []LaneRow `json:"lanes"`
+	// The path rows (TransferConfig.Lanes, Backend): PathBytes in
+	// descriptors of PathBlockBytes read from one vmm pool into another,
+	// on the same-host path and over QUIC, with K READ lanes each (Lanes,
+	// K = 1 first), and the floors measured beside them in the same
+	// rounds. PathMemory is "host" (memfd pages: the memcpy floor) or
+	// "device" (the cuda backend: the pinned device→host and host→device
+	// copies of the bytes, in runs contiguous in device memory, and the
+	// device copy from the source pages imported into the destination's
+	// backend); on both, raw quic-go and Go TLS 1.3 over TCP moving
+	// PathBytes in chunks of PathBlockBytes (PathRawQUICGBPerS,
+	// PathTLSTCPGBPerS), the QUIC READ's floors. The headline figures are those of K = 1: the same-host
+	// and QUIC READs, their ratios, and the checksums' share of each.
+	// Checksums: one CRC-32C pass over the source's bytes (recording, as
+	// the prefill does at RequestFinished) and one over the destination's
+	// (verifying, as the decode does once they landed), in pieces of
+	// ChecksumUnitBytes, staged to the host for device memory, best of
+	// BulkRounds; the verify pass runs after the READ, not fused with it
+	// (ChecksumVerifyFused false: the transfer layer has no callback for
+	// the bytes as they land yet). MapUnmapSeconds (host) is the mmap
+	// with MAP_POPULATE and munmap of every source page a same-host READ
+	// maps, without its copy, best of BulkRounds, and its share of the
+	// one-lane same-host READ.
+	PathMemory                  string    `json:"path_memory"`
+	PathBlockBytes              int       `json:"path_block_bytes"`
+	PathBytes                   int       `json:"path_bytes"`
+	MemcpyFloorGBPerS           float64   `json:"memcpy_floor_gb_per_s,omitempty"`
+	DeviceToHostFloorGBPerS     float64   `json:"device_to_host_floor_gb_per_s,omitempty"`
+	HostToDeviceFloorGBPerS     float64   `json:"host_to_device_floor_gb_per_s,omitempty"`
+	DeviceCopyFloorGBPerS       float64   `json:"device_copy_floor_gb_per_s,omitempty"`
+	PathRawQUICGBPerS           float64   `json:"path_raw_quic_gb_per_s"`
+	PathTLSTCPGBPerS            float64   `json:"path_tls_tcp_gb_per_s"`
+	SameHostReadGBPerS          float64   `json:"same_host_read_gb_per_s"`
+	QUICReadGBPerS              float64   `json:"quic_read_gb_per_s"`
+	RatioSameHostOverMemcpy     float64   `json:"ratio_same_host_over_memcpy,omitempty"`
+	RatioSameHostOverDeviceCopy float64   `json:"ratio_same_host_over_device_copy,omitempty"`
+	RatioSameHostOverQUIC       float64   `json:"ratio_same_host_over_quic"`
+	MapUnmapSeconds             float64   `json:"map_unmap_seconds,omitempty"`
+	MapUnmapShareOfSameHostRead float64   `json:"map_unmap_share_of_same_host_read,omitempty"`
+	ChecksumRecordSeconds       float64   `json:"checksum_record_seconds"`
+	ChecksumVerifySeconds       float64   `json:"checksum_verify_seconds"`
+	ChecksumVerifyFused         bool      `json:"checksum_verify_fused"`
+	SameHostChecksumShareOfRead float64   `json:"same_host_checksum_share_of_read"`
+	QUICChecksumShareOfRead     float64   `json:"quic_checksum_share_of_read"`
+	Lanes                       []LaneRow `json:"lanes"`
 	// The READ at an injected RTT (TransferConfig.RTT > 0; absent, and
 	// no packets lost, otherwise): RTTBulkBytes in 1 MiB descriptors over a connection that
 	// has carried one 4 KiB READ (so its congestion window starts small, as
@@ -206,6 +272,12 @@ func (c *TransferConfig) withDefaults() (TransferConfig, error) {
 	if out.RTTBulkBytes == 0 {
 		out.RTTBulkBytes = DefaultRTTBulkBytes
 	}
+	if len(out.Lanes) == 0 {
+		out.Lanes = DefaultLanes
+	}
+	if out.PathBlockBytes == 0 {
+		out.PathBlockBytes = DefaultPathBlockBytes
+	}
 	if out.Logger == nil {
 		out.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -228,7 +300,17 @@ func (c *TransferConfig) withDefaults() (TransferConfig, error) {
 			return bad("BatchSizes", "[%d]=%d must be in [1, %d]", i, b, transfer.DefaultMaxDescsPerTransfer)
 		}
 	}
+	for i, k := range out.Lanes {
+		if k < 1 || k > transfer.MaxReadLanes {
+			return bad("Lanes", "[%d]=%d must be in [1, %d]", i, k, transfer.MaxReadLanes)
+		}
+		if slices.Contains(out.Lanes[:i], k) {
+			return bad("Lanes", "[%d]=%d appears twice", i, k)
+		}
+	}
 	switch {
+	case out.PathBlockBytes < 4096 || out.PathBlockBytes > maxPathBlockBytes || out.PathBlockBytes%4096 != 0:
+		return bad("PathBlockBytes", "%d must be a multiple of 4096 in [4096, %d]", out.PathBlockBytes, maxPathBlockBytes)
 	case out.CellTime < 0:
 		return bad("CellTime", "%v must not be negative", out.CellTime)
 	case out.BulkRounds < 1:
@@ -316,6 +398,14 @@ func RunTransferBench(ctx context.Context, cfg *TransferConfig) (_ *TransferResu
 	defer func() { err = errors.Join(err, cli.Close()) }()
 	peer := srv.Addr().String()
 	b := &xferBench{c: c, cli: cli, peer: peer, reg: reg, srvReg: srvReg, cliReg: cliReg, srvMem: srvMem, cliMem: cliMem}
+	// The path rows' pools and agents first: a backend that does not load
+	// fails the run before anything is measured.
+	bs, n := c.bulkPlan()
+	pbs, pn := c.pathPlan(bs * n)
+	if b.pb, err = newPathBench(ctx, c, pbs, pn, c.laneSet(), srvTLS, cliTLS); err != nil {
+		return nil, err
+	}
+	defer func() { err = errors.Join(err, b.pb.close()) }()
 	// Warm the connection: set-up is not what the sweep measures.
 	if _, err := b.xfer(ctx, transfer.OpRead, 4096, 1); err != nil {
 		return nil, err
@@ -341,7 +431,7 @@ func RunTransferBench(ctx context.Context, cfg *TransferConfig) (_ *TransferResu
 	if err := b.latency(ctx, res, srvTLS, cliTLS); err != nil {
 		return nil, err
 	}
-	if err := b.lanes(ctx, res, cliTLS); err != nil {
+	if err := b.paths(ctx, res, srvTLS, cliTLS); err != nil {
 		return nil, err
 	}
 	if c.RTT > 0 {
@@ -359,6 +449,7 @@ type xferBench struct {
 	reg            *prometheus.Registry
 	srvReg, cliReg transfer.Region
 	srvMem, cliMem []byte
+	pb             *pathBench // the path rows
 }
 
 // xfer runs one transfer of n descriptors of bs bytes, checking the bytes

@@ -48,12 +48,6 @@ func TestTransferBenchShape(t *testing.T) {
 	require.Equal(t, ops[len(ops)-1].String(), res.Rows[len(res.Rows)-1].Op)
 	require.Equal(t, 256<<10, res.BulkBlockSize)
 	require.Equal(t, 512<<10, res.BulkBytes)
-	require.Len(t, res.Lanes, len(LaneSweep))
-	for i, l := range res.Lanes {
-		require.Equal(t, LaneSweep[i], l.K)
-		require.Positive(t, l.GBPerS, "%+v", l)
-		require.Positive(t, l.GBPerCPUSecond, "%+v", l)
-	}
 	b, err := json.Marshal(res)
 	require.NoError(t, err)
 	var got map[string]any
@@ -64,9 +58,90 @@ func TestTransferBenchShape(t *testing.T) {
 		require.True(t, ok, k)
 		require.Positive(t, v, k)
 	}
-	lanes, ok := got["lanes"].([]any)
+	checkPathFields(t, got, false, 512<<10, 512<<10, []int{1, 2, 4})
+}
+
+// checkPathFields checks the path rows of a transfer bench's JSON: every
+// field of the backend's kind is there and positive (and none of the
+// other kind's), and every ratio and share is the quotient of the fields
+// it names.
+func checkPathFields(t *testing.T, got map[string]any, device bool, blockBytes, pathBytes int, lanes []int) {
+	t.Helper()
+	num := func(m map[string]any, k string) float64 {
+		t.Helper()
+		v, ok := m[k].(float64)
+		require.True(t, ok, "%s is in the JSON", k)
+		require.Positive(t, v, k)
+		return v
+	}
+	absent := func(m map[string]any, keys ...string) {
+		t.Helper()
+		for _, k := range keys {
+			require.NotContains(t, m, k)
+		}
+	}
+	quotient := func(want, num, den float64, what string) {
+		t.Helper()
+		require.InEpsilon(t, num/den, want, 1e-9, what)
+	}
+	require.Equal(t, map[bool]string{false: "host", true: "device"}[device], got["path_memory"])
+	require.Equal(t, float64(blockBytes), got["path_block_bytes"])
+	require.Equal(t, float64(pathBytes), got["path_bytes"])
+	require.Equal(t, false, got["checksum_verify_fused"])
+	hostFloors := []string{"memcpy_floor_gb_per_s", "ratio_same_host_over_memcpy", "map_unmap_seconds", "map_unmap_share_of_same_host_read"}
+	deviceFloors := []string{"device_to_host_floor_gb_per_s", "host_to_device_floor_gb_per_s", "device_copy_floor_gb_per_s", "ratio_same_host_over_device_copy"}
+	floorKey, ratioKey := "memcpy_floor_gb_per_s", "ratio_same_host_over_memcpy"
+	if device {
+		absent(got, hostFloors...)
+		for _, k := range deviceFloors {
+			num(got, k)
+		}
+		floorKey, ratioKey = "device_copy_floor_gb_per_s", "ratio_same_host_over_device_copy"
+	} else {
+		absent(got, deviceFloors...)
+		for _, k := range hostFloors {
+			num(got, k)
+		}
+	}
+	sums := num(got, "checksum_record_seconds") + num(got, "checksum_verify_seconds")
+	rawQUIC, tlsTCP := num(got, "path_raw_quic_gb_per_s"), num(got, "path_tls_tcp_gb_per_s")
+	rows, ok := got["lanes"].([]any)
 	require.True(t, ok, "lanes")
-	require.Equal(t, map[string]any{"k": 2.0, "gb_per_s": res.Lanes[1].GBPerS, "gb_per_cpu_second": res.Lanes[1].GBPerCPUSecond}, lanes[1])
+	require.Len(t, rows, len(lanes))
+	for i, r := range rows {
+		row := r.(map[string]any)
+		require.Equal(t, float64(lanes[i]), row["k"])
+		same, quic := num(row, "same_host_read_gb_per_s"), num(row, "quic_read_gb_per_s")
+		sameSecs, quicSecs := num(row, "same_host_read_seconds"), num(row, "quic_read_seconds")
+		num(row, "same_host_read_gb_per_cpu_second")
+		num(row, "quic_read_gb_per_cpu_second")
+		quotient(same, float64(pathBytes)/1e9, sameSecs, "same-host GB/s")
+		quotient(quic, float64(pathBytes)/1e9, quicSecs, "QUIC GB/s")
+		quotient(num(row, "ratio_same_host_over_quic"), same, quic, "same-host over QUIC")
+		quotient(num(row, "ratio_quic_over_raw_quic"), quic, rawQUIC, "QUIC over raw quic-go")
+		quotient(num(row, "ratio_quic_over_tls_tcp"), quic, tlsTCP, "QUIC over TLS-TCP")
+		quotient(num(row, "same_host_checksum_share_of_read"), sums, sameSecs, "same-host checksum share")
+		quotient(num(row, "quic_checksum_share_of_read"), sums, quicSecs, "QUIC checksum share")
+		if device {
+			absent(row, "memcpy_floor_gb_per_s", "ratio_same_host_over_memcpy")
+			quotient(num(row, "ratio_same_host_over_device_copy"), same, num(got, "device_copy_floor_gb_per_s"), "same-host over device copy")
+		} else {
+			absent(row, "ratio_same_host_over_device_copy")
+			quotient(num(row, "ratio_same_host_over_memcpy"), same, num(row, "memcpy_floor_gb_per_s"), "same-host over memcpy on K threads")
+		}
+		if i == 0 {
+			require.Equal(t, same, got["same_host_read_gb_per_s"], "the headline is K=1's")
+			require.Equal(t, quic, got["quic_read_gb_per_s"])
+			require.Equal(t, row["ratio_same_host_over_quic"], got["ratio_same_host_over_quic"])
+			require.Equal(t, row[ratioKey], got[ratioKey])
+			require.Equal(t, row["same_host_checksum_share_of_read"], got["same_host_checksum_share_of_read"])
+			require.Equal(t, row["quic_checksum_share_of_read"], got["quic_checksum_share_of_read"])
+			if !device {
+				require.Equal(t, row[floorKey], got[floorKey], "the one-thread memcpy is K=1's")
+				quotient(num(got, "map_unmap_share_of_same_host_read"), num(got, "map_unmap_seconds"), sameSecs, "map+unmap share")
+			}
+		}
+	}
 }
 
 func TestTransferConfigValidation(t *testing.T) {
@@ -82,6 +157,10 @@ func TestTransferConfigValidation(t *testing.T) {
 		{"rounds", TransferConfig{BulkRounds: -1}, "TransferConfig.BulkRounds: -1 must be at least 1"},
 		{"latency samples", TransferConfig{LatencySamples: -2}, "TransferConfig.LatencySamples: -2 must be at least 1"},
 		{"rtt", TransferConfig{RTT: -time.Millisecond}, "TransferConfig.RTT: -1ms must not be negative"},
+		{"lanes zero", TransferConfig{Lanes: []int{1, 0}}, "TransferConfig.Lanes: [1]=0 must be in [1, 16]"},
+		{"lanes twice", TransferConfig{Lanes: []int{2, 4, 2}}, "TransferConfig.Lanes: [2]=2 appears twice"},
+		{"path block", TransferConfig{PathBlockBytes: 5000}, "TransferConfig.PathBlockBytes: 5000 must be a multiple of 4096 in [4096, 2097152]"},
+		{"path block over a page", TransferConfig{PathBlockBytes: 4 << 20}, "TransferConfig.PathBlockBytes: 4194304 must be a multiple of 4096"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -129,4 +208,24 @@ func TestTransferBenchRTT(t *testing.T) {
 	require.GreaterOrEqual(t, res.RTTBulkWarmRTTs, 1.0)
 	require.InDelta(t, float64(res.RTTBulkBytes)/(res.RTTBulkRTTs*rtt.Seconds())/1e9, res.RTTBulkGBPerS, res.RTTBulkGBPerS*0.02+1e-4)
 	require.GreaterOrEqual(t, res.RTTWindowBytes, uint64(transfer.DefaultMaxStreamWindow))
+}
+
+// TestTransferBenchPathPlan: the path rows read the bulk's bytes in
+// descriptors of PathBlockBytes (fewer bytes when the bulk is smaller,
+// rounded up to 4 KiB), and always measure one lane first.
+func TestTransferBenchPathPlan(t *testing.T) {
+	c, err := (&TransferConfig{Lanes: []int{4, 2}}).withDefaults()
+	require.NoError(t, err)
+	require.Equal(t, []int{1, 4, 2}, c.laneSet(), "K=1 first, then the others in their order")
+	c.Lanes = []int{2, 1}
+	require.Equal(t, []int{1, 2}, c.laneSet())
+	for _, tc := range []struct{ bulk, block, descs int }{
+		{128 << 20, 1 << 20, 128},
+		{512 << 10, 512 << 10, 1},
+		{3<<20 + 5, 1 << 20, 3},
+		{1000, 4096, 1},
+	} {
+		bs, n := c.pathPlan(tc.bulk)
+		require.Equal(t, [2]int{tc.block, tc.descs}, [2]int{bs, n}, "bulk of %d bytes", tc.bulk)
+	}
 }
