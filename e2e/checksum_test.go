@@ -21,7 +21,9 @@ import (
 func TestChecksumsOverwrittenAfterExport(t *testing.T) {
 	env := NewEnv(t)
 	pre := startSide(t, env, "prefill-c", 256, "--role", "prefill")
-	dec := startSide(t, env, "decode-c", 256, "--role", "decode")
+	// Every block verified on the same-host path too (it samples by
+	// default: TestSameHostChecksumsSample).
+	dec := startSide(t, env, "decode-c", 256, "--role", "decode", "--same-host-verify-every", "1")
 	const key = 5
 	p := pre.export(t, "req-c", key, 4)
 	e := connector.ExportOf(p, 0)

@@ -4,6 +4,8 @@ package e2e
 
 import (
 	"os"
+	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -182,4 +184,133 @@ func TestServeCUDADeviceFD(t *testing.T) {
 		}
 	}
 	require.Positive(t, imports, "the engines imported the sidecars' pages")
+}
+
+// count returns how many successful calls of name calls holds whose args
+// include every key=value of with.
+func count(calls []cudatest.Call, name string, with ...string) int {
+	n := 0
+	for _, c := range calls {
+		if c.Name != name || c.Result != 0 {
+			continue
+		}
+		ok := true
+		for _, kv := range with {
+			k, v, _ := strings.Cut(kv, "=")
+			ok = ok && c.Args[k] == v
+		}
+		if ok {
+			n++
+		}
+	}
+	return n
+}
+
+// overlapped reports whether some synchronization in calls left copies
+// queued that were started before it: the copies of the next staging
+// buffer ran while the current one was used.
+func overlapped(calls []cudatest.Call) bool {
+	queued := 0
+	for _, c := range calls {
+		switch {
+		case c.Result != 0:
+		case strings.HasPrefix(c.Name, "cuMemcpy") && strings.Contains(c.Name, "Async"):
+			queued++
+		case c.Name == "cuEventSynchronize" || c.Name == "cuStreamSynchronize":
+			ran, _ := strconv.Atoi(c.Args["ops"])
+			queued -= ran
+			if queued > 0 && ran > 0 {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// TestDeviceREADPaths: a decode READ of 400 contiguous blocks between two
+// `serve --backend cuda` sidecars on one host. On the same-host path the
+// decode maps the prefill's device pages and copies device to device: one
+// copy per region (not per block), no host copy at all in its driver
+// trace, and every imported page released. Over QUIC (KVSIDECAR_SAME_HOST
+// off) both sides stage through page-locked buffers with asynchronous
+// copies, many blocks per buffer, the next buffer's copies running while
+// one is sent or received, and no synchronous pageable copy on the path.
+// The decode engine reads every byte back through its own device mapping.
+//
+// fault-matrix: device-staging
+func TestDeviceREADPaths(t *testing.T) {
+	lib, fake := cudaDriver(t)
+	env := NewEnv(t)
+	imp, err := cuda.New(&cuda.Config{Library: lib})
+	require.NoError(t, err, "the engines' importer")
+	t.Cleanup(func() { _ = imp.Close() })
+	traces := map[string]*cudatest.Trace{}
+	start := func(engine string) (*Sidecar, *engine) {
+		o := SidecarOpts{Engine: engine, Args: append(faultArgs("--backend", "cuda"), "--cuda-library", lib)}
+		if fake {
+			traces[engine] = cudatest.NewTrace(t, engine)
+			o.Env = []string{cudatest.EnvTrace + "=" + traces[engine].Path}
+		}
+		s := env.StartSidecar(t, o)
+		return s, attachDevice(t, s, 1024, imp)
+	}
+	const n, key = 400, 31
+	pre, pe := start("pre-dev")
+	dec, de := start("dec-dev")
+	sh := kvgen.Shape{BlockSize: 16, RowBytes: 128, FirstHead: 0, Heads: 8}
+	src, err := pe.Alloc(t.Context(), n)
+	require.NoError(t, err)
+	pe.writeDevice(t, sh, key, src)
+	params, err := pe.RequestFinished(t.Context(), "req", src, v1.FinishStatus_FINISH_STATUS_LENGTH, &v1.KVTransferParams{DoRemoteDecode: true})
+	require.NoError(t, err)
+	var before []cudatest.Call
+	if fake {
+		before = traces["dec-dev"].Calls(t)
+	}
+	dst, err := de.Alloc(t.Context(), n)
+	require.NoError(t, err)
+	require.NoError(t, de.StartLoad(t.Context(), &v1.ReqMeta{RequestId: "req", LocalBlockIds: dst, Params: params, RemoteHitBlocks: new(uint32(0))}))
+	de.waitFinished(t, 30*time.Second, func(f *v1.GetFinishedReply) bool {
+		require.Empty(t, f.GetFailed())
+		return len(f.GetDoneRecving()) == 1
+	})
+	de.checkDevice(t, sh, key, dst)
+	RequirePath(t, dec)
+	if !fake {
+		return
+	}
+	regions := int(de.info.GetNumRegions())
+	load := traces["dec-dev"].Calls(t)[len(before):] // the decode sidecar's calls for the load
+	serve := traces["pre-dev"].Calls(t)
+	hostCopies := []string{"cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2"}
+	if SameHostOn() {
+		require.Positive(t, count(load, "cuMemImportFromShareableHandle"), "the decode imported the prefill's pages")
+		require.Equal(t, regions, count(load, "cuMemcpyDtoDAsync_v2"), "one device copy per region for %d contiguous blocks", n)
+		for _, name := range hostCopies {
+			require.Zero(t, count(load, name), "no %s on the same-host device path", name)
+		}
+		require.Zero(t, count(serve, "cuMemcpyDtoHAsync_v2"), "the prefill copied nothing to the host for the READ")
+	} else {
+		require.Positive(t, count(load, "cuMemcpyHtoDAsync_v2", "host=pinned"), "the decode stages into device memory asynchronously from page-locked buffers")
+		require.Zero(t, count(load, "cuMemcpyHtoD_v2"), "no synchronous copy on the decode's path")
+		require.Zero(t, count(load, "cuMemcpyHtoDAsync_v2", "host=pageable"))
+		require.Positive(t, count(serve, "cuMemcpyDtoHAsync_v2", "host=pinned"), "the prefill stages out of device memory asynchronously")
+		require.Zero(t, count(serve, "cuMemcpyDtoHAsync_v2", "host=pageable"))
+		require.True(t, overlapped(serve), "the prefill's next buffer copied while one was sent")
+		require.True(t, overlapped(load), "the decode's copies into device memory ran while the next buffer arrived")
+		require.Less(t, count(load, "cuEventSynchronize"), n, "one wait per buffer, not per block")
+	}
+	require.NoError(t, de.Free(t.Context(), dst))
+	for _, s := range []*Sidecar{pre, dec} {
+		s.Signal(t, syscall.SIGTERM)
+		require.Zero(t, s.Wait(t, ExitTimeout), "%s exits 0", s.Name)
+	}
+	for name, tr := range traces {
+		calls := tr.Calls(t)
+		require.Empty(t, cudatest.Refused(calls), "%s: calls that broke the driver's rules", name)
+		left := cudatest.Left(calls)
+		require.Zero(t, left.Handles, "%s: handles (pages and imports) left", name)
+		require.Zero(t, left.Mappings, "%s: mappings left", name)
+		require.Zero(t, left.HostBuffers, "%s: page-locked buffers left", name)
+	}
 }

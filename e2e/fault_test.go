@@ -232,11 +232,15 @@ func warm(t testing.TB, pre, dec *side) {
 // progress deadline.
 //
 // fault-matrix: prefill-killed-mid-read
+// fault-matrix: same-host-read-stopped
+// fault-matrix: same-host-nothing-left-mapped
 func TestFaultPrefillKilledMidRead(t *testing.T) {
 	env := NewEnv(t)
 	pre := startSide(t, env, "pre", 8192)
 	dec := startSide(t, env, "dec", 8192)
 	warm(t, pre, dec)
+	RequirePath(t, dec.Sidecar)
+	inodes := MemfdInodes(t, pre.Cmd.Process.Pid)
 
 	p := pre.export(t, "big", 3, bigBlocks)
 	dst := dec.load(t, "big", p)
@@ -246,6 +250,13 @@ func TestFaultPrefillKilledMidRead(t *testing.T) {
 	f := dec.requireFailed(t, "big", dst, progress+slack)
 	require.Less(t, time.Since(start), testutil.Scaled(progress+slack))
 	t.Logf("failed after %v with %v: %s", time.Since(start), f.GetError().GetCode(), f.GetError().GetMessage())
+	// The peer is gone: none of its pages stays mapped in the decode, and
+	// none of its files stays open there (its memory can go back).
+	for _, ino := range inodes {
+		maps, fds := HoldsInode(t, dec.Cmd.Process.Pid, ino)
+		require.Zero(t, maps, "decode maps none of the dead prefill's pages")
+		require.Zero(t, fds, "decode holds no file of the dead prefill")
+	}
 
 	dec.free(t, dst)
 	dec.requireIdle(t)
@@ -262,6 +273,7 @@ func TestFaultDecodeKilledMidRead(t *testing.T) {
 	pre := startSide(t, env, "pre", 8192, "--lease-ttl", flagDur(ttl))
 	dec := startSide(t, env, "dec", 8192)
 	warm(t, pre, dec)
+	RequirePath(t, dec.Sidecar)
 
 	start := time.Now()
 	p := pre.export(t, "big", 3, bigBlocks)
@@ -285,6 +297,7 @@ func TestFaultDecodeAbortMidRead(t *testing.T) {
 	pre := startSide(t, env, "pre", 8192)
 	dec := startSide(t, env, "dec", 8192)
 	warm(t, pre, dec)
+	RequirePath(t, dec.Sidecar)
 
 	p := pre.export(t, "big", 3, bigBlocks)
 	dst := dec.load(t, "big", p)
@@ -503,6 +516,7 @@ func TestFaultPrefillStopped(t *testing.T) {
 	pre := startSide(t, env, "pre", 8192)
 	dec := startSide(t, env, "dec", 8192)
 	warm(t, pre, dec)
+	RequirePath(t, dec.Sidecar)
 
 	p := pre.export(t, "big", 3, bigBlocks)
 	dst := dec.load(t, "big", p)
@@ -543,6 +557,7 @@ func TestFaultMemoryLimitUnderLoad(t *testing.T) {
 	pre := startSide(t, env, "pre", 8192)
 	dec := startSide(t, env, "dec", 8192)
 	warm(t, pre, dec)
+	RequirePath(t, dec.Sidecar)
 
 	p := pre.export(t, "big", 3, bigBlocks)
 	dst := dec.load(t, "big", p)

@@ -102,6 +102,7 @@ func (e *engine) waitFinished(t testing.TB, timeout time.Duration, done func(*v1
 // counts the bytes and the handshake.
 //
 // fault-matrix: serve-end-to-end
+// fault-matrix: same-host-nothing-left-mapped
 func TestServeTransfer(t *testing.T) {
 	env := NewEnv(t)
 	pre := env.StartSidecar(t, SidecarOpts{Engine: "prefill-a", Role: "prefill", Args: geomFlags})
@@ -147,6 +148,16 @@ func TestServeTransfer(t *testing.T) {
 	require.Greater(t, pre.Metric(t, "go_goroutines"), 0.0, "Go collector registered")
 	require.Greater(t, pre.Metric(t, "process_open_fds"), 0.0, "process collector registered")
 	require.Greater(t, pre.Metric(t, "kvsidecar_local_calls_total"), 0.0)
+	RequirePath(t, dec)
+	// The READ is over: no page of the prefill stays mapped in the decode
+	// sidecar, and no file of it stays open there.
+	inodes := MemfdInodes(t, pre.Cmd.Process.Pid)
+	require.NotEmpty(t, inodes, "the prefill holds its pages in a memfd")
+	for _, ino := range inodes {
+		maps, fds := HoldsInode(t, dec.Cmd.Process.Pid, ino)
+		require.Zero(t, maps, "decode maps none of the prefill's pages after the READ")
+		require.Zero(t, fds, "decode holds no file of the prefill after the READ")
+	}
 }
 
 // TestServeCtlLimit: ctl stats and limit against a running sidecar; values
