@@ -51,6 +51,7 @@ __all__ = [
     "Engine",
     "EngineError",
     "TinyModel",
+    "choices",
     "connector_config",
     "free_tcp_port",
     "make_tiny_llama",
@@ -338,6 +339,35 @@ class Engine:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def choices(r: http.client.HTTPResponse, stream: bool) -> dict[int, list[int]]:
+    """The generated token ids of every choice of a 200 answer of
+    ``/v1/completions`` (``return_token_ids``), by choice index: a prompt
+    list or ``n > 1`` has several; streamed (server-sent events) or not.
+
+    Raises:
+        http.client.IncompleteRead: the answer was cut short (a stream
+            without its ``data: [DONE]``: http.client ends the lines of a
+            chunked answer cut short without an error).
+        EngineError: a stream that carries an error event.
+    """
+    got: dict[int, list[int]] = {}
+    if not stream:
+        for ch in json.loads(r.read())["choices"]:
+            got[ch["index"]] = list(ch["token_ids"])
+        return got
+    for raw in r:
+        line = raw.strip()
+        if line == b"data: [DONE]":
+            return got
+        if line.startswith(b"data: "):
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                raise EngineError(f"the stream carries an error: {ev['error']}")
+            for ch in ev.get("choices") or ():
+                got.setdefault(ch["index"], []).extend(ch.get("token_ids") or [])
+    raise http.client.IncompleteRead(b"")
 
 
 def start_engines(engines: Sequence[Engine]) -> None:

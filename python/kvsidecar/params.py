@@ -4,7 +4,9 @@ params (Go: ``connector.MergeExports``), and the StartLoad request."""
 
 from __future__ import annotations
 
+import hashlib
 import re
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +16,52 @@ from kvsidecar import errors, reasons
 from kvsidecar.limits import MAX_TP_SIZE
 from kvsidecar.v1 import params_pb2
 
-__all__ = ["merge_exports", "params_from_json", "params_to_json", "req_meta", "validate_remote_prefill"]
+__all__ = [
+    "TOKEN_DIGEST_LEN",
+    "merge_exports",
+    "params_from_json",
+    "params_to_json",
+    "req_meta",
+    "token_digests",
+    "validate_remote_prefill",
+]
+
+#: Bytes of one block's token digest (Go: ``connector.TokenDigestLen``).
+TOKEN_DIGEST_LEN = 8
+
+# Opens every block's hash input (Go: tokenDigestTag).
+_TOKEN_DIGEST_TAG = b"kvsidecar/token-digest/v1\x00"
+
+
+def token_digests(tokens: Sequence[int], block_size: int, salt: bytes = b"") -> bytes:
+    """The chained token digest of every block of ``tokens`` (Go:
+    ``connector.TokenDigests``, the one definition; the cases of
+    testdata/engine_vectors.json hold both to it): :data:`TOKEN_DIGEST_LEN`
+    bytes per block in token order, block ``i`` covering tokens ``[i *
+    block_size, min((i + 1) * block_size, len(tokens)))`` (the last block may
+    be part full), its digest the first 8 bytes of ``SHA-256(tag ||
+    uint32le(len(salt)) || salt || digest(i - 1) || tokens as uint32 LE)``.
+    Chained like vLLM's block hashes, so equal digests of block ``i`` mean
+    equal tokens in blocks ``0..i``. ``salt`` carries what the KV depends on
+    beside the tokens (b"" for none). ``block_size`` below 1 gives b"".
+
+    Raises:
+        ValueError: a token id outside [0, 2**32).
+    """
+    if block_size < 1:
+        return b""
+    out = bytearray()
+    prev = b""
+    head = _TOKEN_DIGEST_TAG + struct.pack("<I", len(salt)) + bytes(salt)
+    for i in range(0, len(tokens), block_size):
+        block = tokens[i:i + block_size]
+        try:
+            data = struct.pack(f"<{len(block)}I", *block)
+        except struct.error as e:
+            raise ValueError(f"token_digests: a token id of block {i // block_size} is not a uint32: {e}") from e
+        prev = hashlib.sha256(head + prev + data).digest()[:TOKEN_DIGEST_LEN]
+        out += prev
+    return bytes(out)
 
 
 def params_to_json(p: params_pb2.KVTransferParams) -> dict[str, Any]:
@@ -107,7 +154,9 @@ def validate_remote_prefill(p: params_pb2.KVTransferParams) -> None:
     ``remote_engine_id`` and ``remote_request_id`` set;
     ``remote_rank_addrs`` either empty (then ``remote_host`` and
     ``remote_port`` locate rank 0, rank r at ``remote_port + r``) or exactly
-    ``tp_size`` host:port entries; ``lease_expires_unix_ms`` not negative;
+    ``tp_size`` host:port entries; ``token_digests`` empty or
+    :data:`TOKEN_DIGEST_LEN` bytes per remote block;
+    ``lease_expires_unix_ms`` not negative;
     ``rank_exports`` entries of ranks below ``tp_size``, each with an
     ``export_id``, a ``capability`` and no ``block_ids`` or one per remote
     block, no rank twice.
@@ -144,6 +193,11 @@ def validate_remote_prefill(p: params_pb2.KVTransferParams) -> None:
         if p.remote_port < 1 or p.remote_port + tp - 1 > 65535:
             raise bad("remote_port", reasons.PARAMS_OUT_OF_RANGE,
                       f"{p.remote_port} must be in [1, {65536 - tp}] so that ranks 0..{tp - 1} fit at remote_port+rank")
+    if p.token_digests and len(p.token_digests) != TOKEN_DIGEST_LEN * len(p.remote_block_ids):
+        n = len(p.remote_block_ids)
+        raise bad("token_digests", reasons.PARAMS_COUNT_MISMATCH,
+                  f"{len(p.token_digests)} bytes: must be empty or {TOKEN_DIGEST_LEN} bytes per block ({n} blocks: "
+                  f"{TOKEN_DIGEST_LEN * n} bytes)")
     if p.lease_expires_unix_ms < 0:
         raise bad("lease_expires_unix_ms", reasons.PARAMS_OUT_OF_RANGE, f"{p.lease_expires_unix_ms} must not be negative")
     seen: dict[int, int] = {}
@@ -183,8 +237,8 @@ def merge_exports(parts: Sequence[params_pb2.KVTransferParams]) -> params_pb2.KV
         ParamsError: no part (reason ``MERGE_NO_PARTS``, ``part`` None); a
             part (``part``, its index) that breaks a rule of
             :func:`validate_remote_prefill` (its reason), names another
-            request, engine, TP size or number of blocks
-            (``MERGE_PARTS_DIFFER``), or exports a rank an earlier part
+            request, engine, TP size, number of blocks, prompt length or
+            token digests (``MERGE_PARTS_DIFFER``), or exports a rank an earlier part
             exported (``PARAMS_RANK_REPEATED``).
     """
     if not parts:
@@ -205,7 +259,9 @@ def merge_exports(parts: Sequence[params_pb2.KVTransferParams]) -> params_pb2.KV
         for field, v, w in (("remote_request_id", p.remote_request_id, base.remote_request_id),
                             ("remote_engine_id", p.remote_engine_id, base.remote_engine_id),
                             ("tp_size", p.tp_size, base.tp_size),
-                            ("remote_block_ids", len(p.remote_block_ids), len(base.remote_block_ids))):
+                            ("remote_block_ids", len(p.remote_block_ids), len(base.remote_block_ids)),
+                            ("prompt_tokens", p.prompt_tokens, base.prompt_tokens),
+                            ("token_digests", p.token_digests.hex(), base.token_digests.hex())):
             if v != w:
                 raise errors.ParamsError(f"merge_exports: part {i}: {field}={v!r} differs from {w!r}", field=field,
                                          reason=reasons.MERGE_PARTS_DIFFER, part=i)
@@ -229,12 +285,16 @@ def merge_exports(parts: Sequence[params_pb2.KVTransferParams]) -> params_pb2.KV
 
 
 def req_meta(request_id: str, local_block_ids: Sequence[int], params: params_pb2.KVTransferParams,
-             remote_hit_blocks: int = 0, local_surplus_blocks: int = 0) -> params_pb2.ReqMeta:
+             remote_hit_blocks: int = 0, local_surplus_blocks: int = 0, token_digests: bytes = b"") -> params_pb2.ReqMeta:
     """A StartLoad request: remote block ``remote_hit_blocks + i`` lands in
     ``local_block_ids[i]``; the first ``remote_hit_blocks`` remote blocks are
     the decode's prefix hit (not read) and the last ``local_surplus_blocks``
-    local blocks its own (never written)."""
-    m = params_pb2.ReqMeta(request_id=request_id, local_block_ids=list(local_block_ids), params=params)
+    local blocks its own (never written). ``token_digests``: the decode
+    prompt's own (:func:`token_digests` of the tokens it takes from the
+    params), which the sidecar compares with the params' before it reads a
+    byte."""
+    m = params_pb2.ReqMeta(request_id=request_id, local_block_ids=list(local_block_ids), params=params,
+                           token_digests=token_digests)
     if local_block_ids:
         m.remote_hit_blocks = remote_hit_blocks
     m.local_surplus_blocks = local_surplus_blocks

@@ -3,18 +3,35 @@
 For one machine's trials and the tests, as vLLM's own
 ``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`` is for
 NixlConnector: each ``POST /v1/completions`` is sent to a prefill server
-with ``kv_transfer_params = {"do_remote_decode": true}``, ``max_tokens = 1``
-and no streaming; the ``kv_transfer_params`` it returns go unchanged into
-the same request sent to a decode server, whose answer (streamed or not) is
-the client's. Prefill and decode servers are taken round robin. Standard
-library only::
+with ``kv_transfer_params = {"do_remote_decode": true}``, ``max_tokens = 1``,
+one choice (``n``, ``best_of`` and ``min_tokens`` left out: the prefill
+only computes the prompt's KV) and no streaming; the ``kv_transfer_params``
+it returns go unchanged into the same request sent to a decode server, whose
+answer (streamed or not) is the client's. Prefill and decode servers are
+taken round robin. Standard library only::
 
     python -m kvsidecar.pdproxy --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 
-Errors: a prefill that fails, or returns no ``kv_transfer_params``, is
-answered with 502 and the prefill's status and text; a server that cannot be
-reached (refused, timed out) with 502 naming it and the error; the decode's
-status is passed through.
+**Prompt lists.** A ``prompt`` that is a list of prompts (strings or token
+id lists; vLLM answers one choice per prompt and ``n``, choice ``i * n + j``
+for prompt ``i``) is split: each prompt gets its own prefill and its own
+decode with its own ``kv_transfer_params``, side by side, and the answers
+are put back together as vLLM would have given them (choices in that
+order, usage summed; streamed chunks relayed as they come with their
+``index`` so numbered, one usage chunk and one ``[DONE]`` at the end). One
+prefill's params for several prompts would hand every prompt after the
+first another prompt's KV.
+
+Errors: a prefill's 4xx (the request is the client's error: ``n > 1`` with
+greedy sampling, a prompt too long, ...) is the client's, with the
+prefill's body; a prefill that fails otherwise, or returns no
+``kv_transfer_params``, is answered with 502 and the prefill's status and
+text; a server that cannot be reached (refused, timed out) with 502 naming
+it and the error; the decode's status is passed through. A decode that
+refuses a request the prefill exported (its own 4xx, say ``n > 1`` with
+greedy sampling, which the prefill was not asked) would leave the export
+to its lease: the proxy then sends the decode the prefill's own request
+(one token) with the params, which loads and releases it.
 """
 
 from __future__ import annotations
@@ -107,14 +124,27 @@ class PDProxy:
             return next(self._prefill), next(self._decode)
 
     def _forward(self, h: Any, req: dict[str, Any]) -> None:
-        pre_url, dec_url = self._next()
-        pre = dict(req, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
-        pre.pop("stream_options", None)
-        try:
-            conn, r = _request(pre_url, pre)
-        except OSError as e:
-            h._reply(502, {"error": f"pdproxy: prefill {pre_url} cannot be reached: {e}"})
+        prompts = _prompt_list(req.get("prompt"))
+        if prompts is not None:
+            self._forward_list(h, req, prompts)
             return
+        pre_url, dec_url = self._next()
+        got = self._run_prefill(pre_url, req)
+        if isinstance(got, _Reply):
+            got.send(h)
+            return
+        body = dict(req) if got is None else dict(req, kv_transfer_params=got)
+        self._stream(h, dec_url, body, release=None if got is None else self._release_request(req, got))
+
+    def _run_prefill(self, pre_url: str, req: dict[str, Any]) -> dict[str, Any] | _Reply | None:
+        """Runs ``req``'s prefill on ``pre_url``: the ``kv_transfer_params``
+        for the decode; None when the prompt's first token ended it (no KV
+        to hand over: the decode answers it whole); or the reply the client
+        gets instead (the prefill's 4xx, or a 502)."""
+        try:
+            conn, r = _request(pre_url, _prefill_request(req))
+        except OSError as e:
+            return _Reply(502, {"error": f"pdproxy: prefill {pre_url} cannot be reached: {e}"})
         finished = False
         try:
             data = r.read()
@@ -127,39 +157,130 @@ class PDProxy:
             params = None
         finally:
             conn.close()
+        if 400 <= r.status < 500:
+            # The client's error, as the prefill found it: passed through.
+            return _Reply(r.status, None, data, r.getheader("Content-Type", "application/json"))
         if params is None and finished:
-            self._stream(h, dec_url, dict(req))
-            return
+            return None
         if params is None:
-            h._reply(502, {"error": f"pdproxy: prefill {pre_url} answered {r.status} without kv_transfer_params",
-                           "prefill": data[:2000].decode(errors="replace")})
-            return
-        self._stream(h, dec_url, dict(req, kv_transfer_params=params))
+            return _Reply(502, {"error": f"pdproxy: prefill {pre_url} answered {r.status} without kv_transfer_params",
+                                "prefill": data[:2000].decode(errors="replace")})
+        return dict(params)
 
-    def _stream(self, h: Any, dec_url: str, body: dict[str, Any] | None, path: str = "/v1/completions") -> None:
+    def _release_request(self, req: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+        """The decode request that releases an export whose decode was
+        refused: the prefill's own (which its server accepted) with the
+        params."""
+        return dict(_prefill_request(req), kv_transfer_params=params)
+
+    def _release(self, dec_url: str, body: dict[str, Any]) -> None:
+        """Sends ``body`` (:meth:`_release_request`) to the decode in the
+        background and drops the answer: the load notifies the prefill,
+        which releases the export now instead of at its lease's end."""
+
+        def run() -> None:
+            try:
+                conn, r = _request(dec_url, body)
+                try:
+                    r.read()
+                finally:
+                    conn.close()
+            except OSError:
+                pass  # the lease ends it
+
+        threading.Thread(target=run, name="pdproxy-release", daemon=True).start()
+
+    def _stream(self, h: Any, dec_url: str, body: dict[str, Any] | None, path: str = "/v1/completions",
+                release: dict[str, Any] | None = None) -> None:
         """Sends ``body`` (None: a GET of ``path``) to the decode server and
-        relays its answer."""
+        relays its answer; a refusal (4xx) of a request whose export
+        ``release`` names sends that release."""
         try:
             conn, r = _request(dec_url, body, path)
         except OSError as e:
             h._reply(502, {"error": f"pdproxy: decode {dec_url} cannot be reached: {e}"})
             return
+        if release is not None and 400 <= r.status < 500:
+            self._release(dec_url, release)
         try:
-            h.send_response(r.status)
-            h.send_header("Content-Type", r.getheader("Content-Type", "application/json"))
-            h.send_header("Transfer-Encoding", "chunked")
-            h.end_headers()
+            w = _ChunkWriter(h, r.status, r.getheader("Content-Type", "application/json"))
             while True:
                 chunk = r.read1(1 << 16)
                 if not chunk:
                     break
-                h.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                h.wfile.flush()
-            h.wfile.write(b"0\r\n\r\n")
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client went away: closing the decode request aborts it there
+                w.write(chunk)
+            w.close()
+        except (OSError, http.client.HTTPException):
+            # The client went away (closing the decode request aborts it
+            # there), or the decode's answer was cut short (it died): the
+            # client's connection is closed without the answer's end, so
+            # the client sees it cut short too, never as complete.
+            h.close_connection = True
         finally:
             conn.close()
+
+    def _forward_list(self, h: Any, req: dict[str, Any], prompts: list[Any]) -> None:
+        """A prompt list: a prefill and a decode per prompt, side by side,
+        the answers put back together (see the module doc)."""
+        n = int(req.get("n") or 1)
+        urls = [self._next() for _ in prompts]
+        subs = [dict(req, prompt=p) for p in prompts]
+        got: list[dict[str, Any] | _Reply | None] = [None] * len(prompts)
+
+        def prefill(i: int) -> None:
+            got[i] = self._run_prefill(urls[i][0], subs[i])
+
+        _each(prefill, len(prompts))
+        bodies, releases = [], []
+        for sub, g in zip(subs, got, strict=True):
+            bodies.append(dict(sub) if g is None or isinstance(g, _Reply) else dict(sub, kv_transfer_params=g))
+            releases.append(None if g is None or isinstance(g, _Reply) else self._release_request(sub, g))
+        failed = next((g for g in got if isinstance(g, _Reply)), None)
+        if failed is not None:
+            # Every export made is released; the client gets the refusal.
+            for (_, dec_url), rel in zip(urls, releases, strict=True):
+                if rel is not None:
+                    self._release(dec_url, rel)
+            failed.send(h)
+            return
+        answers: list[tuple[http.client.HTTPConnection, http.client.HTTPResponse] | _Reply] = [
+            _Reply(502, {})] * len(prompts)
+
+        def decode(i: int) -> None:
+            try:
+                answers[i] = _request(urls[i][1], bodies[i])
+            except OSError as e:
+                answers[i] = _Reply(502, {"error": f"pdproxy: decode {urls[i][1]} cannot be reached: {e}"})
+
+        _each(decode, len(prompts))
+        try:
+            bad = next((i for i, a in enumerate(answers) if isinstance(a, _Reply) or a[1].status != 200), None)
+            if bad is not None:
+                for i, a in enumerate(answers):
+                    rel = releases[i]
+                    if not isinstance(a, _Reply) and 400 <= a[1].status < 500 and rel is not None:
+                        self._release(urls[i][1], rel)
+                a = answers[bad]
+                if isinstance(a, _Reply):
+                    a.send(h)
+                else:
+                    _Reply(a[1].status, None, a[1].read(), a[1].getheader("Content-Type", "application/json")).send(h)
+                return
+            responses = [a[1] for a in answers if not isinstance(a, _Reply)]
+            if req.get("stream"):
+                include_usage = bool((req.get("stream_options") or {}).get("include_usage"))
+                _merge_streams(h, responses, n, include_usage)
+            else:
+                _merge_bodies(h, responses, n)
+        except (OSError, http.client.HTTPException, json.JSONDecodeError):
+            # The client went away (closing the decode requests aborts them
+            # there), or a decode's answer was cut short: the client's
+            # connection is closed without the answer's end.
+            h.close_connection = True
+        finally:
+            for a in answers:
+                if not isinstance(a, _Reply):
+                    a[0].close()
 
     def start(self) -> PDProxy:
         """Serves in a background thread; returns self."""
@@ -171,6 +292,146 @@ class PDProxy:
         """Stops serving and closes the listening socket."""
         self.server.shutdown()
         self.server.server_close()
+
+
+def _prompt_list(prompt: Any) -> list[Any] | None:
+    """The prompts of a ``prompt`` that is a list of them (strings, or
+    token id lists); None for one prompt (a string, or one token id list)
+    and for what vLLM would refuse (the prefill says why)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return list(prompt)
+    return None
+
+
+def _prefill_request(req: dict[str, Any]) -> dict[str, Any]:
+    """The request a prefill runs for ``req``: one token, one choice, no
+    stream, the KV kept for a decode."""
+    pre = dict(req, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    for k in ("stream_options", "n", "best_of", "min_tokens"):
+        pre.pop(k, None)
+    return pre
+
+
+def _each(fn: Any, n: int) -> None:
+    """Runs ``fn(i)`` for i in range(n) side by side and waits for all."""
+    ts = [threading.Thread(target=fn, args=(i,), name=f"pdproxy-{i}") for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+class _Reply:
+    """An answer the proxy gives the client itself: ``status`` and JSON
+    ``obj``, or the bytes ``raw`` of an upstream answer passed through."""
+
+    def __init__(self, status: int, obj: dict[str, Any] | None, raw: bytes = b"",
+                 content_type: str = "application/json") -> None:
+        self.status, self.content_type = status, content_type
+        self.data = json.dumps(obj).encode() if obj is not None else raw
+
+    def send(self, h: Any) -> None:
+        h.send_response(self.status)
+        h.send_header("Content-Type", self.content_type)
+        h.send_header("Content-Length", str(len(self.data)))
+        h.end_headers()
+        h.wfile.write(self.data)
+
+
+class _ChunkWriter:
+    """An HTTP/1.1 chunked answer to the client."""
+
+    def __init__(self, h: Any, status: int, content_type: str) -> None:
+        self.h = h
+        h.send_response(status)
+        h.send_header("Content-Type", content_type)
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+
+    def write(self, data: bytes) -> None:
+        if data:
+            self.h.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.h.wfile.flush()
+
+    def close(self) -> None:
+        self.h.wfile.write(b"0\r\n\r\n")
+
+
+def _renumber(choices: list[dict[str, Any]], prompt: int, n: int) -> None:
+    """Numbers prompt ``prompt``'s choices as vLLM numbers a prompt list's:
+    ``prompt * n + index``."""
+    for c in choices:
+        c["index"] = prompt * n + int(c.get("index") or 0)
+
+
+def _add_usage(total: dict[str, int], usage: dict[str, Any] | None) -> None:
+    for k, v in (usage or {}).items():
+        if isinstance(v, int):
+            total[k] = total.get(k, 0) + v
+
+
+def _merge_bodies(h: Any, responses: list[http.client.HTTPResponse], n: int) -> None:
+    """The non-streamed answers of a prompt list's decodes as one."""
+    outs = [json.loads(r.read()) for r in responses]
+    merged = dict(outs[0])
+    merged.pop("kv_transfer_params", None)
+    choices: list[dict[str, Any]] = []
+    usage: dict[str, int] = {}
+    for i, out in enumerate(outs):
+        cs = list(out.get("choices") or ())
+        _renumber(cs, i, n)
+        choices += cs
+        _add_usage(usage, out.get("usage"))
+    merged["choices"] = sorted(choices, key=lambda c: c["index"])
+    merged["usage"] = usage or merged.get("usage")
+    _Reply(200, merged).send(h)
+
+
+def _merge_streams(h: Any, responses: list[http.client.HTTPResponse], n: int, include_usage: bool) -> None:
+    """The streamed answers of a prompt list's decodes relayed as one
+    stream: each chunk as it comes, its choices renumbered; each stream's
+    usage chunk and ``[DONE]`` held back, one usage chunk (when asked for)
+    and one ``[DONE]`` sent at the end.
+
+    Raises:
+        http.client.IncompleteRead: a decode's stream ended without its
+            ``[DONE]`` (it died): the merged stream is left without its end.
+    """
+    w = _ChunkWriter(h, 200, responses[0].getheader("Content-Type", "text/event-stream"))
+    lock = threading.Lock()
+    usage: dict[str, int] = {}
+    last: dict[str, Any] = {}
+
+    done = [False] * len(responses)
+
+    def relay(i: int) -> None:
+        for raw in responses[i]:
+            line = raw.strip()
+            if line == b"data: [DONE]":
+                done[i] = True
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            choices = ev.get("choices") or []
+            with lock:
+                _add_usage(usage, ev.get("usage"))
+                if not choices:
+                    last.update(ev)
+                    continue
+                _renumber(choices, i, n)
+                ev["usage"] = None
+                w.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+
+    _each(relay, len(responses))
+    if not all(done):
+        # (http.client ends the lines of a chunked answer cut short
+        # without an error: [DONE] is how the end is known.)
+        raise http.client.IncompleteRead(b"")
+    if include_usage:
+        tail = dict(last, choices=[], usage=usage)
+        w.write(b"data: " + json.dumps(tail).encode() + b"\n\n")
+    w.write(b"data: [DONE]\n\n")
+    w.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -40,6 +40,11 @@ class LoadSpec:
         hit_blocks: leading remote blocks the decode holds already (its
             local prefix hit): remote block ``hit_blocks + i`` lands in
             ``block_ids[i]``.
+        token_digests: the token digests of the prompt tokens the load
+            takes, from block 0 (:func:`kvsidecar.params.token_digests`),
+            which the sidecar checks the params' against before it reads.
+        refused: why the load cannot run (""): the worker reports every
+            one of ``block_ids`` for recompute without starting it.
     """
 
     req_id: str
@@ -47,6 +52,8 @@ class LoadSpec:
     params: dict[str, Any]
     notify_only: bool = False
     hit_blocks: int = 0
+    token_digests: bytes = b""
+    refused: str = ""
 
 
 @dataclasses.dataclass

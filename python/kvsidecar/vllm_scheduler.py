@@ -7,11 +7,13 @@ and RequestFinished with the ranks' exports merged."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from collections.abc import Callable
 from typing import Any
 
 from kvsidecar import errors, reasons
-from kvsidecar.params import params_from_json, params_to_json, validate_remote_prefill
+from kvsidecar.params import TOKEN_DIGEST_LEN, params_from_json, params_to_json, token_digests, validate_remote_prefill
 from kvsidecar.rankset import RankSet
 from kvsidecar.v1 import local_pb2, params_pb2
 from kvsidecar.vllm_meta import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, SaveSpec, log, role_name
@@ -42,6 +44,9 @@ class SchedulerSide:
         # noted by get_num_new_matched_tokens.
         self._hit_tokens: dict[str, int] = {}
         self._covered: dict[str, int] = {}
+        # Decode: the token digests of the prompt tokens a load takes
+        # (StartLoad compares them with the params' before a byte is read).
+        self._digests: dict[str, bytes] = {}
         self._loads: list[LoadSpec] = []
         self._aborts: list[str] = []
         self._loading: set[str] = set()
@@ -107,7 +112,11 @@ class SchedulerSide:
         prefill's ``prompt_tokens``, so tokens the prefill never computed
         are never claimed (vLLM would attend over them as loaded). Params a
         load cannot use are refused here, once, with a log line: the prompt
-        is computed locally and the prefill is not notified."""
+        is computed locally and the prefill is not notified. So are params
+        whose ``token_digests`` say their KV encodes other tokens than this
+        request's prompt (:func:`token_digest_mismatch`): another prompt's
+        params (a prompt list given one prefill's params), mixed up or
+        replayed; reason ``TOKEN_DIGEST_MISMATCH`` in the log line."""
         params = getattr(request, "kv_transfer_params", None) or {}
         rid = request.request_id
         if self.pool is not None:
@@ -129,6 +138,13 @@ class SchedulerSide:
         covered = min(len(request.prompt_token_ids or ()), len(p.remote_block_ids) * self.cfg.block_size)
         if p.prompt_tokens:
             covered = min(covered, p.prompt_tokens)
+        mine = token_digests(prompt_tokens(request)[:covered], self.cfg.block_size, token_salt(request, covered))
+        if why := token_digest_mismatch(p, mine):
+            log.warning("request %s: kv_transfer_params refused (%s), the prompt is computed here: %s", rid,
+                        reasons.TOKEN_DIGEST_MISMATCH, why)
+            params["do_remote_prefill"] = False
+            return 0, False
+        self._digests[rid] = mine
         self._hit_tokens[rid] = num_computed_tokens
         self._covered[rid] = covered
         count = covered - num_computed_tokens
@@ -147,6 +163,7 @@ class SchedulerSide:
         # Consumed: a second update_state_after_alloc (after the load) must
         # not load again.
         params["do_remote_prefill"] = False
+        digests = self._digests.pop(rid, b"")
         if num_external_tokens <= 0:
             self._loads.append(LoadSpec(rid, [], spec, notify_only=True))
             return
@@ -160,12 +177,17 @@ class SchedulerSide:
         local = list(blocks.get_unhashed_block_ids())
         want = max(min(len(remote), -(-covered // self.cfg.block_size)) - hit_blocks, 0)
         if len(local) < want:
-            log.warning(
-                "request %s: %d local blocks for %d remote blocks after a hit of %d; loading the first %d",
-                rid, len(local), len(remote), hit_blocks, len(local),
-            )
-            want = len(local)
-        self._loads.append(LoadSpec(rid, local[:want], spec, hit_blocks=min(hit_blocks, len(remote))))
+            # vLLM counts every claimed token as loaded: a load of fewer
+            # blocks would leave the rest attended over unwritten. The
+            # load fails whole instead (every block recomputed).
+            log.warning("request %s: %d local blocks for %d remote blocks after a hit of %d; the load fails and the "
+                        "prompt is recomputed", rid, len(local), len(remote), hit_blocks)
+            self._loads.append(LoadSpec(rid, local, spec, hit_blocks=min(hit_blocks, len(remote)),
+                                        refused=f"{len(local)} local blocks for the {want} to load"))
+            self._loading.add(rid)
+            return
+        self._loads.append(LoadSpec(rid, local[:want], spec, hit_blocks=min(hit_blocks, len(remote)),
+                                    token_digests=digests))
         self._loading.add(rid)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVSidecarConnectorMetadata:
@@ -225,6 +247,7 @@ class SchedulerSide:
         rid = request.request_id
         self._hit_tokens.pop(rid, None)
         self._covered.pop(rid, None)
+        self._digests.pop(rid, None)
         exp = self._exports.pop(rid, None)
         if exp is not None and self.zero_copy:
             return self._finish_in_place(request, exp, block_ids)
@@ -249,16 +272,13 @@ class SchedulerSide:
     def _finish_export(self, request: Any, exp: _Export) -> dict[str, Any] | None:
         status = _FINISH_STATUS.get(role_name(request.status), local_pb2.FINISH_STATUS_ERROR)
         assert exp.staging is not None
-        merged = self.ranks.finish(request.request_id, exp.staging, status, _keep(request))
+        merged = self.ranks.finish(request.request_id, exp.staging, status, _keep(request, self.cfg.block_size))
         return self._params(merged, exp)
 
     def _params(self, merged: params_pb2.KVTransferParams | None, exp: _Export) -> dict[str, Any] | None:
-        """The decode's kv_transfer_params: the ranks' exports merged and the
-        prompt tokens they hold."""
-        if merged is None:
-            return None
-        merged.prompt_tokens = exp.prompt_len
-        return params_to_json(merged)
+        """The decode's kv_transfer_params: the ranks' exports merged (each
+        carries the prompt tokens and their digests, :func:`_keep`)."""
+        return None if merged is None else params_to_json(merged)
 
     def _finish_in_place(self, request: Any, exp: _Export, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """Zero copy: exports the prompt's own vLLM blocks on every rank; vLLM
@@ -273,7 +293,8 @@ class SchedulerSide:
             log.error("request %s: %d vLLM blocks for a prompt of %d tokens; not exported", request.request_id,
                       len(ids), exp.prompt_len)
             return False, None
-        merged = self.ranks.finish(request.request_id, [ids[:nblocks]] * self.cfg.tp_size, status, _keep(request),
+        merged = self.ranks.finish(request.request_id, [ids[:nblocks]] * self.cfg.tp_size, status,
+                                   _keep(request, self.cfg.block_size),
                                    engine_owned=True)
         if merged is None:
             return False, None
@@ -288,11 +309,15 @@ class SchedulerSide:
         self.ranks.close()
 
 
-def _keep(request: Any) -> params_pb2.KVTransferParams:
-    """What RequestFinished is told of the request's own kv_transfer_params:
-    keep the KV for a decode, and the request's ``checksums`` choice (which
-    overrides the sidecar's ``--checksums``)."""
-    keep = params_pb2.KVTransferParams(do_remote_decode=True)
+def _keep(request: Any, block_size: int) -> params_pb2.KVTransferParams:
+    """What RequestFinished is told of the request: keep the KV for a
+    decode; the tokens its blocks encode (``prompt_tokens``, and their
+    ``token_digests``, which the decode checks its own prompt against), and
+    the request's ``checksums`` choice (which overrides the sidecar's
+    ``--checksums``)."""
+    tokens = prompt_tokens(request)
+    keep = params_pb2.KVTransferParams(do_remote_decode=True, prompt_tokens=len(tokens),
+                                       token_digests=token_digests(tokens, block_size, token_salt(request, len(tokens))))
     checksums = (getattr(request, "kv_transfer_params", None) or {}).get("checksums")
     if isinstance(checksums, bool):
         keep.checksums = checksums
@@ -307,3 +332,57 @@ class _Export:
     staging: list[list[int]] | None = None
 
 
+
+
+def prompt_tokens(request: Any) -> list[int]:
+    """A vLLM request's prompt token ids (``Request.prompt_token_ids``,
+    vllm 0.32.0 ``vllm/v1/request.py``); a prompt given as embeddings only
+    reads as zeros of its length (vLLM's own placeholder), its embeddings in
+    :func:`token_salt`."""
+    ids = getattr(request, "prompt_token_ids", None)
+    if ids is None:
+        return [0] * int(getattr(request, "num_prompt_tokens", 0) or 0)
+    return list(ids)
+
+
+def token_salt(request: Any, n_tokens: int) -> bytes:
+    """What a request's KV depends on beside its first ``n_tokens`` prompt
+    tokens, as vLLM folds it into its block hashes
+    (``generate_block_hash_extra_keys``, vllm 0.32.0
+    ``vllm/v1/core/kv_cache_utils.py``): the LoRA adapter's name and path,
+    the ``cache_salt``, the multimodal inputs that start within the tokens
+    (identifier and offset), the prompt embeddings; b"" when there is none,
+    so a plain prompt's digests depend on its tokens alone."""
+    keys: list[Any] = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        keys.append(["lora", str(getattr(lora, "lora_name", "")), str(getattr(lora, "lora_path", ""))])
+    if salt := getattr(request, "cache_salt", None):
+        keys.append(["cache_salt", str(salt)])
+    for f in getattr(request, "mm_features", None) or ():
+        pos = getattr(f, "mm_position", None)
+        offset = int(getattr(pos, "offset", 0) or 0)
+        if offset < n_tokens:
+            keys.append(["mm", str(getattr(f, "identifier", "")), offset])
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is not None:
+        from vllm.v1.utils import tensor_data
+
+        keys.append(["prompt_embeds", hashlib.sha256(tensor_data(embeds[:n_tokens])).hexdigest()])
+    return json.dumps(keys).encode() if keys else b""
+
+
+def token_digest_mismatch(p: params_pb2.KVTransferParams, mine: bytes) -> str:
+    """Why params ``p`` do not encode the prompt whose token digests (over
+    the tokens a load would take) are ``mine``: the first block whose digest
+    differs; "" when they agree or ``p`` carries none (a prefill engine that
+    states none: nothing to check)."""
+    theirs = p.token_digests
+    if not theirs:
+        return ""
+    n = TOKEN_DIGEST_LEN
+    for i in range(len(mine) // n):
+        if mine[i * n:(i + 1) * n] != theirs[i * n:(i + 1) * n]:
+            return (f"the prefill's KV (request {p.remote_request_id} of engine {p.remote_engine_id}) encodes other tokens in "
+                    f"block {i} than this prompt's: params of another prompt (mixed up, replayed), or of a longer one")
+    return ""

@@ -287,6 +287,9 @@ class WorkerSide:
         if c is None:
             self._fail(spec, "the sidecar is unreachable")
             return
+        if spec.refused:
+            self._fail(spec, spec.refused)
+            return
         try:
             params = params_from_json(spec.params)
         except errors.KVSidecarError as e:
@@ -297,7 +300,8 @@ class WorkerSide:
             if spec.block_ids and not self.zero_copy:
                 staging = c.alloc(len(spec.block_ids))
             local = spec.block_ids if self.zero_copy else staging
-            c.start_load(req_meta(rid, local, params, remote_hit_blocks=spec.hit_blocks))
+            c.start_load(req_meta(rid, local, params, remote_hit_blocks=spec.hit_blocks,
+                                  token_digests=spec.token_digests))
         except errors.BrokenConnection as e:
             self._fail(spec, e)
             self._lost(e)
@@ -353,6 +357,15 @@ class WorkerSide:
         return (sending or None), (recving or None)
 
     def _done(self, rid: str, failed: Any) -> None:
+        """A load's result from the sidecar: ``failed`` None (done) or its
+        Failed entry. vLLM takes every loaded block it is not told about as
+        holding the prompt's KV (a failed block truncates the request there,
+        ``_update_requests_with_invalid_blocks``, vllm 0.32.0
+        ``vllm/v1/core/sched/scheduler.py``), so exactly the blocks whose
+        KV is not in vLLM's blocks are reported: those the sidecar names
+        (every block, or those whose checksums differ), and under staging
+        any block not copied out of the sidecar's, the copy of the others
+        made first."""
         ld = self._loads.pop(rid, None)
         if ld is None:
             return
@@ -360,13 +373,16 @@ class WorkerSide:
         self._silent.discard(rid)
         c = self.client
         assert c is not None, "a result arrives only on a live connection"
+        # The local blocks (the sidecar's: staging ones, or vLLM's own under
+        # zero copy) whose KV did not land.
+        local = ld.staging if ld.staging else ld.spec.block_ids
+        bad: set[int] = set()
+        if failed is not None:
+            bad = set(failed.block_ids).intersection(local) or set(local)
         if ld.staging:  # zero copy loads straight into vLLM's blocks
-            st = self.staging
-            assert st is not None, "staged loads have a Staging"
             try:
-                if failed is None and not ld.aborted and not silent:
-                    for layer, kv in enumerate(self.kv):
-                        st.load(layer, kv, ld.spec.block_ids, ld.staging)
+                if not ld.aborted and not silent:
+                    bad |= self._copy_out(rid, ld, bad)
             finally:
                 c.free(ld.staging)
         if silent:
@@ -377,16 +393,32 @@ class WorkerSide:
         if ld.aborted:
             self._recving.add(rid)
             return
-        if failed is not None:
-            # The sidecar names the blocks not fully received (its own under
-            # staging); their vLLM blocks are recomputed.
-            bad = set(failed.block_ids)
-            local = ld.spec.block_ids if self.zero_copy else ld.staging
-            vblocks = [v for v, s in zip(ld.spec.block_ids, local, strict=True) if s in bad] or ld.spec.block_ids
-            why = f"{common_pb2.Code.Name(failed.error.code)}: {failed.error.message}"
+        if bad:
+            vblocks = [v for v, s in zip(ld.spec.block_ids, local, strict=True) if s in bad]
+            why = f"{common_pb2.Code.Name(failed.error.code)}: {failed.error.message}" if failed is not None else \
+                "copying the loaded blocks into vLLM's failed"
             self._fail(dataclasses.replace(ld.spec, block_ids=vblocks), why)
             return
         self._recving.add(rid)
+
+    def _copy_out(self, rid: str, ld: _Load, bad: set[int]) -> set[int]:
+        """Staging: copies every loaded block but ``bad`` (sidecar block
+        ids) from the sidecar's blocks into vLLM's; returns the blocks not
+        copied because the copy failed (all of them: a copy that stops
+        part way leaves no layer set known whole)."""
+        st = self.staging
+        assert st is not None, "staged loads have a Staging"
+        pairs = [(v, s) for v, s in zip(ld.spec.block_ids, ld.staging, strict=True) if s not in bad]
+        if not pairs:
+            return set()
+        vblocks, sblocks = [v for v, _ in pairs], [s for _, s in pairs]
+        try:
+            for layer, kv in enumerate(self.kv):
+                st.load(layer, kv, vblocks, sblocks)
+        except Exception:
+            log.exception("request %s: copying %d loaded blocks into vLLM failed; they are recomputed", rid, len(pairs))
+            return set(sblocks)
+        return set()
 
     def take_copied_bytes(self) -> int:
         """KV bytes the staging copies moved since the last call (0 under

@@ -253,7 +253,9 @@ class SidecarBlockPool(BlockPool):
     _sc_clock: Callable[[], float]
     _sc_sleep: Callable[[float], None]
     _sc_wake: Callable[[], None] | None
-    _sc_timer: threading.Timer | None
+    _sc_timer: Any
+    _sc_timer_of: Callable[[float, Callable[[], None]], Any]
+    _sc_woken: bool
     _sc_avail: int
     _sc_over_limit: bool
     _sc_avail_read: float
@@ -263,10 +265,13 @@ class SidecarBlockPool(BlockPool):
     @classmethod
     def install(cls, pool: BlockPool, client: LocalClient, hold_seconds: float = DEFAULT_FREE_HOLD_SECONDS,
                 clock: Callable[[], float] = time.monotonic,
-                sleep: Callable[[float], None] = time.sleep) -> SidecarBlockPool:
+                sleep: Callable[[float], None] = time.sleep,
+                timer: Callable[[float, Callable[[], None]], Any] = threading.Timer) -> SidecarBlockPool:
         """Turns ``pool`` (vLLM's, no block handed out yet) into a
         SidecarBlockPool over the blocks of ``client``'s cache. ``clock``
-        (seconds) and ``sleep`` time the holds and the waits at the limit.
+        (seconds) and ``sleep`` time the holds and the waits at the limit;
+        ``timer(seconds, fn)`` (threading.Timer's signature, started with
+        ``start()``) the wake-ups of an idle engine.
 
         Raises:
             Refused: vLLM already handed out blocks, or the cache's block
@@ -281,7 +286,7 @@ class SidecarBlockPool(BlockPool):
         sp: SidecarBlockPool = pool  # type: ignore[assignment]
         sp._sc_client, sp._sc_hold, sp._sc_hold_seconds, sp._sc_clock = client, collections.OrderedDict(), \
             hold_seconds, clock
-        sp._sc_sleep, sp._sc_wake, sp._sc_timer = sleep, None, None
+        sp._sc_sleep, sp._sc_wake, sp._sc_timer, sp._sc_timer_of, sp._sc_woken = sleep, None, None, timer, False
         sp._sc_warned = collections.OrderedDict()
         sp.refresh_available(force=True)
         return sp
@@ -304,7 +309,9 @@ class SidecarBlockPool(BlockPool):
         """The end of a scheduler step (vLLM's ``build_connector_meta``,
         after every block of the step was handed out): releases the held
         blocks that are due, and all of them when the sidecar maps more than
-        its limit allows; the next use reads the count again."""
+        its limit allows, and arms the wake-up for the next one; the next
+        use reads the count again."""
+        self._sc_woken = False
         self.release_due()
         if self._sc_over_limit and self._sc_hold:
             log.info("sidecar %s maps more than its memory limit allows; releasing %d held blocks",
@@ -397,8 +404,12 @@ class SidecarBlockPool(BlockPool):
     # -- holding and releasing -------------------------------------------------
 
     def release_is_due(self) -> bool:
-        """Whether a held block's time is up (vLLM's scheduler should step
-        so that :meth:`release_due` runs)."""
+        """Whether vLLM's scheduler should step so that :meth:`step_done`
+        runs: a held block's time is up, or the wake-up fired (the block it
+        was armed for may have been taken back by a prefix hit and freed
+        again later; the step arms the wake-up for the oldest one then)."""
+        if self._sc_woken:
+            return True
         return bool(self._sc_hold) and self._sc_clock() - next(iter(self._sc_hold.values())) >= self._sc_hold_seconds
 
     def release_due(self) -> None:
@@ -413,12 +424,19 @@ class SidecarBlockPool(BlockPool):
         self._sc_release(due)
         if self._sc_hold and self._sc_wake is not None and self._sc_timer is None:
             first = next(iter(self._sc_hold.values()))
-            self._sc_timer = threading.Timer(max(0.0, first + self._sc_hold_seconds - now) + 0.05, self._wake)
-            self._sc_timer.daemon = True
-            self._sc_timer.start()
+            t = self._sc_timer_of(max(0.0, first + self._sc_hold_seconds - now) + 0.05, self._wake)
+            t.daemon = True
+            self._sc_timer = t
+            t.start()
 
     def _wake(self) -> None:
+        # The timer's thread: the engine loop steps once (release_is_due
+        # says so until step_done), whether or not the block the timer was
+        # armed for is still held: a prefix hit may have taken it back and
+        # freed it again, and without the step nobody arms the next wake-up
+        # (its blocks stayed mapped until the next request).
         self._sc_timer = None
+        self._sc_woken = True
         if self._sc_wake is not None:
             self._sc_wake()
 

@@ -3,7 +3,8 @@
 (:class:`kvsidecar.hostmap.Packing`, Go ``kvgeom.Packing``), socket paths
 (:func:`kvsidecar.paths.local_socket_path`, Go ``localapi.SocketPath``) and
 export merges (:func:`kvsidecar.params.merge_exports`, Go
-``connector.MergeExports``). A rule changed in one language fails this test
+``connector.MergeExports``) and token digests
+(:func:`kvsidecar.params.token_digests`, Go ``connector.TokenDigests``). A rule changed in one language fails this test
 or the Go one until the other follows; the file is rewritten only by
 ``go test -run TestEngineVectors -update .``.
 
@@ -21,7 +22,7 @@ import pytest
 
 from kvsidecar import errors, reasons
 from kvsidecar.hostmap import Packing
-from kvsidecar.params import merge_exports, params_from_json, params_to_json
+from kvsidecar.params import TOKEN_DIGEST_LEN, merge_exports, params_from_json, params_to_json, token_digests
 from kvsidecar.paths import local_socket_path
 from kvsidecar.v1 import common_pb2, params_pb2
 
@@ -78,6 +79,13 @@ def test_export_merges(case: dict[str, Any]) -> None:
     else:
         assert params_to_json(merge_exports(parts)) == case["merged"]
     assert [p.SerializeToString(deterministic=True) for p in parts] == before, "parts are not modified"
+
+
+@pytest.mark.parametrize("case", _cases("token_digests"))
+def test_token_digests(case: dict[str, Any]) -> None:
+    got = token_digests(case["tokens"], case["block_size"], case["salt"].encode())
+    assert got.hex() == case["digests"]
+    assert len(got) == TOKEN_DIGEST_LEN * -(-len(case["tokens"]) // case["block_size"])
 
 
 def test_every_reason_of_the_vectors_is_generated() -> None:

@@ -10,6 +10,8 @@ import torch
 from conftest import stats, wait_for
 from engine_loop import BLOCK_SIZE, LAYERS, Engine, RequestStatus, pattern
 
+from kvsidecar.local import LocalClient
+
 MODEL = ["--model", "llama-3.2-1b"]
 REGIONS = 2 * LAYERS
 
@@ -46,7 +48,9 @@ def check_decode(dec: Engine, pre: Engine, rid_seed: int, dec_blocks: list[int],
 def p2d4(cluster):
     """Prefill TP 2 and decode TP 4 sidecars with one engine each."""
     pre_sc = start(cluster, "prefill-a", 2, "prefill", 1024)
-    dec_sc = start(cluster, "decode-a", 4, "decode", 1024)
+    # Every block verified on the same-host path too (its default samples
+    # one block in 16): the checksum test names the block that differs.
+    dec_sc = start(cluster, "decode-a", 4, "decode", 1024, "--same-host-verify-every", "1")
     pre = Engine("prefill-a", "kv_producer", 2, cluster.socket_dir, num_blocks=512)
     dec = Engine("decode-a", "kv_consumer", 4, cluster.socket_dir, num_blocks=512)
     yield pre_sc, dec_sc, pre, dec
@@ -144,6 +148,35 @@ def test_partial_prefix_hit_reads_only_the_tail(p2d4):
     per_rank = (10 - hit) * REGIONS * BLOCK_SIZE * 2 * 64 * 2
     for s in dec_sc:
         assert s.metric("kvsidecar_transfer_bytes_total") == per_rank, s.name
+
+
+# fault-matrix: vllm-load-partly-failed
+def test_a_load_failed_in_part_reports_exactly_the_blocks_not_copied(p2d4):
+    """The reported input: a load whose checksums showed 1 of 4 blocks
+    differing was reported with that block alone, while staging had copied
+    none of the 4 into vLLM's blocks: vLLM kept the first ones as loaded
+    and answered with wrong tokens. The blocks that verified are copied now,
+    and exactly the one that differs is reported."""
+    pre_sc, dec_sc, pre, dec = p2d4
+    n = 4 * BLOCK_SIZE
+    params, pblocks = pre.prefill("r-bad", n, 21)
+    # One byte of block 2 changes in prefill rank 0's memory after the
+    # export: its checksums were recorded at RequestFinished. The byte is
+    # head 0's, which decode rank 0 reads.
+    with LocalClient(pre_sc[0].socket) as c:
+        c.attach(tp_rank=0, tp_size=2)
+        c.sync()
+        c.block(0, params["remote_block_ids"][2])[0] ^= 0xFF
+    _, dblocks = dec.start_decode("r-bad", n, params)
+    got, invalid = dec.run_until({"r-bad"})
+    assert got == {"r-bad"} and invalid == {dblocks[2]}, invalid
+    # The other blocks are in vLLM's, on every rank, byte-exact.
+    check_decode(dec, pre, 21, dblocks[:2], pblocks[:2], 2 * BLOCK_SIZE)
+    check_decode(dec, pre, 21, dblocks, pblocks, n, first_block=3)
+    for s in dec_sc:
+        assert stats(s)["blocks_used"] == 0, "the staging blocks are freed"
+    for s in pre_sc:
+        wait_for(f"{s.name} released the export", lambda s=s: stats(s)["leases_held"] == 0)
 
 
 # fault-matrix: vllm-client-abort-mid-load

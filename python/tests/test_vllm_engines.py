@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import os
 import random
 import signal
 import threading
@@ -48,6 +49,9 @@ ZERO_COPY_KV_BYTES = 4 << 30
 #: How long the zero-copy engines keep a freed prefix-cache block mapped:
 #: long enough for the prefix-hit prompt that follows its source.
 HOLD_SECONDS = 15
+#: prefill-2's sidecars' --lease-ttl: long enough for any decode to start
+#: its load after the prefill, short enough to wait out in a test.
+P2_LEASE_TTL_SECONDS = 20
 
 
 def blocks(n_tokens: int) -> int:
@@ -140,6 +144,10 @@ def lab(request: pytest.FixtureRequest, binary: str, model: devvllm.TinyModel, r
         kv, p2_extra = ZERO_COPY_KV_BYTES, extra
     else:
         args, extra, kv, p2_extra = model.sidecar_args(), {}, 256 << 20, {"zero_copy": True}
+    # Every block's checksums verified on the same-host path too (its
+    # default samples one block in 16): the checksum tests name the block
+    # that differs.
+    args = [*args, "--same-host-verify-every", "1"]
 
     def engine(name: str, role: str, tp_size: int = 1, **more: object) -> devvllm.Engine:
         cfg = devvllm.connector_config(role, f"{mode}-{name}", sock, **more)
@@ -148,7 +156,8 @@ def lab(request: pytest.FixtureRequest, binary: str, model: devvllm.TinyModel, r
 
     try:
         p1_sc = cl.start_group(f"{mode}-prefill-1", tp_size=1, role="prefill", args=args)
-        p2_sc = cl.start_group(f"{mode}-prefill-2", tp_size=2, role="prefill", args=args)
+        p2_sc = cl.start_group(f"{mode}-prefill-2", tp_size=2, role="prefill",
+                               args=[*args, "--lease-ttl", f"{P2_LEASE_TTL_SECONDS}s"])
         d1_sc = cl.start_group(f"{mode}-decode-1", tp_size=1, role="decode", args=args)
         lab = Lab(mode, model, cl, ref, p1=engine("prefill-1", "kv_producer", **extra),
                   p2=engine("prefill-2", "kv_producer", 2, **p2_extra), d1=engine("decode-1", "kv_consumer", **extra),
@@ -290,6 +299,7 @@ def test_prefill_tp2_to_decode_tp1_is_token_exact(lab: Lab):
 
 
 # fault-matrix: vllm-client-abort-mid-load
+# fault-matrix: zero-copy-blocks-returned
 def test_client_abort_while_loading_leaves_nothing_behind(lab: Lab):
     prompt = random.Random(7).choices(range(3, 2000), k=8 * BLOCK)
     conn = None
@@ -405,6 +415,7 @@ def test_zero_copy_maps_only_the_working_set(lab: Lab):
 
 
 # fault-matrix: zero-copy-memory-limit
+# fault-matrix: zero-copy-blocks-returned
 def test_a_lowered_limit_makes_requests_wait_and_never_stops_the_engine(lab: Lab):
     """A new user's run: `kvsidecar ctl limit` lowered under an idle
     zero-copy decode holding prefix-cache blocks, then a request of more
@@ -439,6 +450,199 @@ def test_a_lowered_limit_makes_requests_wait_and_never_stops_the_engine(lab: Lab
     t.join()
     assert len(got) == 1 and got[0].token_ids == lab.reference(big)  # type: ignore[attr-defined]
     assert d.proc.poll() is None
+    zero_copy_blocks_return(lab, "after the memory limit released held blocks")
+
+
+def proxy_choices(proxy: PDProxy, body: dict) -> dict[int, list[int]]:
+    """A completion through the proxy (streamed or not, as ``body`` says);
+    returns each choice's token ids by its index."""
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=300 * time_scale())
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200, r.read()
+    got = devvllm.choices(r, bool(body.get("stream")))
+    conn.close()
+    return got
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_list_through_the_proxy_is_token_exact_per_prompt(lab: Lab, stream: bool):
+    """The reported input: a prompt list reached the decode with prompt 0's
+    kv_transfer_params; when both READs reached the prefill before the
+    first notification, prompt 1 was answered over prompt 0's KV. The proxy
+    gives each prompt its own prefill and params now."""
+    rnd = random.Random(31 + stream)
+    p0 = [rnd.randrange(3, 2000) for _ in range(3 * BLOCK + 5)]
+    p1 = p0[:2 * BLOCK] + [rnd.randrange(3, 2000) for _ in range(BLOCK + 9)]  # the same first 2 blocks
+    p2 = [rnd.randrange(3, 2000) for _ in range(BLOCK)]
+    proxy = PDProxy([lab.p1.url], [lab.d1.url]).start()
+    before = read_bytes(lab.d1_sc)
+    try:
+        got = proxy_choices(proxy, {"model": "tiny", "prompt": [p0, p1, p2], "max_tokens": MAX_TOKENS,
+                                    "temperature": 0, "ignore_eos": True, "return_token_ids": True, "stream": stream})
+    finally:
+        proxy.close()
+    assert got == {0: lab.reference(p0), 1: lab.reference(p1), 2: lab.reference(p2)}
+    # Each prompt loaded its own KV, but for p1's first 2 blocks when the
+    # decode held them already from p0 (a local prefix hit).
+    block_bytes = BLOCK * lab.model.kv_bytes_per_token()
+    total = sum(blocks(len(p)) for p in (p0, p1, p2))
+    assert (total - 2) * block_bytes <= read_bytes(lab.d1_sc) - before <= total * block_bytes
+
+
+# fault-matrix: token-digest-mismatch
+def test_params_of_another_prompt_are_refused_and_the_prompt_computed(lab: Lab):
+    """A decode given another prompt's params (a proxy that mixes them up or
+    replays them) reads nothing, names the reason once, and computes its
+    prompt: token-exact. The params still load for their own prompt."""
+    rnd = random.Random(41)
+    mine = [rnd.randrange(3, 2000) for _ in range(2 * BLOCK + 3)]
+    theirs = mine[:BLOCK] + [rnd.randrange(3, 2000) for _ in range(BLOCK + 3)]
+    held = stats(lab.p1_sc[0])["leases_held"]
+    p = lab.p1.complete(theirs, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    assert p.kv_transfer_params and p.kv_transfer_params["token_digests"]
+    before = read_bytes(lab.d1_sc)
+    refusals = open(lab.d1.log_path).read().count("TOKEN_DIGEST_MISMATCH")
+    out = lab.d1.complete(mine, max_tokens=MAX_TOKENS, kv_transfer_params=p.kv_transfer_params)
+    assert out.token_ids == lab.reference(mine)
+    assert read_bytes(lab.d1_sc) == before, "nothing was read"
+    assert open(lab.d1.log_path).read().count("TOKEN_DIGEST_MISMATCH") == refusals + 1
+    assert stats(lab.p1_sc[0])["leases_held"] == held + 1, "the export is not ended by params that are not its prompt's"
+    out = lab.d1.complete(theirs, max_tokens=MAX_TOKENS, kv_transfer_params=p.kv_transfer_params)
+    assert out.token_ids == lab.reference(theirs)
+    # Loaded but for the first block, which the decode holds from `mine`.
+    assert read_bytes(lab.d1_sc) - before == (blocks(len(theirs)) - 1) * BLOCK * lab.model.kv_bytes_per_token()
+    wait_for("the export released", lambda: stats(lab.p1_sc[0])["leases_held"] == held)
+
+
+# fault-matrix: vllm-load-partly-failed
+def test_a_checksum_mismatch_recomputes_from_the_block_that_differs(lab: Lab):
+    """The reported input: a load whose checksums showed 1 of 4 blocks
+    differing was answered 200 with wrong tokens under staging, every time
+    (nothing was copied into vLLM's blocks, yet only the bad one was
+    reported). Now the blocks before it are loaded, vLLM recomputes from it,
+    and the answer is token-exact in both modes."""
+    prompt = random.Random(51).choices(range(3, 2000), k=4 * BLOCK - 6)
+    want = lab.reference(prompt)
+    p = lab.p1.complete(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    assert p.kv_transfer_params
+    # One byte of the export's block 2 changes in the prefill's memory
+    # after its checksums were recorded (a unique prompt: no later prefix
+    # hit of the prefill's own reads it).
+    with LocalClient(lab.p1_sc[0].socket) as c:
+        c.attach()
+        c.sync()
+        c.block(0, p.kv_transfer_params["remote_block_ids"][2])[0] ^= 0xFF
+    log = open(lab.d1.log_path).read()
+    # vLLM's own line (Scheduler._handle_invalid_blocks): the tokens from block 2 on.
+    rescheduled = f"Recovered from KV load failure: 1 request(s) rescheduled ({len(prompt) - 2 * BLOCK} tokens affected)"
+    before = log.count("CODE_DATA_LOSS"), log.count(rescheduled)
+    out = lab.d1.complete(prompt, max_tokens=MAX_TOKENS, kv_transfer_params=p.kv_transfer_params)
+    assert out.token_ids == want
+    log = open(lab.d1.log_path).read()
+    assert (log.count("CODE_DATA_LOSS"), log.count(rescheduled)) == (before[0] + 1, before[1] + 1), \
+        "the load failed on its checksums and vLLM recomputed from block 2"
+    wait_for("the export released", lambda: stats(lab.p1_sc[0])["leases_held"] == 0)
+
+
+def test_a_prefills_4xx_reaches_the_client_as_that_4xx(lab: Lab):
+    """The reported input: n > 1 with greedy sampling, which vLLM refuses
+    with 400, reached the client as the proxy's 502 naming the prefill. A
+    prefill's 4xx is the client's now; the prefill runs one choice, so the
+    decode refuses n > 1 itself, and the export is released at once."""
+    if lab.zero_copy:
+        pytest.skip("the proxy's answers do not depend on the mode")
+    proxy = PDProxy([lab.p1.url], [lab.d1.url]).start()
+    prompt = random.Random(61).choices(range(3, 2000), k=40)
+    try:
+        for body, says in (
+            ({"prompt": prompt, "n": 2, "temperature": 0}, "n must be 1 when using greedy sampling"),
+            ({"prompt": [5] * 8193, "n": 1}, "8193"),  # longer than the engines' max-model-len: the prefill's 400
+        ):
+            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=300 * time_scale())
+            conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "max_tokens": 4, **body}),
+                         {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            text = r.read().decode()
+            conn.close()
+            assert r.status == 400 and says in text, (r.status, text)
+    finally:
+        proxy.close()
+    wait_for("the export the decode refused released", lambda: stats(lab.p1_sc[0])["leases_held"] == 0)
+
+
+def zero_copy_blocks_return(lab: Lab, why: str) -> None:
+    """Every sidecar of the lab back at no block, lease or load: vLLM holds
+    none (idle), once the freed blocks' hold passed."""
+    for sc in (*lab.p1_sc, *lab.p2_sc, *lab.d1_sc):
+        if sc.proc.poll() is None:
+            wait_for(f"{why}: {sc.name} holds no block, lease or load",
+                     lambda sc=sc: stats(sc) == {"blocks_used": 0, "leases_held": 0, "loads_in_flight": 0},
+                     timeout=3 * HOLD_SECONDS + P2_LEASE_TTL_SECONDS)
+
+
+# fault-matrix: zero-copy-blocks-returned
+def test_zero_copy_returns_every_block_after_preemptions(lab: Lab):
+    """The reported input: after preemptions on a small decode cache (6
+    concurrent requests, token-exact) the decode's sidecar kept 36 to 45
+    blocks 23 s later, vLLM running nothing, with a hold of 2 s."""
+    if not lab.zero_copy:
+        pytest.skip("the sidecar holds vLLM's blocks only in zero copy")
+    zero_copy_blocks_return(lab, "before")
+    rnd = random.Random(71)
+    prompts = [[rnd.randrange(3, 2000) for _ in range(200)] for _ in range(6)]
+    gen = 96
+    want: list[list[int]] = [[] for _ in prompts]
+    got: list[list[int]] = [[] for _ in prompts]
+    errs: list[BaseException] = []
+
+    def run(i: int, fn) -> None:
+        try:
+            fn(i)
+        except BaseException as e:
+            errs.append(e)
+
+    def ref(i: int) -> None:
+        want[i] = lab.ref.engine.complete(prompts[i], max_tokens=gen).token_ids
+
+    def pd(i: int) -> None:
+        got[i] = devvllm.pd_complete(lab.p1, lab.d1, prompts[i], max_tokens=gen)[1].token_ids
+
+    # One page of each layer: 31 blocks for 6 requests of 10 each.
+    limit = lab.model.layers * (2 << 20)
+    preempted = vllm_counter(lab.d1, "vllm:num_preemptions_total")
+    c = LocalClient(lab.d1_sc[0].socket)
+    try:
+        c.set_memory_limit(limit)
+        ts = [threading.Thread(target=run, args=(i, f)) for f in (ref, pd) for i in range(len(prompts))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    finally:
+        c.set_memory_limit(0)
+        c.close()
+    assert not errs, errs
+    assert got == want, "token-exact through the preemptions"
+    assert vllm_counter(lab.d1, "vllm:num_preemptions_total") > preempted, "the limit preempted requests"
+    zero_copy_blocks_return(lab, "after the preemptions")
+
+
+# fault-matrix: zero-copy-blocks-returned
+def test_zero_copy_returns_every_block_after_a_lease_expiry(lab: Lab):
+    """The reported input: 8 blocks stayed on a zero-copy prefill for over
+    100 s after a lease expiry."""
+    if not lab.zero_copy:
+        pytest.skip("the sidecar holds vLLM's blocks only in zero copy")
+    zero_copy_blocks_return(lab, "before")
+    expired = sum(s.metric("kvsidecar_connector_leases_expired_total") for s in lab.p2_sc)
+    prompt = random.Random(81).choices(range(3, 2000), k=5 * BLOCK)
+    p = lab.p2.complete(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    assert p.kv_transfer_params
+    assert [stats(s)["leases_held"] for s in lab.p2_sc] == [1, 1]
+    # No decode comes: the leases expire, vLLM frees the blocks, their hold passes.
+    zero_copy_blocks_return(lab, "after the lease expiry")
+    assert sum(s.metric("kvsidecar_connector_leases_expired_total") for s in lab.p2_sc) == expired + 2
 
 
 # fault-matrix: vllm-prefill-sidecar-killed
@@ -498,3 +702,42 @@ def _start_decode(lab: Lab, prompt: list[int]) -> tuple[dict, threading.Thread, 
     t.start()
     wait_for("the decode's load in flight", lambda: stats(lab.d1_sc[0])["loads_in_flight"] >= 1)
     return p.kv_transfer_params, t, out
+
+
+# fault-matrix: zero-copy-blocks-returned
+def test_zero_copy_returns_every_block_of_a_killed_engine(lab: Lab):
+    """A zero-copy decode engine killed while it holds prefix-cache blocks
+    and loads a request: its sidecar frees every block of the engine's
+    session and aborts the load, whose prefill is notified (its lease ends,
+    its blocks go after their hold). Last: the decode engine is gone (its
+    restart, a new engine on the same sidecar, runs in `make soak`)."""
+    if not lab.zero_copy:
+        pytest.skip("the sidecar holds vLLM's blocks only in zero copy")
+    sc = lab.d1_sc[0]
+    prompt = random.Random(91).choices(range(3, 2000), k=3 * BLOCK)
+    devvllm.pd_complete(lab.p2, lab.d1, prompt, max_tokens=MAX_TOKENS)
+    assert stats(sc)["blocks_used"] >= 3, "the prompt's blocks are held for prefix hits"
+    loading = random.Random(92).choices(range(3, 2000), k=4 * BLOCK)
+    p = lab.p2.complete(loading, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    errs: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            lab.d1.complete(loading, max_tokens=4, kv_transfer_params=p.kv_transfer_params)
+        except (OSError, http.client.HTTPException, devvllm.EngineError) as e:
+            errs.append(e)
+
+    for s in lab.p2_sc:
+        s.signal(signal.SIGSTOP)
+    try:
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        wait_for("the decode's load in flight", lambda: stats(sc)["loads_in_flight"] >= 1)
+        os.killpg(lab.d1.proc.pid, signal.SIGKILL)
+        lab.d1.proc.wait()
+    finally:
+        for s in lab.p2_sc:
+            s.signal(signal.SIGCONT)
+    t.join(timeout=60 * time_scale())
+    assert not t.is_alive() and errs, "the request ends with the engine"
+    zero_copy_blocks_return(lab, "after the decode engine was killed")

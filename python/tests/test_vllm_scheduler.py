@@ -18,7 +18,8 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import Request, RequestStatus
 
-from kvsidecar import errors
+from kvsidecar import errors, reasons
+from kvsidecar.params import params_to_json, token_digests
 from kvsidecar.v1 import local_pb2, params_pb2
 from kvsidecar.vllm import KVConnectorRole, KVSidecarConnector
 
@@ -52,8 +53,10 @@ class FakeRankSet:
         self.keeps.append(keep)
         if status != local_pb2.FINISH_STATUS_LENGTH:
             return None
+        # The sidecar carries what the engine says the blocks encode.
         return params_pb2.KVTransferParams(do_remote_prefill=True, remote_request_id=request_id, tp_size=2,
-                                           remote_block_ids=per_rank[0])
+                                           remote_block_ids=per_rank[0], prompt_tokens=keep.prompt_tokens,
+                                           token_digests=keep.token_digests)
 
     def close(self) -> None:
         return
@@ -118,6 +121,7 @@ def test_chunked_prefill_saves_every_block_once_the_prompt_completes():
     assert delay is False, "vLLM's blocks are never held: the sidecar keeps its own copy"
     assert params is not None and params["remote_block_ids"] == [100, 101, 102, 103]
     assert params["prompt_tokens"] == 100, "the decode claims at most the prompt the export holds"
+    assert fake.keeps[0].token_digests == token_digests(r.prompt_token_ids, BS), "what the blocks encode"
     assert fake.finished == [("p1", [[100, 101, 102, 103], [200, 201, 202, 203]], local_pb2.FINISH_STATUS_LENGTH)]
     assert fake.keeps[0].do_remote_decode and not fake.keeps[0].HasField("checksums"), "the sidecar's --checksums"
 
@@ -226,3 +230,49 @@ def test_decode_loads_the_blocks_after_its_local_hit_and_an_abort_is_passed_on(h
     assert c.request_finished(r, []) == (False, None)
     m = c.build_connector_meta(output())
     assert m.aborts == ["d1"] and m.loads == []
+
+
+# fault-matrix: token-digest-mismatch
+def test_params_of_another_prompt_are_refused_by_name(caplog):
+    """The reported input: a prompt list [p0, p1] sent to the decode with
+    p0's kv_transfer_params; p1 was answered over p0's KV. Params whose
+    token digests differ from the prompt's own are refused by name and the
+    prompt computed here; matching ones are claimed, their digests passed to
+    the load (the sidecar checks them again before a byte is read)."""
+    p0 = list(range(3, 3 + 3 * BS + 7))
+    p1 = p0[:BS] + [t + 1 for t in p0[BS:]]  # the same first block
+    base = decode_params(remote_block_ids=[11, 12, 13, 14], prompt_tokens=len(p0))
+    params = {**base, "token_digests": params_to_json(params_pb2.KVTransferParams(
+        token_digests=token_digests(p0, BS)))["token_digests"]}
+    c, _ = connector("kv_consumer")
+    other = request("d-p1", len(p1), dict(params))
+    other.prompt_token_ids[:] = p1
+    with caplog.at_level(logging.WARNING, logger="vllm.kvsidecar"):
+        assert c.get_num_new_matched_tokens(other, 0) == (0, False)
+    lines = [x.getMessage() for x in caplog.records if "kv_transfer_params refused" in x.getMessage()]
+    assert len(lines) == 1 and reasons.TOKEN_DIGEST_MISMATCH in lines[0] and "block 1" in lines[0], lines
+    c.update_state_after_alloc(other, KVCacheBlocks(([KVCacheBlock(60 + i) for i in range(4)],)), 0)
+    assert c.build_connector_meta(output()).loads == [], "nothing is read or notified"
+
+    same = request("d-p0", len(p0), dict(params))
+    assert c.get_num_new_matched_tokens(same, 0) == (len(p0), True)
+    c.update_state_after_alloc(same, KVCacheBlocks(([KVCacheBlock(70 + i) for i in range(4)],)), len(p0))
+    (ld,) = c.build_connector_meta(output()).loads
+    assert ld.block_ids == [70, 71, 72, 73] and ld.token_digests == token_digests(p0, BS)
+
+    # Another adapter or cache salt: the same tokens, other KV.
+    salted = request("d-salt", len(p0), dict(params))
+    salted.cache_salt = "tenant-b"
+    assert c.get_num_new_matched_tokens(salted, 0) == (0, False)
+
+
+def test_a_load_given_fewer_blocks_than_it_claimed_fails_whole():
+    # vLLM counts every claimed token as loaded: were fewer blocks loaded,
+    # the rest would be attended over unwritten. The load is refused and
+    # every block reported for recompute.
+    c, _ = connector("kv_consumer")
+    r = request("d1", 4 * BS, decode_params(remote_block_ids=[11, 12, 13, 14]))
+    assert c.get_num_new_matched_tokens(r, 0) == (4 * BS, True)
+    c.update_state_after_alloc(r, KVCacheBlocks(([KVCacheBlock(60 + i) for i in range(3)],)), 4 * BS)
+    (ld,) = c.build_connector_meta(output()).loads
+    assert ld.block_ids == [60, 61, 62] and "3 local blocks for the 4 to load" in ld.refused

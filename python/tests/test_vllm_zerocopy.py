@@ -101,6 +101,60 @@ def test_blocks_are_the_sidecars_and_follow_vllm(pool):
     assert stats(pool.sc)["blocks_used"] == 0 and not pool.pool.release_is_due()
 
 
+class Timers:
+    """threading.Timer's stand-in: records each timer armed; the test fires
+    them."""
+
+    def __init__(self) -> None:
+        self.armed: list[SimpleNamespace] = []
+
+    def __call__(self, seconds: float, fn: Callable[[], None]) -> SimpleNamespace:
+        t = SimpleNamespace(seconds=seconds, fn=fn, daemon=False, start=lambda: None)
+        self.armed.append(t)
+        return t
+
+
+# fault-matrix: zero-copy-blocks-returned
+def test_a_block_taken_back_and_freed_again_is_released_on_time(cluster):
+    """The reported input: a zero-copy engine, idle after two requests of
+    one prompt (the second a prefix hit on the first's held blocks), kept
+    their blocks mapped past the hold until the next request: the wake-up
+    armed for the first free fired before the blocks (freed again by the
+    second) were due, the engine did not step, and nothing armed another."""
+    sc = cluster.start("zc-wake", args=GEOMETRY)
+    c = LocalClient(sc.socket)
+    c.attach()
+    clock, timers, woken = Clock(), Timers(), []
+    p = SidecarBlockPool.install(BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=32), c, hold_seconds=10,
+                                 clock=clock, sleep=clock.sleep, timer=timers)
+    p.set_waker(lambda: woken.append(clock.now))
+    try:
+        a = p.get_new_blocks(2)
+        for i, b in enumerate(a):
+            cache(p, b, b"w%d" % i)
+        p.free_blocks(a)  # held at 1000
+        assert [t.seconds for t in timers.armed] == [pytest.approx(10.05)]
+        clock.now += 4
+        hit = p.get_cached_block(BlockHash(b"w0"), [0]) or []
+        hit += p.get_cached_block(BlockHash(b"w1"), [0]) or []
+        p.touch(hit)  # the second request's prefix hit
+        p.free_blocks(hit)  # held again at 1004
+        assert len(timers.armed) == 1, "one wake-up pending"
+        clock.now += 6.05
+        timers.armed[0].fn()  # fires at 1010.05: nothing is due yet
+        assert woken == [1010.05] and p.release_is_due(), "the engine steps once"
+        p.step_done()
+        assert not p.release_is_due() and stats(sc)["blocks_used"] == 2
+        assert len(timers.armed) == 2 and timers.armed[1].seconds == pytest.approx(4.0), "armed for the blocks held"
+        clock.now += 4.0
+        timers.armed[1].fn()
+        assert p.release_is_due()
+        p.step_done()
+        assert stats(sc)["blocks_used"] == 0 and not p.release_is_due() and len(timers.armed) == 2
+    finally:
+        c.close()
+
+
 def test_pages_follow_the_working_set(pool):
     pages = lambda: pool.sc.metric("kvsidecar_vmm_pages_mapped")  # noqa: E731
     base = pages()
