@@ -3,6 +3,7 @@
 GO        ?= go
 PKGS      ?= ./...
 FUZZTIME  ?= 10s
+SOAK_MINUTES ?= 10
 BIN       ?= bin/kvsidecar
 PROTOC    ?= protoc
 # bin/kvsidecar carries the git revision (`kvsidecar version`, kvsidecar_build_info)
@@ -15,7 +16,7 @@ VENV      ?= .venv
 PYTHON_BASE ?= python3
 PYTHON    := $(abspath $(VENV))/bin/python
 
-.PHONY: help build venv vllm-demo bench-vllm test test-go test-0rtt test-python flake-check e2e bench bench-once fuzz-short lint generate verify ci demo gpu-check clean
+.PHONY: help build venv vllm-demo bench-vllm soak test test-go test-quic-path test-0rtt test-python test-gpu-bundle flake-check flake-check-vllm e2e bench bench-once fuzz-short lint generate verify ci demo gpu-check gpu-bundle clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
@@ -26,19 +27,28 @@ build: ## build bin/kvsidecar
 venv: ## build the pinned Python environment .venv (vLLM, torch, pytest, ...) unless it is up to date
 	VENV=$(VENV) PYTHON_BASE=$(PYTHON_BASE) python/tools/mkvenv.sh
 
-test: test-go test-0rtt test-python ## every test: Go (race detector, shuffled; 0-RTT without it) and Python (the README's test command)
+test: test-go test-quic-path test-0rtt test-python test-gpu-bundle ## every test: Go (race detector, shuffled; the connector and e2e suites also with every READ over QUIC; 0-RTT without it), Python, and the GPU bundle's build (the README's test command)
 
 test-go: ## run every Go test with the race detector, in shuffled order
 	$(GO) test -race -shuffle=on $(PKGS)
 
+test-quic-path: ## the connector and e2e suites again with the same-host path off (KVSIDECAR_SAME_HOST=off): every READ over QUIC
+	KVSIDECAR_SAME_HOST=off $(GO) test -race -shuffle=on -count=1 ./connector/ ./e2e/
+
 test-0rtt: ## the tests that need 0-RTT streams, which race builds never open (quic-go#4303): without the race detector
 	$(GO) test -count=1 -run 'ZeroRTT|FirstKVByte|HandshakeBench' ./connector/ ./transfer/ ./cmd/kvsidecar/internal/demo/
+
+test-gpu-bundle: ## make gpu-bundle builds, and its run.sh fails at once without a GPU (no GPU needed)
+	GO=$(GO) .ci/gpu-bundle-check
 
 test-python: build venv ## run the Python tests (pytest in .venv, against bin/kvsidecar), the real vLLM engines included
 	cd python && KVSIDECAR_BIN=$(CURDIR)/$(BIN) $(PYTHON) -m pytest -q -rP -p no:cacheprovider
 
 flake-check: ## every Go test (-race -shuffle=on -count=3) while a CPU burner keeps every core busy
 	GO=$(GO) PKGS='$(PKGS)' .ci/flake-check
+
+flake-check-vllm: build venv ## the zero-copy real-engine tests, 3 runs in a row, while a CPU burner keeps every core busy (not in CI)
+	PYTHON=$(PYTHON) BIN=$(BIN) .ci/flake-check-vllm
 
 e2e: ## run the black-box tests of the built binary
 	$(GO) test -race -count=1 ./e2e/...
@@ -86,11 +96,20 @@ demo: ## the main job: prefill→decode on the host backend over a real trace
 vllm-demo: build venv ## the main job for a vLLM user: prefill and decode vLLM engines on the CPU, token-exact against a single engine (VLLM_DEMO_FLAGS=--zero-copy: vLLM's KV cache in the sidecars' pages)
 	$(PYTHON) python/tools/vllm_demo.py --kvsidecar $(BIN) $(VLLM_DEMO_FLAGS)
 
+soak: build venv ## chaos soak (not in CI): staging and zero-copy vLLM engines for SOAK_MINUTES (10) under traffic while sidecars and engines are killed; every answer against a single engine, nothing held at the end
+	$(PYTHON) python/tools/soak.py --kvsidecar $(BIN) --minutes $(SOAK_MINUTES) $(SOAK_FLAGS)
+
 bench-vllm: build venv ## KVSidecarConnector beside vLLM's NixlConnector and a single engine: TTFT and KV transfer time per prompt length (bench-vllm.json, bench-vllm.png)
 	$(PYTHON) python/tools/bench_vllm.py --kvsidecar $(BIN) --out bench-vllm
 
 gpu-check: ## on a real GPU: conformance, local API device fds (e2e), demo --backend cuda; fails at once without one
 	GO=$(GO) .ci/gpu-check
+
+# The archive make gpu-bundle writes (under bin/, which git ignores).
+GPU_BUNDLE ?= bin/kvsidecar-gpu-bundle.tar.gz
+
+gpu-bundle: ## build bin/kvsidecar-gpu-bundle.tar.gz (GPU_BUNDLE): gpu-check's steps and a GPU bench, prebuilt, for a GPU machine with only the driver, bash and python3 (run.sh)
+	GO=$(GO) .ci/gpu-bundle $(GPU_BUNDLE)
 
 clean: ## remove build outputs
 	rm -rf bin
