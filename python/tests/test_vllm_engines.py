@@ -569,6 +569,10 @@ def test_a_prefills_4xx_reaches_the_client_as_that_4xx(lab: Lab):
     finally:
         proxy.close()
     wait_for("the export the decode refused released", lambda: stats(lab.p1_sc[0])["leases_held"] == 0)
+    # The proxy's release request (the prefill's own, in the background)
+    # ends on the decode before the next test counts the decode's tokens.
+    wait_for("the decode idle", lambda: vllm_counter(lab.d1, "vllm:num_requests_running")
+             + vllm_counter(lab.d1, "vllm:num_requests_waiting") == 0)
 
 
 def zero_copy_blocks_return(lab: Lab, why: str) -> None:
