@@ -102,6 +102,7 @@ type Pool struct {
 	freeMapped  int               // free blocks in partial and empty pages
 	used        int               // allocated blocks, null block excluded
 	refilling   int               // pages the refill goroutine is mapping
+	refillCap   int               // blocks of the pages the refill goroutine is mapping
 	pins        map[*pin]struct{} // transfers' holds on blocks (Pin)
 	pagePins    []int32           // pins per page index
 	unpinned    chan struct{}     // closed and cleared when a pin goes
@@ -479,7 +480,19 @@ func (p *Pool) AvailableOverLimit() (blocks int, overLimit bool) {
 	if p.closed {
 		return 0, false
 	}
-	return p.availableLocked(), p.limit != 0 && p.committed > p.limitPagesLocked()
+	return p.reportedAvailableLocked()
+}
+
+// reportedAvailableLocked is AvailableOverLimit under p.mu. A page the
+// refill is mapping is neither free nor unmapped: within the limit its
+// blocks are Alloc's (Alloc waits for the refill); over it (the limit
+// lowered while it maps) it is unmapped as soon as it is mapped, so it
+// neither counts nor keeps the pool over the limit.
+func (p *Pool) reportedAvailableLocked() (blocks int, overLimit bool) {
+	if p.limit == 0 || p.committed <= p.limitPagesLocked() {
+		return p.availableLocked() + p.refillCap, false
+	}
+	return p.availableLocked(), p.committed-p.refilling > p.limitPagesLocked()
 }
 
 // SetMemoryLimit sets the limit on mapped bytes across all regions (0 = no
@@ -517,7 +530,7 @@ func (p *Pool) Stats() Stats {
 	}
 	s.BytesMapped = uint64(s.PagesMapped) * p.pageBytes
 	if !p.closed {
-		s.Available = p.availableLocked()
+		s.Available, _ = p.reportedAvailableLocked()
 	}
 	return s
 }

@@ -50,6 +50,7 @@ func (p *Pool) refill() {
 		}
 		pg := p.popUnmappedLocked()
 		p.refilling++
+		p.refillCap += p.capOf(pg)
 		p.mu.Unlock()
 		err := p.mapBackend(p.ctx, []int{pg})
 		if err == nil {
@@ -57,6 +58,7 @@ func (p *Pool) refill() {
 		}
 		p.mu.Lock()
 		p.refilling--
+		p.refillCap -= p.capOf(pg)
 		if err != nil {
 			if p.pages[pg].status != pageBroken {
 				p.pushUnmappedLocked(pg)

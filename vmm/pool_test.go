@@ -450,6 +450,66 @@ func TestPoolAllocWaitsForRefill(t *testing.T) {
 	})
 }
 
+// TestPoolAvailableCountsRefill: the reported input, from the zero-copy
+// block pool on a busy machine: Available said 188 blocks where 252 were
+// free (256 blocks, 64 to a page, 3 in use), one page short, while the
+// refill was mapping the reserve page. A page in flight counts.
+func TestPoolAvailableCountsRefill(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		be := newFailing(t)
+		p := newTestPool(t, Config{Backend: be, PreallocPages: 1})
+		p.settle()
+		total := p.Stats().BlocksTotal // the null block not counted
+		require.Equal(t, total, p.Available())
+		gate := make(chan struct{})
+		be.gate.Store(&gate)
+		// Page 0's blocks and the reserve page's: the refill starts
+		// mapping the next page and is held there.
+		got, err := p.Alloc(context.Background(), 31+32)
+		require.NoError(t, err)
+		synctest.Wait()
+		require.Equal(t, total-len(got), p.Available(), "the page the refill maps counts")
+		require.Equal(t, total-len(got), p.Stats().Available, "in the stats too")
+		be.gate.Store(nil)
+		close(gate)
+		p.settle()
+		require.Equal(t, total-len(got), p.Available())
+		require.NoError(t, p.Close())
+	})
+}
+
+// TestPoolLimitLoweredDuringRefill: the reported input, from the zero-copy
+// block pool on a busy machine: the limit lowered to the two pages in use
+// while the refill mapped a third made the pool say "over the limit" (so
+// the engine released its held blocks) until the refill ended and unmapped
+// that page again. The page in flight neither counts nor keeps it over.
+func TestPoolLimitLoweredDuringRefill(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		be := newFailing(t)
+		p := newTestPool(t, Config{Backend: be, PreallocPages: 1})
+		p.settle()
+		gate := make(chan struct{})
+		be.gate.Store(&gate)
+		_, err := p.Alloc(context.Background(), 31+32) // pages 0 and 1
+		require.NoError(t, err)
+		synctest.Wait() // the refill maps page 2 and is held there
+		st := p.Stats()
+		go func() { _ = p.SetMemoryLimit(2 * st.PageSize * uint64(st.NumRegions)) }()
+		synctest.Wait()
+		n, over := p.AvailableOverLimit()
+		require.Equal(t, 0, n, "pages 0 and 1 are full, and the limit leaves no third")
+		require.False(t, over, "the page the refill maps goes once mapped: only two pages count")
+		be.gate.Store(nil)
+		close(gate)
+		p.settle()
+		n, over = p.AvailableOverLimit()
+		require.Equal(t, 0, n)
+		require.False(t, over)
+		require.Equal(t, 2, p.Stats().PagesMapped, "the refill's page unmapped again")
+		require.NoError(t, p.Close())
+	})
+}
+
 func TestPoolPartialFailure(t *testing.T) {
 	nr := testLayout.NumRegions()
 	for k := 1; k <= 2*nr; k++ {
