@@ -19,6 +19,8 @@ import (
 // "engine session ended" with the reason, shutdown included. Before,
 // /readyz stayed ready and ctl stats said nothing of the engine after it
 // left, and a session with nothing to release logged no end.
+//
+// fault-matrix: engine-session-readiness
 func TestServeReadinessFollowsEngine(t *testing.T) {
 	env := NewEnv(t)
 	s := env.StartSidecar(t, SidecarOpts{Engine: "ready-e", Args: geomFlags})

@@ -84,6 +84,7 @@ def post(proxy: PDProxy, body: dict) -> tuple[int, dict]:
     (200, {"choices": [{"token_ids": [5]}]}),
     (500, {"error": "engine dead"}),
 ])
+# fault-matrix: proxy-prefill-failure
 def test_prefill_without_params_is_a_502_under_fail_and_decode_is_not_asked(status, body):
     pre, dec = Upstream(status, body), Upstream(200, {"choices": []})
     proxy = PDProxy([pre.url], [dec.url], on_prefill_failure="fail").start()
@@ -112,6 +113,7 @@ def get(proxy: PDProxy, path: str) -> tuple[int, str]:
     return r.status, out
 
 
+# fault-matrix: proxy-prefill-failure
 @pytest.mark.parametrize("failure", ["no_params", "server_error", "unreachable"])
 def test_a_failed_prefill_falls_back_to_the_decode_counted_and_logged(failure, caplog):
     # Issue 36: with the prefill sidecar down, the prefill engine answered

@@ -297,6 +297,7 @@ def test_sidecar_restarts(p2d4, cluster):
     check_decode(dec, pre, 42, b_blocks, pblocks, n)
 
 
+# fault-matrix: engine-before-sidecar
 def test_engine_started_before_its_sidecar_waits(cluster):
     # Issue 36: an engine started before its sidecar failed at once with
     # "connect ...: No such file or directory". Its worker now waits
@@ -323,6 +324,7 @@ def test_engine_started_before_its_sidecar_waits(cluster):
         eng.close()
 
 
+# fault-matrix: engine-before-sidecar
 def test_engine_without_a_sidecar_fails_after_the_bound(cluster):
     # No sidecar serves this engine id: after sidecar_wait_seconds the
     # worker's error names the path, the rule and the setting.
