@@ -172,3 +172,55 @@ func TestMarkdownLinksResolve(t *testing.T) {
 	})
 	require.NotZero(t, n, "no relative links found: the walk is broken")
 }
+
+// TestReadmeLogLinesAreTheBinarys: a backquoted README span that reads as
+// one of the binary's log messages (it starts with the first two words of
+// one) is one of them, or a prefix of one ending in "..." (issue 36: the
+// README quoted `engine gone: released its state` where the binary logged
+// another line). Messages are the constant first arguments of the slog
+// calls in the non-test Go files; the few built at run time are listed.
+func TestReadmeLogLinesAreTheBinarys(t *testing.T) {
+	// slog's Info/Warn/Error/Debug, and transfer's rate-limited refusal
+	// loggers (logRefusal(peer, msg, ...), refusals.log(logger, key, msg, ...)).
+	call := regexp.MustCompile(`\.(?:Info|Warn|Error|Debug|logRefusal\(\w+(?:\.\w+)?,|log\([^,]+,[^,]+,)\(?\s*"([^"]+)"`)
+	msgs := map[string]bool{
+		// transfer/serve.go: "transfer: refused a "+op.String().
+		"transfer: refused a READ": true, "transfer: refused a WRITE": true,
+	}
+	walkFiles(t, ".", ".go", func(path string, b []byte) {
+		if strings.HasSuffix(path, "_test.go") || strings.HasSuffix(path, ".pb.go") {
+			return
+		}
+		for _, m := range call.FindAllStringSubmatch(string(b), -1) {
+			msgs[m[1]] = true
+		}
+	})
+	require.Greater(t, len(msgs), 50, "the slog messages of the tree")
+	firstTwo := func(s string) string { return strings.Join(strings.Fields(s)[:min(2, len(strings.Fields(s)))], " ") }
+	families := map[string]bool{}
+	for m := range msgs {
+		if len(strings.Fields(m)) >= 2 {
+			families[firstTwo(m)] = true
+		}
+	}
+	b, err := os.ReadFile("README.md")
+	require.NoError(t, err)
+	checked := 0
+	for _, m := range regexp.MustCompile("`([^`\n]+)`").FindAllStringSubmatch(string(b), -1) {
+		span := m[1]
+		if !families[firstTwo(span)] {
+			continue
+		}
+		checked++
+		if msgs[span] {
+			continue
+		}
+		prefix, cut := strings.CutSuffix(span, " ...")
+		found := false
+		for msg := range msgs {
+			found = found || (cut && strings.HasPrefix(msg, prefix))
+		}
+		require.True(t, found, "README quotes `%s` as a log line; the binary logs no such message", span)
+	}
+	require.Greater(t, checked, 5, "README spans checked")
+}

@@ -84,7 +84,7 @@ func TestFaultCoordinatedFollowerRestart(t *testing.T) {
 	// engine's rank-0 side goes too, ending rank 0's session.
 	ranks[1].Kill(t)
 	require.NoError(t, es[0].Close())
-	ranks[0].WaitLog(t, "engine gone: released its state", StartTimeout)
+	ranks[0].WaitLog(t, "engine session ended", StartTimeout)
 	_ = es[1].Close()
 	mapped0 := ranks[0].Stats(t)["pages_mapped"]
 	require.Greater(t, mapped0, uint64(1), "rank 0 keeps a reserve page beyond page 0")
@@ -148,7 +148,7 @@ func TestFaultCoordinatedSessionEndLeased(t *testing.T) {
 
 	require.NoError(t, es[1].Close())
 	require.NoError(t, es[0].Close())
-	gone := ranks[0].WaitLog(t, "engine gone: released its state", StartTimeout)
+	gone := ranks[0].WaitLog(t, "engine session ended", StartTimeout)
 	require.EqualValues(t, len(other), gone["blocks_freed"], "the blocks no lease holds are freed at once")
 	require.EqualValues(t, 0, gone["blocks_free_failed"])
 	require.Equal(t, uint64(len(leased)), ranks[0].Stats(t)["blocks_used"], "leased blocks stay until their lease ends")
@@ -189,7 +189,7 @@ func TestFaultCoordinatedFollowerKilledFreesOnce(t *testing.T) {
 	require.ErrorContains(t, err, "not allocated by this engine session", "a freed block is not freed twice")
 
 	require.NoError(t, es[0].Close())
-	gone := ranks[0].WaitLog(t, "engine gone: released its state", StartTimeout)
+	gone := ranks[0].WaitLog(t, "engine session ended", StartTimeout)
 	require.EqualValues(t, len(b), gone["blocks_freed"])
 	require.EqualValues(t, 0, gone["blocks_free_failed"])
 	require.Empty(t, logsWith(ranks[0].Proc, "engine gone: freeing its block failed"))

@@ -234,20 +234,30 @@ func (p *Proc) Logs() []map[string]any {
 // the test when the process exits first or after timeout (scaled).
 func (p *Proc) WaitLog(t testing.TB, msg string, timeout time.Duration) map[string]any {
 	t.Helper()
+	return p.WaitLogN(t, msg, 1, timeout)
+}
+
+// WaitLogN is WaitLog for the n-th line (from 1) whose "msg" is msg; it
+// also returns a line the process logged before it exited.
+func (p *Proc) WaitLogN(t testing.TB, msg string, n int, timeout time.Duration) map[string]any {
+	t.Helper()
 	deadline := time.NewTimer(testutil.Scaled(timeout))
 	defer deadline.Stop()
-	seen := 0
+	seen, found := 0, 0
 	for {
+		exited := p.Exited() // before the snapshot: every line is read before the process counts as exited
 		p.mu.Lock()
 		logs, ch := p.logs[seen:], p.changed
 		seen = len(p.logs)
 		p.mu.Unlock()
 		for _, l := range logs {
 			if l["msg"] == msg {
-				return l
+				if found++; found == n {
+					return l
+				}
 			}
 		}
-		if p.Exited() {
+		if exited {
 			t.Fatalf("%s exited (%v) before logging %q", p.Name, p.waitErr, msg)
 		}
 		select {

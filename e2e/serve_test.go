@@ -345,7 +345,7 @@ func TestServeEngineGone(t *testing.T) {
 	require.Contains(t, out, "blocks_used: 2000\n")
 	require.NoError(t, e.Close())
 
-	line := s.WaitLog(t, "engine gone: released its state", StartTimeout)
+	line := s.WaitLog(t, "engine session ended", StartTimeout)
 	require.EqualValues(t, 2000, line["blocks_freed"])
 	code, out, errOut = s.Ctl(t, "stats")
 	require.Zero(t, code, errOut)

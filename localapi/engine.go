@@ -20,7 +20,14 @@ import (
 // behind (its loads, the blocks it still owns) is released.
 
 // create builds the cache on the first call and attaches the connection.
-func (s *Server) create(c *call) (*v1.LocalReply, error) {
+// A refused create is logged (the engine usually stops on it, and the
+// sidecar's log should say why without the engine's).
+func (s *Server) create(c *call) (rep *v1.LocalReply, err error) {
+	defer func() {
+		if err != nil {
+			s.cfg.Logger.Warn("engine attach refused", "code", codes.Of(err).String(), "err", err)
+		}
+	}()
 	if c.draining {
 		return nil, fmt.Errorf("%w: local API refuses new caches", connector.ErrDraining)
 	}
@@ -64,7 +71,8 @@ func (s *Server) create(c *call) (*v1.LocalReply, error) {
 		st.attached = true
 		if id, started := s.eng.attach(); started {
 			cache.Rank.BeginSession(id)
-			s.cfg.Logger.Info("engine session started", "session", id)
+			s.cfg.Logger.Info("engine session started", "session", id, "engine_id", cache.EngineID,
+				"tp_rank", cache.Create.GetTpRank(), "tp_size", cache.Create.GetTpSize())
 		}
 	}
 	return &v1.LocalReply{Result: &v1.LocalReply_Cache{Cache: cacheInfo(cache)}}, nil
@@ -92,53 +100,65 @@ func sameCache(have, want *v1.CreateKVCache) error {
 	return nil
 }
 
-// detach runs when a connection ends. When it was the last connection
-// attached to the cache, the engine session ends: every load it started is
-// aborted (Rank.Abort returns once the READ stopped) and the blocks it
-// allocated and still owns are freed, each exactly once: those held under a
-// prefill lease when their last lease ends (Rank.FreeSessionBlocks; under
-// coordinated ownership the engine would have freed them after
-// done_sending, but it is gone). The session's results that no GetFinished
-// took (and those that arrive later, such as a lease released afterwards)
-// are logged once and dropped: the next engine never sees them. Nothing is
-// freed while the server closes (Close closes the rank and the pool).
-func (s *Server) detach(st *connState) {
+// Why an engine session ended, the reason attribute of "engine session
+// ended" and of a not-ready /readyz: the last attached connection's end.
+const (
+	endClosed   = "the engine closed its connection (it exited, stopped or was killed)"
+	endLost     = "the engine's connection was lost (a socket error: killed with a reply unread, say)"
+	endBadFrame = "the engine sent an unreadable frame; the connection was closed"
+	endWrite    = "a reply could not be written to the engine; the connection was closed"
+	endShutdown = "the sidecar is shutting down"
+)
+
+// detach runs when a connection ends, why being one of the end* reasons.
+// When it was the last connection attached to the cache, the engine
+// session ends: every load it started is aborted (Rank.Abort returns once
+// the READ stopped) and the blocks it allocated and still owns are freed,
+// each exactly once: those held under a prefill lease when their last
+// lease ends (Rank.FreeSessionBlocks; under coordinated ownership the
+// engine would have freed them after done_sending, but it is gone). The
+// session's results that no GetFinished took (and those that arrive later,
+// such as a lease released afterwards) are dropped: the next engine never
+// sees them. One line, "engine session ended", says why and what was
+// released and dropped. Nothing is freed while the server closes (Close
+// closes the rank and the pool).
+func (s *Server) detach(st *connState, why string) {
 	if !st.attached {
-		return
-	}
-	session, blocks, loads, last := s.eng.detach()
-	if !last {
 		return
 	}
 	s.mu.Lock()
 	closed, cache := s.closed, s.cache
 	s.mu.Unlock()
-	if cache == nil {
+	if closed {
+		why = endShutdown
+	}
+	session, blocks, loads, last := s.eng.detach(why)
+	if !last || cache == nil {
 		return
 	}
-	defer func() {
-		if f := cache.Rank.EndSession(session); len(f.RequestIDs()) > 0 {
-			s.cfg.Logger.Info("engine session ended: dropped its results no GetFinished took", "session", session,
-				"done_sending", len(f.DoneSending), "done_recving", len(f.DoneRecving), "failed", len(f.Failed), "request_ids", f.RequestIDs())
-		}
-	}()
-	if closed || (len(blocks) == 0 && len(loads) == 0) {
-		return
-	}
-	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.CallTimeout)
-	defer cancel()
 	log := s.cfg.Logger
-	aborted := 0
-	for _, id := range loads {
-		if err := cache.Rank.Abort(ctx, id); err != nil {
-			log.Error("engine gone: aborting its load failed", "request_id", id, "err", err)
-			continue
+	aborted, freed, leased, failed := 0, 0, 0, 0
+	if !closed && (len(blocks) > 0 || len(loads) > 0) {
+		ctx, cancel := context.WithTimeout(s.ctx, s.cfg.CallTimeout)
+		defer cancel()
+		for _, id := range loads {
+			if err := cache.Rank.Abort(ctx, id); err != nil {
+				log.Error("engine gone: aborting its load failed", "request_id", id, "err", err)
+				continue
+			}
+			aborted++
 		}
-		aborted++
+		freed, leased, failed = s.freeAll(ctx, cache.Rank, blocks)
 	}
-	freed, leased, failed := s.freeAll(ctx, cache.Rank, blocks)
-	log.Info("engine gone: released its state", "loads_aborted", aborted, "blocks_freed", freed,
-		"blocks_freed_when_leases_end", leased, "blocks_free_failed", failed)
+	f := cache.Rank.EndSession(session)
+	attrs := []any{"session", session, "engine_id", cache.EngineID, "reason", why,
+		"loads_aborted", aborted, "blocks_freed", freed, "blocks_freed_when_leases_end", leased, "blocks_free_failed", failed}
+	if ids := f.RequestIDs(); len(ids) > 0 {
+		// Results no GetFinished took: dropped, the next engine never sees them.
+		attrs = append(attrs, "dropped_done_sending", len(f.DoneSending), "dropped_done_recving", len(f.DoneRecving),
+			"dropped_failed", len(f.Failed), "request_ids", ids)
+	}
+	log.Info("engine session ended", attrs...)
 }
 
 // freeAll frees the blocks of an ended session through rank, all at once
@@ -178,6 +198,7 @@ type engineState struct {
 	attached  int                 // open connections that sent create
 	session   uint64              // current session; 0 before the first attach
 	last      uint64              // last session id handed out
+	endReason string              // why the last ended session ended; "" while none ended
 	allocated map[int]struct{}    // allocated in this session, not freed by the engine
 	blocks    map[int]struct{}    // of allocated: still the engine's to free
 	loads     map[string]struct{} // request ids started via StartLoad
@@ -210,15 +231,24 @@ func (e *engineState) current() uint64 {
 	return e.session
 }
 
+// status returns the latest session and its attached connections; when
+// conns is 0 that session ended (why says why) or none began (session 0).
+func (e *engineState) status() (session uint64, conns int, why string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.session, e.attached, e.endReason
+}
+
 // detach drops one attached connection; when it was the last one it
-// returns the session that ended with its blocks still the engine's
-// (sorted) and its loads, and forgets them.
-func (e *engineState) detach() (session uint64, blocks []int, loads []string, last bool) {
+// records why the session ended and returns the session with its blocks
+// still the engine's (sorted) and its loads, and forgets them.
+func (e *engineState) detach(why string) (session uint64, blocks []int, loads []string, last bool) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.attached--; e.attached > 0 {
 		return 0, nil, nil, false
 	}
+	e.endReason = why
 	blocks = slices.Sorted(maps.Keys(e.blocks))
 	loads = slices.Sorted(maps.Keys(e.loads))
 	clear(e.allocated)

@@ -137,7 +137,11 @@ func (s *Server) dispatch(st *connState, req *v1.LocalRequest, name string) (*v1
 }
 
 func (s *Server) stats(c *call) (*v1.LocalReply, error) {
-	return &v1.LocalReply{Result: &v1.LocalReply_Stats{Stats: statsOf(c.cache)}}, nil
+	st := statsOf(c.cache)
+	if session, conns, _ := s.eng.status(); conns > 0 {
+		st.EngineAttached, st.EngineSession = true, session
+	}
+	return &v1.LocalReply{Result: &v1.LocalReply_Stats{Stats: st}}, nil
 }
 
 func (s *Server) available(c *call) (*v1.LocalReply, error) {

@@ -187,23 +187,33 @@ func (s *Server) Cache() *Cache {
 	return s.cache
 }
 
-// Ready reports whether the KV cache exists (and so the rank's QUIC
-// listener is up) and the server is not draining, and says which condition
-// holds: "KV cache attached, QUIC listener up", "no KV cache yet (no engine
-// has attached with a create call)", "draining: shutting down, new requests
-// are refused" or "stopped".
+// Ready reports whether an engine session is attached to the KV cache (and
+// so the rank's QUIC listener is up) and the server is not draining, and
+// says which condition holds: "engine session N attached (engine_id E,
+// tp_rank R of tp_size T, C connections), KV cache and QUIC listener up",
+// "no KV cache yet (no engine has attached with a create call)", "no engine
+// attached: engine session N ended: <why>; a sidecar serves only while its
+// engine is attached", "draining: shutting down, new requests are refused"
+// or "stopped". A cache outlives its engine sessions, so a cache alone is
+// not readiness: a sidecar whose engine left cannot export or load.
 func (s *Server) Ready() (ok bool, why string) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
+	closed, draining, cache := s.closed, s.draining, s.cache
+	s.mu.Unlock()
+	session, conns, ended := s.eng.status()
 	switch {
-	case s.closed:
+	case closed:
 		return false, "stopped"
-	case s.draining:
+	case draining:
 		return false, "draining: shutting down, new requests are refused"
-	case s.cache == nil:
+	case cache == nil:
 		return false, "no KV cache yet (no engine has attached with a create call)"
+	case conns == 0:
+		return false, fmt.Sprintf("no engine attached: engine session %d ended: %s; a sidecar serves only while its engine is attached",
+			session, ended)
 	}
-	return true, "KV cache attached, QUIC listener up"
+	return true, fmt.Sprintf("engine session %d attached (engine_id %s, tp_rank %d of tp_size %d, %d connections), KV cache and QUIC listener up",
+		session, cache.EngineID, cache.Create.GetTpRank(), cache.Create.GetTpSize(), conns)
 }
 
 func (s *Server) acceptLoop() {
@@ -245,7 +255,8 @@ type connState struct {
 func (s *Server) serveConn(c *fdpass.Conn) {
 	r := wire.NewReader(c, s.cfg.MaxRequestBytes)
 	st := &connState{known: map[int]uint64{}}
-	defer s.detach(st)
+	why := endClosed
+	defer func() { s.detach(st, why) }()
 	for {
 		req := &v1.LocalRequest{}
 		err := r.ReadMsg(req)
@@ -253,6 +264,7 @@ func (s *Server) serveConn(c *fdpass.Conn) {
 			if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) {
 				return
 			}
+			why = endBadFrame
 			var opErr *net.OpError
 			if errors.As(err, &opErr) {
 				// The engine's end went away (killed with a reply
@@ -260,6 +272,7 @@ func (s *Server) serveConn(c *fdpass.Conn) {
 				// frame cut short by the end of the stream is a bad one:
 				// its sender may still wait for the answer.
 				s.cfg.Logger.Info("local API: engine connection lost", "err", err)
+				why = endLost
 				return
 			}
 			// The stream cannot be resynchronized after a bad frame: say
@@ -293,6 +306,7 @@ func (s *Server) serveConn(c *fdpass.Conn) {
 		}
 		if err != nil {
 			s.cfg.Logger.Warn("local API: write failed, closing connection", "err", err)
+			why = endWrite
 			return
 		}
 	}

@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -127,7 +128,7 @@ func TestLocalSharedMapping(t *testing.T) {
 	require.NoError(t, err)
 	ok, why = s.srv.Ready()
 	require.True(t, ok)
-	require.Equal(t, "KV cache attached, QUIC listener up", why)
+	require.Equal(t, "engine session 1 attached (engine_id prefill-a, tp_rank 0 of tp_size 1, 1 connections), KV cache and QUIC listener up", why)
 	require.Equal(t, uint32(4), info.GetNumRegions(), "2 layers × K/V")
 	pool := s.srv.Cache().Pool
 
@@ -168,6 +169,50 @@ func TestLocalSharedMapping(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, st.GetCacheReady())
 	require.Zero(t, st.GetBlocksUsed())
+}
+
+// TestLocalReadinessFollowsTheEngine: Ready and Stats report the engine
+// session, not only the cache: a session lasts while any attached
+// connection is open, the cache outlives it, and a new attach starts the
+// next session (before, /readyz said ready and stats nothing of the engine
+// after it left).
+func TestLocalReadinessFollowsTheEngine(t *testing.T) {
+	s := newLocalSidecar(t, "ready-e", nil)
+	sched, worker := dialLocal(t, s), dialLocal(t, s)
+	_, err := sched.Attach(t.Context(), createReq(gqa8, 64))
+	require.NoError(t, err)
+	_, err = worker.Attach(t.Context(), createReq(gqa8, 64))
+	require.NoError(t, err)
+	ok, why := s.srv.Ready()
+	require.True(t, ok)
+	require.Equal(t, "engine session 1 attached (engine_id ready-e, tp_rank 0 of tp_size 1, 2 connections), KV cache and QUIC listener up", why)
+	operator := dialLocal(t, s) // ctl stats: never attached, never counted
+	st, err := operator.Stats(t.Context())
+	require.NoError(t, err)
+	require.True(t, st.GetEngineAttached())
+	require.Equal(t, uint64(1), st.GetEngineSession())
+
+	require.NoError(t, worker.Close())
+	// wallclock: the server sees the close on its own goroutine; polled, never bounded tighter than the scaled timeout.
+	require.Eventually(t, func() bool { _, why := s.srv.Ready(); return strings.Contains(why, "1 connections") },
+		testutil.Scaled(10*time.Second), time.Millisecond, "one connection closed: the session goes on")
+	require.NoError(t, sched.Close())
+	require.Eventually(t, func() bool { ok, _ := s.srv.Ready(); return !ok }, testutil.Scaled(10*time.Second), time.Millisecond)
+	_, why = s.srv.Ready()
+	require.Equal(t, "no engine attached: engine session 1 ended: the engine closed its connection (it exited, stopped or was killed); "+
+		"a sidecar serves only while its engine is attached", why)
+	st, err = operator.Stats(t.Context())
+	require.NoError(t, err)
+	require.True(t, st.GetCacheReady(), "the cache outlives the session")
+	require.False(t, st.GetEngineAttached())
+	require.Zero(t, st.GetEngineSession())
+
+	next := dialLocal(t, s)
+	_, err = next.Attach(t.Context(), createReq(gqa8, 64))
+	require.NoError(t, err)
+	ok, why = s.srv.Ready()
+	require.True(t, ok)
+	require.Contains(t, why, "engine session 2 attached")
 }
 
 func TestLocalMemoryLimit(t *testing.T) {

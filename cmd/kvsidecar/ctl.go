@@ -197,13 +197,16 @@ type statsField struct {
 	v   any // bool or uint64
 }
 
-// statsFields are the lines of ctl stats in order: only cache_ready when
-// no engine attached yet.
+// statsFields are the lines of ctl stats in order: only cache_ready and
+// engine_attached when no engine created the cache yet. engine_attached
+// follows the engine (false again once its session ended, while the cache
+// stays); engine_session names the attached session, 0 for none.
 func statsFields(st *v1.StatsReply) []statsField {
 	if !st.GetCacheReady() {
-		return []statsField{{"cache_ready", false}}
+		return []statsField{{"cache_ready", false}, {"engine_attached", st.GetEngineAttached()}}
 	}
-	return []statsField{{"cache_ready", true}, {"pages_mapped", st.GetPagesMapped()}, {"bytes_mapped", st.GetBytesMapped()},
+	return []statsField{{"cache_ready", true}, {"engine_attached", st.GetEngineAttached()}, {"engine_session", st.GetEngineSession()},
+		{"pages_mapped", st.GetPagesMapped()}, {"bytes_mapped", st.GetBytesMapped()},
 		{"reserve_pages", st.GetReservePages()}, {"blocks_used", st.GetBlocksUsed()}, {"blocks_total", st.GetBlocksTotal()},
 		{"memory_limit_bytes", st.GetMemoryLimitBytes()}, {"reservation_bytes", st.GetReservationBytes()},
 		{"page_size", st.GetPageSize()}, {"num_regions", st.GetNumRegions()}, {"leases_held", st.GetLeasesHeld()},

@@ -579,7 +579,7 @@ func TestServeReadinessAndMetricFamilies(t *testing.T) {
 		require.NoError(t, json.Unmarshal(out.Bytes(), &m), out.String())
 		return m
 	}
-	require.Equal(t, map[string]any{"cache_ready": false}, ctlJSON())
+	require.Equal(t, map[string]any{"cache_ready": false, "engine_attached": false}, ctlJSON())
 
 	code, body := get("/readyz")
 	require.Equal(t, http.StatusServiceUnavailable, code)
@@ -605,10 +605,12 @@ func TestServeReadinessAndMetricFamilies(t *testing.T) {
 	st := ctlJSON()
 	require.Equal(t, true, st["cache_ready"])
 	require.InDelta(t, 3, st["blocks_total"], 0, "numbers are JSON numbers (4 blocks less the null block): %v", st)
-	require.Len(t, st, 12, "the keys of the text output")
+	require.Equal(t, true, st["engine_attached"])
+	require.InDelta(t, 1, st["engine_session"], 0, "the first engine session")
+	require.Len(t, st, 14, "the keys of the text output")
 	code, body = get("/readyz")
 	require.Equal(t, http.StatusOK, code)
-	require.Equal(t, "ready: KV cache attached, QUIC listener up\n", body)
+	require.Equal(t, "ready: engine session 1 attached (engine_id e, tp_rank 0 of tp_size 1, 1 connections), KV cache and QUIC listener up\n", body)
 	_, after := get("/metrics")
 	fb, fa := families(before), families(after)
 	require.Greater(t, len(fa), 25, "the families of transfer, handshake, connector, vmm and the local API")

@@ -34,11 +34,14 @@ The smallest use::
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from google.protobuf.message import DecodeError, Message
 
@@ -52,7 +55,9 @@ __all__ = [
     "DEFAULT_CALL_TIMEOUT_SECONDS",
     "DEFAULT_MAX_REPLY_BYTES",
     "DEFAULT_MAX_REQUEST_BYTES",
+    "DEFAULT_SIDECAR_WAIT_SECONDS",
     "LocalClient",
+    "dial_waiting",
 ]
 
 #: Bounds one request frame: the sidecar's default limit
@@ -64,6 +69,11 @@ DEFAULT_MAX_REPLY_BYTES = limits.DEFAULT_MAX_REPLY_BYTES
 #: Seconds one call may take, from sending the request to the whole reply:
 #: the sidecar's own bound on a call (:mod:`kvsidecar.limits`).
 DEFAULT_CALL_TIMEOUT_SECONDS = limits.DEFAULT_CALL_TIMEOUT_SECONDS
+#: Seconds :func:`dial_waiting` waits for a sidecar whose socket is not
+#: there yet (an engine started before its sidecar).
+DEFAULT_SIDECAR_WAIT_SECONDS = 60.0
+
+_log = logging.getLogger("kvsidecar.local")
 
 
 class LocalClient:
@@ -496,3 +506,82 @@ class LocalClient:
                 self.device_mapping.close()
             self._info = None
             self._frames.close()
+
+
+def _not_up_yet(e: errors.Unavailable) -> bool:
+    """The sidecar is not running (yet): no socket file, or a stale one
+    nobody listens on. Anything else (permissions, a bad path) is final."""
+    return isinstance(e.__cause__, (FileNotFoundError, ConnectionRefusedError))
+
+
+def dial_waiting(
+    path: str,
+    *,
+    engine_id: str,
+    tp_rank: int,
+    wait_seconds: float = DEFAULT_SIDECAR_WAIT_SECONDS,
+    setting: str = "wait_seconds",
+    logger: logging.Logger | None = None,
+    **client_kwargs: Any,
+) -> LocalClient:
+    """Connects to the sidecar of ``engine_id``'s rank ``tp_rank`` at
+    ``path``, waiting up to ``wait_seconds`` for it when its socket is not
+    there yet (an engine started before its sidecar, or while it restarts).
+
+    The wait is logged once (warning) with the socket path, the engine id
+    and the rule: the engine id must be a running sidecar's ``--engine-id``
+    (and the socket dir its ``--socket-dir``), so start the sidecar first.
+    The socket is tried again every 50 ms at first, every second at most.
+
+    Args:
+        path: the socket path (:func:`kvsidecar.paths.local_socket_path`).
+        engine_id: the engine id the path was made from (for the messages).
+        tp_rank: the rank the path was made from (for the messages).
+        wait_seconds: how long to wait, >= 0; 0 tries once.
+        setting: the name of the setting that gave ``wait_seconds``, named
+            in the error after the bound (the vLLM connector passes
+            ``kv_connector_extra_config.sidecar_wait_seconds``).
+        logger: where the wait is logged; default ``kvsidecar.local``.
+        client_kwargs: passed to :class:`LocalClient`.
+
+    Raises:
+        InvalidArgument: ``wait_seconds`` negative or not finite.
+        Unavailable: no sidecar answered within ``wait_seconds``; the message
+            names the path, the engine id, the rule and ``setting``. Other
+            connect errors (permissions, say) are raised at once.
+    """
+    if not (isinstance(wait_seconds, (int, float)) and math.isfinite(wait_seconds) and wait_seconds >= 0):
+        raise errors.InvalidArgument(f"{setting} {wait_seconds!r} must be a finite number of seconds >= 0")
+    log = logger or _log
+    # wallclock: the wait is for another process (the sidecar) to start.
+    start = time.monotonic()
+    deadline = start + wait_seconds
+    pause, waited = 0.05, False
+    while True:
+        try:
+            c = LocalClient(path, **client_kwargs)
+        except errors.Unavailable as e:
+            if not _not_up_yet(e):
+                raise
+            now = time.monotonic()
+            if now >= deadline:
+                raise errors.Unavailable(
+                    f"connect {path}: no sidecar of engine {engine_id!r} tp_rank {tp_rank} answered within "
+                    f"{wait_seconds:g}s ({e.message}): the engine id must be a running sidecar's --engine-id and the "
+                    f"socket dir its --socket-dir; start `kvsidecar serve --engine-id {engine_id} --tp-rank {tp_rank}` "
+                    f"before the engine, or raise {setting}"
+                ) from e
+            if not waited:
+                waited = True
+                log.warning(
+                    "sidecar socket %s is not there yet (%s): waiting up to %gs for the sidecar of engine %r tp_rank %d "
+                    "(the engine id must be a running sidecar's --engine-id; start the sidecar first)",
+                    path, e.message, wait_seconds, engine_id, tp_rank,
+                )
+            time.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, 1.0)
+            continue
+        if waited:
+            log.info("sidecar socket %s is up after %.1fs: engine %r tp_rank %d attaches",
+                     path, time.monotonic() - start, engine_id, tp_rank)
+        return c

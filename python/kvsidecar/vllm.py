@@ -88,7 +88,9 @@ class KVSidecarConnector(KVConnectorBase_V1):
         vllm_config: vLLM's VllmConfig. Read: ``kv_transfer_config``
             (``engine_id``, ``kv_role``, ``kv_connector_extra_config``:
             ``socket_dir``, ``engine_id``, ``call_timeout_seconds``,
-            ``num_blocks``, ``tp_rank`` for engines that are not vLLM),
+            ``sidecar_wait_seconds`` (default 60: how long a worker waits
+            at start for its sidecar's socket), ``num_blocks``,
+            ``tp_rank`` for engines that are not vLLM),
             ``parallel_config.tensor_parallel_size``,
             ``cache_config.block_size`` and ``model_config`` (layers, KV
             heads, head size, dtype).
@@ -96,7 +98,8 @@ class KVSidecarConnector(KVConnectorBase_V1):
         kv_cache_config: vLLM's KVCacheConfig: ``num_blocks`` (blocks per layer tensor).
 
     Raises:
-        InvalidArgument: no engine id, an unknown kv_role.
+        InvalidArgument: no engine id, an unknown kv_role, a
+            ``sidecar_wait_seconds`` that is not a number >= 0.
     """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:

@@ -11,6 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvsidecar import errors
 from kvsidecar.limits import DEFAULT_CALL_TIMEOUT_SECONDS
+from kvsidecar.local import DEFAULT_SIDECAR_WAIT_SECONDS
 from kvsidecar.paths import default_socket_dir, local_socket_path
 from kvsidecar.rankset import dtype_code
 from kvsidecar.v1 import common_pb2
@@ -96,6 +97,26 @@ class KVSidecarConnectorMetadata(KVConnectorMetadata):
     sync_mappings: bool = False
 
 
+def sidecar_wait_seconds(extra: dict[str, Any]) -> float:
+    """``kv_connector_extra_config.sidecar_wait_seconds``: a number >= 0,
+    default :data:`kvsidecar.local.DEFAULT_SIDECAR_WAIT_SECONDS`.
+
+    Raises:
+        InvalidArgument: not a finite number >= 0 (naming the value).
+    """
+    v = extra.get("sidecar_wait_seconds", DEFAULT_SIDECAR_WAIT_SECONDS)
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        f = float("nan")
+    if isinstance(v, bool) or not (f >= 0 and f != float("inf")):
+        raise errors.InvalidArgument(
+            f"KVSidecarConnector: kv_connector_extra_config.sidecar_wait_seconds {v!r} must be a number of "
+            "seconds >= 0 (how long a worker waits at start for its sidecar; 0: not at all)"
+        )
+    return f
+
+
 def role_name(role: Any) -> str:
     return getattr(role, "name", str(role))
 
@@ -117,6 +138,9 @@ class ConnectorConfig:
             )
         self.socket_dir: str = extra.get("socket_dir") or default_socket_dir()
         self.timeout: float = float(extra.get("call_timeout_seconds", DEFAULT_CALL_TIMEOUT_SECONDS))
+        #: Seconds a worker waits at start for its sidecar's socket
+        #: (``sidecar_wait_seconds``, default 60; 0: fail at once).
+        self.sidecar_wait_seconds: float = sidecar_wait_seconds(extra)
         self.num_blocks: int = int(extra.get("num_blocks", 0))
         self.tp_rank_override: int | None = int(extra["tp_rank"]) if "tp_rank" in extra else None
         role = getattr(kt, "kv_role", None) or "kv_both"

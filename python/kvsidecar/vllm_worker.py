@@ -10,7 +10,7 @@ from typing import Any
 
 from kvsidecar import errors, vllm_plugin
 from kvsidecar.devicemap import CudaDeviceMapping
-from kvsidecar.local import LocalClient
+from kvsidecar.local import LocalClient, dial_waiting
 from kvsidecar.params import params_from_json, req_meta
 from kvsidecar.rankset import attach_rank
 from kvsidecar.staging import LayerLayout, Staging, layer_layout
@@ -124,7 +124,7 @@ class WorkerSide:
             want = backend_layout(backend, kv_layout, cache_dtype)
             on_device = getattr(device, "type", "cpu") == "cuda"
             dm = CudaDeviceMapping(self.cfg.cuda_library, getattr(device, "index", None) or 0) if on_device else None
-            c = LocalClient(self.cfg.socket(self.rank), timeout=self.cfg.timeout, device_mapping=dm)
+            c = self._dial(self.cfg.sidecar_wait_seconds, device_mapping=dm)
             spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
             try:
                 info = attach_rank(c, self.rank, self.cfg.tp_size, self.cfg.geometry(spec.dtype, want),
@@ -199,17 +199,26 @@ class WorkerSide:
         for n in names:
             # Raises naming the shape when a tensor is not the layout's.
             self.layout.kv_views(kv_caches[n], self.cfg.num_vllm_blocks)
-        self._connect()
+        self._connect(self.cfg.sidecar_wait_seconds)
         log.info("rank %d: staging: vLLM keeps its KV tensors (%s) and the connector copies each exported or "
                  "loaded block through sidecar %s's pages", self.rank, self.layout.describe(), self.cfg.socket(self.rank))
 
-    def _connect(self) -> LocalClient:
+    def _dial(self, wait_seconds: float, **kwargs: Any) -> LocalClient:
+        """Connects to this rank's sidecar, waiting up to ``wait_seconds``
+        for its socket (logged once, naming the rule)."""
+        return dial_waiting(self.cfg.socket(self.rank), engine_id=self.cfg.engine_id, tp_rank=self.rank,
+                            wait_seconds=wait_seconds, setting="kv_connector_extra_config.sidecar_wait_seconds",
+                            logger=log, timeout=self.cfg.timeout, **kwargs)
+
+    def _connect(self, wait_seconds: float = 0) -> LocalClient:
         """Dials and attaches to this rank's sidecar and checks vLLM's KV
-        tensors against its cache."""
+        tensors against its cache. At start the worker waits up to
+        ``wait_seconds`` for the sidecar; a redial during serving does not
+        wait (it runs in the engine's step)."""
         first = self.kv[0]
         layout = self.layout
         assert layout is not None, "register_kv_caches first"
-        c = LocalClient(self.cfg.socket(self.rank), timeout=self.cfg.timeout)
+        c = self._dial(wait_seconds)
         try:
             info = attach_rank(c, self.rank, self.cfg.tp_size, self.cfg.geometry(first.dtype), self.cfg.num_blocks,
                                default_blocks=self.cfg.num_vllm_blocks)

@@ -3,13 +3,16 @@ Cluster of real ``kvsidecar serve`` processes per test."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -41,6 +44,58 @@ def wait_for(what: str, cond, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} within {timeout}s")
         time.sleep(0.01)
+
+
+class LogWatch(logging.Handler):
+    """Keeps the messages of one logger at ``level`` and above while
+    installed (a ``with`` block); ``seen`` is set at the first."""
+
+    def __init__(self, logger: str, level: int = logging.INFO) -> None:
+        super().__init__(level)
+        self.logger = logging.getLogger(logger)
+        self.records: list[logging.LogRecord] = []
+        self.seen = threading.Event()
+
+    def __enter__(self) -> LogWatch:
+        self.logger.addHandler(self)
+        if self.logger.getEffectiveLevel() > self.level:
+            self.logger.setLevel(self.level)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self.seen.set()
+
+    def messages(self, level: int) -> list[str]:
+        """The messages logged at exactly ``level``."""
+        return [r.getMessage() for r in self.records if r.levelno == level]
+
+
+class Background:
+    """Runs ``fn`` on a thread; :meth:`result` joins it and returns its
+    value or raises its exception."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._value = fn()
+            except BaseException as e:
+                self._error = e
+
+        self._t = threading.Thread(target=run)
+        self._t.start()
+
+    def result(self) -> Any:
+        self._t.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 @pytest.fixture(scope="session")

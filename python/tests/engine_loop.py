@@ -124,8 +124,9 @@ class ModelConfig:
 LAYOUTS = {"CPU_ATTN": "LBHNC", "FLASH_ATTN": "LBNHC", "FLASHINFER": "LBHNC"}
 
 
-def vllm_config(engine_id: str, kv_role: str, tp_size: int, socket_dir: str, tp_rank: int | None = None) -> Any:
-    extra: dict[str, Any] = {"socket_dir": socket_dir}
+def vllm_config(engine_id: str, kv_role: str, tp_size: int, socket_dir: str, tp_rank: int | None = None,
+                more: dict[str, Any] | None = None) -> Any:
+    extra: dict[str, Any] = {"socket_dir": socket_dir, **(more or {})}
     if tp_rank is not None:
         extra["tp_rank"] = tp_rank
     return SimpleNamespace(
@@ -151,7 +152,7 @@ class Engine:
     connector per TP rank, each with its own KV tensors, and a block pool."""
 
     def __init__(self, engine_id: str, kv_role: str, tp_size: int, socket_dir: str, num_blocks: int,
-                 backend: str = "CPU_ATTN", kernel_ratio: int = 1) -> None:
+                 backend: str = "CPU_ATTN", kernel_ratio: int = 1, extra: dict[str, Any] | None = None) -> None:
         self.engine_id, self.tp_size, self.num_blocks = engine_id, tp_size, num_blocks
         # vLLM splits each block into kernel_ratio kernel blocks when the
         # backend's kernels take smaller blocks (dim 0 then counts those).
@@ -159,12 +160,12 @@ class Engine:
         self.heads = KV_HEADS // tp_size
         self.layout: LayerLayout = layer_layout(backend, LAYOUTS[backend], HEAD_DIM)
         kcc = SimpleNamespace(num_blocks=num_blocks)
-        self.sched = KVSidecarConnector(vllm_config(engine_id, kv_role, tp_size, socket_dir), KVConnectorRole.SCHEDULER,
-                                        kcc)
+        self.sched = KVSidecarConnector(vllm_config(engine_id, kv_role, tp_size, socket_dir, more=extra),
+                                        KVConnectorRole.SCHEDULER, kcc)
         self.workers = []
         self.kv: list[dict[str, torch.Tensor]] = []
         for r in range(tp_size):
-            w = KVSidecarConnector(vllm_config(engine_id, kv_role, tp_size, socket_dir, tp_rank=r),
+            w = KVSidecarConnector(vllm_config(engine_id, kv_role, tp_size, socket_dir, tp_rank=r, more=extra),
                                    KVConnectorRole.WORKER, kcc)
             # No vLLM model runs here to name its attention backend.
             w._worker.layout_of = lambda cfg: self.layout

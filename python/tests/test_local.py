@@ -4,14 +4,17 @@ socket)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
 
 import pytest
+from conftest import Background, LogWatch
 
 from kvsidecar import errors
-from kvsidecar.local import LocalClient
+from kvsidecar.devserve import time_scale
+from kvsidecar.local import LocalClient, dial_waiting
 from kvsidecar.params import params_from_json, params_to_json
 from kvsidecar.paths import local_socket_path
 from kvsidecar.v1 import common_pb2, local_pb2, params_pb2
@@ -401,3 +404,53 @@ def test_merge_exports_and_req_meta():
         merge_exports([r0, other])
     meta = req_meta("r", [5, 6], m, remote_hit_blocks=1)
     assert meta.remote_hit_blocks == 1 and meta.local_surplus_blocks == 0
+
+
+def test_dial_waits_for_a_sidecar_started_later(cluster):
+    # An engine whose sidecar is not up yet waits for its socket (logged
+    # once, naming the path, the engine id and the rule), then attaches.
+    engine = "late-e"
+    path = local_socket_path(cluster.socket_dir, engine, 0)
+    with LogWatch("test.dial_waiting") as logs:
+        dial = Background(lambda: dial_waiting(path, engine_id=engine, tp_rank=0, wait_seconds=600,
+                                               logger=logs.logger))
+        try:
+            assert logs.seen.wait(60 * time_scale()), "the client logs that it waits"
+            s = cluster.start(engine, args=GEOM_FLAGS)
+        finally:
+            c = dial.result()
+    with c:
+        info = c.attach(geometry=GEOM, num_blocks=64)
+        assert info.num_blocks == 64
+        st = c.stats()
+        assert st.engine_attached and st.engine_session == 1
+    assert s.socket == path
+    waits = logs.messages(logging.WARNING)
+    assert len(waits) == 1, waits
+    assert path in waits[0] and "'late-e' tp_rank 0" in waits[0]
+    assert "must be a running sidecar's --engine-id" in waits[0]
+    assert any("is up after" in m for m in logs.messages(logging.INFO))
+
+
+def test_dial_wait_bound_names_the_rule(tmp_path):
+    # No sidecar serves this engine id: after the bound the error names the
+    # path, the engine id, the rule and the setting; a stale socket file
+    # (nobody listening) counts as not up yet.
+    d = tmp_path / "sock"
+    d.mkdir(mode=0o700)
+    path = local_socket_path(str(d), "ghost", 1)
+    for stale in (False, True):
+        if stale:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(path)
+            s.close()  # the file stays, nobody listens
+        with pytest.raises(errors.Unavailable) as ei:
+            dial_waiting(path, engine_id="ghost", tp_rank=1, wait_seconds=0.2, setting="sidecar_wait_seconds")
+        msg = ei.value.message
+        assert ei.value.code == common_pb2.CODE_UNAVAILABLE
+        assert msg.startswith(f"connect {path}: no sidecar of engine 'ghost' tp_rank 1 answered within 0.2s")
+        assert "the engine id must be a running sidecar's --engine-id" in msg
+        assert "kvsidecar serve --engine-id ghost --tp-rank 1" in msg and msg.endswith("or raise sidecar_wait_seconds")
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(errors.InvalidArgument, match=r"must be a finite number of seconds >= 0"):
+            dial_waiting(path, engine_id="ghost", tp_rank=1, wait_seconds=bad)

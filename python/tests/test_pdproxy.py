@@ -1,16 +1,19 @@
-"""kvsidecar.pdproxy's refusals (its happy path runs against real vLLM
-engines in test_vllm_engines.py): a prefill that answers without
-kv_transfer_params, or with an error, is the client's 502 naming it, and
-the decode is never asked; a prefill's 4xx is the client's; a server that
-cannot be reached is a 502 naming it; a prompt that ends at its first token
-is the decode's to answer whole; a prompt list gets a prefill and a decode
-per prompt, each with its own params."""
+"""kvsidecar.pdproxy's refusals and policies (its happy path runs against
+real vLLM engines in test_vllm_engines.py): a prefill that answers without
+kv_transfer_params, fails or cannot be reached is, under ``fail``, the
+client's 502 naming it (the decode never asked), and under ``fallback`` the
+decode's to compute whole (counted on /metrics, logged with the request
+id); a prefill's or decode's 4xx is the client's; a decode that cannot be
+reached is a 502 naming it; a prompt that ends at its first token is the
+decode's to answer whole; a prompt list gets a prefill and a decode per
+prompt, each with its own params."""
 
 from __future__ import annotations
 
 import http.client
 import http.server
 import json
+import logging
 import socket
 import threading
 from collections.abc import Callable
@@ -81,9 +84,10 @@ def post(proxy: PDProxy, body: dict) -> tuple[int, dict]:
     (200, {"choices": [{"token_ids": [5]}]}),
     (500, {"error": "engine dead"}),
 ])
-def test_prefill_without_params_is_a_502_and_decode_is_not_asked(status, body):
+# fault-matrix: proxy-prefill-failure
+def test_prefill_without_params_is_a_502_under_fail_and_decode_is_not_asked(status, body):
     pre, dec = Upstream(status, body), Upstream(200, {"choices": []})
-    proxy = PDProxy([pre.url], [dec.url]).start()
+    proxy = PDProxy([pre.url], [dec.url], on_prefill_failure="fail").start()
     try:
         code, out = post(proxy, {"model": "m", "prompt": [1, 2, 3], "max_tokens": 9, "stream": True})
         assert code == 502
@@ -91,10 +95,88 @@ def test_prefill_without_params_is_a_502_and_decode_is_not_asked(status, body):
         assert pre.got == [{"model": "m", "prompt": [1, 2, 3], "max_tokens": 1, "stream": False,
                             "kv_transfer_params": {"do_remote_decode": True}}]
         assert dec.got == []
+        reason = "no_params" if status == 200 else "server_error"
+        assert proxy.metrics.get("kvsidecar_pdproxy_prefill_failures_total", reason) == 1
+        assert proxy.metrics.get("kvsidecar_pdproxy_fallbacks_total", reason) == 0
     finally:
         proxy.close()
         pre.close()
         dec.close()
+
+
+def get(proxy: PDProxy, path: str) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
+    conn.request("GET", path)
+    r = conn.getresponse()
+    out = r.read().decode()
+    conn.close()
+    return r.status, out
+
+
+# fault-matrix: proxy-prefill-failure
+@pytest.mark.parametrize("failure", ["no_params", "server_error", "unreachable"])
+def test_a_failed_prefill_falls_back_to_the_decode_counted_and_logged(failure, caplog):
+    # Issue 36: with the prefill sidecar down, the prefill engine answered
+    # 200 without params and the proxy answered 502 to most requests. Under
+    # fallback (the default) the decode computes the prompt; the fallback
+    # is counted on the proxy's /metrics and logged with the request id.
+    pre = {"no_params": Upstream(200, {"choices": [{"token_ids": [5], "finish_reason": "length"}]}),
+           "server_error": Upstream(503, {"error": "sidecar unavailable"}),
+           "unreachable": Upstream(200, {})}[failure]
+    if failure == "unreachable":
+        pre.close()  # its port now refuses
+    dec = Upstream(200, {"choices": [{"token_ids": [7, 8]}]})
+    proxy = PDProxy([pre.url], [dec.url]).start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvsidecar.pdproxy"):
+            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
+            conn.request("POST", "/v1/completions", json.dumps({"model": "m", "prompt": [1, 2], "max_tokens": 4}),
+                         {"Content-Type": "application/json", "X-Request-Id": "client-42"})
+            r = conn.getresponse()
+            assert (r.status, json.loads(r.read())) == (200, {"choices": [{"token_ids": [7, 8]}]})
+            assert r.getheader("X-Request-Id") == "client-42"
+            conn.close()
+        assert dec.got == [{"model": "m", "prompt": [1, 2], "max_tokens": 4}], "no params: the decode computes it"
+        lines = [rec.getMessage() for rec in caplog.records if rec.name == "kvsidecar.pdproxy"]
+        assert len(lines) == 1, lines
+        assert lines[0].startswith(f"request client-42: prefill {pre.url} ")
+        assert "fallback: the decode computes the prompt" in lines[0]
+        code, text = get(proxy, "/metrics")
+        assert code == 200
+        assert f'kvsidecar_pdproxy_fallbacks_total{{reason="{failure}"}} 1\n' in text
+        assert f'kvsidecar_pdproxy_prefill_failures_total{{reason="{failure}"}} 1\n' in text
+        assert "kvsidecar_pdproxy_requests_total 1\n" in text
+        others = {"no_params", "server_error", "unreachable"} - {failure}
+        assert all(f'kvsidecar_pdproxy_fallbacks_total{{reason="{o}"}} 0\n' in text for o in others)
+        assert "# TYPE kvsidecar_pdproxy_fallbacks_total counter" in text
+    finally:
+        proxy.close()
+        if failure != "unreachable":
+            pre.close()
+        dec.close()
+
+
+def test_a_prompt_list_falls_back_per_prompt():
+    # One prompt's prefill fails: that prompt's decode computes it, the
+    # other keeps its params.
+    good, dead = Upstream(200, _prefill_of), Upstream(500, {"error": "boom"})
+    dec = Upstream(200, _decode_of)
+    proxy = PDProxy([good.url, dead.url], [dec.url]).start()
+    try:
+        code, out = post(proxy, {"model": "m", "prompt": [[10], [20]], "max_tokens": 4})
+        assert code == 200
+        assert [c["params"] for c in out["choices"]] == ["p-10", None]
+        assert proxy.metrics.get("kvsidecar_pdproxy_fallbacks_total", "server_error") == 1
+    finally:
+        proxy.close()
+        good.close()
+        dead.close()
+        dec.close()
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match=r"on_prefill_failure 'retry' must be one of fallback, fail"):
+        PDProxy(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], on_prefill_failure="retry")
 
 
 def test_a_prompt_that_ends_at_its_first_token_goes_to_decode_whole():
@@ -136,11 +218,12 @@ def test_a_server_that_cannot_be_reached_is_a_502_naming_it(down):
     gone = Upstream(200, {})
     gone.close()  # its port now refuses
     pre, dec = (gone, up) if down == "prefill" else (up, gone)
-    proxy = PDProxy([pre.url], [dec.url]).start()
+    proxy = PDProxy([pre.url], [dec.url], on_prefill_failure="fail").start()
     try:
         code, out = post(proxy, {"model": "m", "prompt": [1], "max_tokens": 4})
         assert code == 502
         assert out["error"].startswith(f"pdproxy: {down} {gone.url} cannot be reached: ")
+        assert proxy.metrics.get(f"kvsidecar_pdproxy_{down}_failures_total", "unreachable") == 1
     finally:
         proxy.close()
         up.close()
@@ -155,6 +238,8 @@ def test_a_prefills_4xx_is_the_clients():
     try:
         assert post(proxy, {"model": "m", "prompt": [1, 2], "max_tokens": 4, "n": 2, "temperature": 0}) == (400, why)
         assert dec.got == [], "the decode is never asked"
+        assert proxy.metrics.get("kvsidecar_pdproxy_client_errors_total", "prefill") == 1
+        assert proxy.metrics.get("kvsidecar_pdproxy_fallbacks_total", "server_error") == 0, "a 4xx is no fallback"
     finally:
         proxy.close()
         pre.close()
@@ -177,6 +262,7 @@ def test_a_decode_that_refuses_an_export_releases_it():
         wait_for("the release request", lambda: len(dec.got) == 2)
         assert dec.got[1] == {"model": "m", "prompt": [1, 2], "max_tokens": 1, "temperature": 0, "stream": False,
                               "kv_transfer_params": params}
+        assert proxy.metrics.get("kvsidecar_pdproxy_client_errors_total", "decode") == 1
     finally:
         proxy.close()
         pre.close()

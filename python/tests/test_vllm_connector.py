@@ -3,14 +3,18 @@ serve` processes: prefill TP 2 -> decode TP 4 of llama-3.2-1b's geometry."""
 
 from __future__ import annotations
 
+import logging
 import signal
 
 import pytest
 import torch
-from conftest import stats, wait_for
+from conftest import Background, LogWatch, stats, wait_for
 from engine_loop import BLOCK_SIZE, LAYERS, Engine, RequestStatus, pattern
 
+from kvsidecar import errors
+from kvsidecar.devserve import time_scale
 from kvsidecar.local import LocalClient
+from kvsidecar.paths import local_socket_path
 
 MODEL = ["--model", "llama-3.2-1b"]
 REGIONS = 2 * LAYERS
@@ -291,3 +295,45 @@ def test_sidecar_restarts(p2d4, cluster):
     got, invalid = dec.run_until({"r-b"})
     assert got == {"r-b"} and invalid == set()
     check_decode(dec, pre, 42, b_blocks, pblocks, n)
+
+
+# fault-matrix: engine-before-sidecar
+def test_engine_started_before_its_sidecar_waits(cluster):
+    # Issue 36: an engine started before its sidecar failed at once with
+    # "connect ...: No such file or directory". Its worker now waits
+    # (sidecar_wait_seconds), logs that once with the path, the engine id
+    # and the rule, and attaches when the sidecar is up.
+    with LogWatch("vllm.kvsidecar", logging.WARNING) as logs:
+        run = Background(lambda: Engine("late-a", "kv_producer", 1, cluster.socket_dir, num_blocks=64,
+                                        extra={"sidecar_wait_seconds": 600}))
+        try:
+            assert logs.seen.wait(60 * time_scale()), "the worker logs that it waits"
+            (sc,) = start(cluster, "late-a", 1, "prefill", 128)
+        finally:
+            eng = run.result()
+    try:
+        path = local_socket_path(cluster.socket_dir, "late-a", 0)
+        wait_msgs = [m for m in logs.messages(logging.WARNING) if "is not there yet" in m]
+        assert len(wait_msgs) == 1, logs.messages(logging.WARNING)
+        assert path in wait_msgs[0] and "'late-a' tp_rank 0" in wait_msgs[0]
+        assert "must be a running sidecar's --engine-id" in wait_msgs[0]
+        with LocalClient(sc.socket) as c:
+            st = c.stats()
+        assert st.engine_attached and st.engine_session == 1 and st.blocks_total == 127
+    finally:
+        eng.close()
+
+
+# fault-matrix: engine-before-sidecar
+def test_engine_without_a_sidecar_fails_after_the_bound(cluster):
+    # No sidecar serves this engine id: after sidecar_wait_seconds the
+    # worker's error names the path, the rule and the setting.
+    with pytest.raises(errors.Unavailable) as ei:
+        Engine("ghost", "kv_producer", 1, cluster.socket_dir, num_blocks=64, extra={"sidecar_wait_seconds": 0.3})
+    msg = ei.value.message
+    assert msg.startswith(f"connect {local_socket_path(cluster.socket_dir, 'ghost', 0)}: no sidecar of engine 'ghost'")
+    assert "the engine id must be a running sidecar's --engine-id" in msg
+    assert msg.endswith("or raise kv_connector_extra_config.sidecar_wait_seconds")
+    for bad in (-1, "soon", True, float("inf")):
+        with pytest.raises(errors.InvalidArgument, match=r"sidecar_wait_seconds .* must be a number of seconds >= 0"):
+            Engine("ghost", "kv_producer", 1, cluster.socket_dir, num_blocks=64, extra={"sidecar_wait_seconds": bad})

@@ -650,6 +650,7 @@ def test_zero_copy_returns_every_block_after_a_lease_expiry(lab: Lab):
 
 
 # fault-matrix: vllm-prefill-sidecar-killed
+# fault-matrix: proxy-prefill-failure
 def test_prefill_sidecar_killed_while_decode_loads_is_recomputed(lab: Lab):
     prompt = random.Random(5).choices(range(3, 2000), k=10 * BLOCK + 7)
     want = lab.reference(prompt)
@@ -677,6 +678,29 @@ def test_prefill_sidecar_killed_while_decode_loads_is_recomputed(lab: Lab):
         return
     wait_for("the decode's blocks freed", lambda: stats(lab.d1_sc[0]) == {"blocks_used": 0, "leases_held": 0,
                                                                           "loads_in_flight": 0})
+    # Issue 36: while the prefill's sidecar is down the proxy turned its
+    # engine's answers (no kv_transfer_params) into 502s. Its policy now
+    # decides: fallback (the default: the decode computes each prompt,
+    # token-exact, counted) or fail (a 502 naming the prefill).
+    degrade = PDProxy([lab.p1.url], [lab.d1.url]).start()
+    strict = PDProxy([lab.p1.url], [lab.d1.url], on_prefill_failure="fail").start()
+    try:
+        for i in range(3):
+            q = random.Random(70 + i).choices(range(3, 2000), k=2 * BLOCK + i)
+            assert proxy_complete(degrade, q) == lab.reference(q), f"prompt {i}: token-exact after the fallback"
+        fell = {r: degrade.metrics.get("kvsidecar_pdproxy_fallbacks_total", r)
+                for r in ("no_params", "server_error", "unreachable")}
+        assert sum(fell.values()) == 3, fell
+        conn = http.client.HTTPConnection("127.0.0.1", strict.port, timeout=300 * time_scale())
+        conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": prompt2_of(7), "max_tokens": 4}),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        text = r.read().decode()
+        conn.close()
+        assert r.status == 502 and f"pdproxy: prefill {lab.p1.url} " in text, (r.status, text)
+    finally:
+        degrade.close()
+        strict.close()
     # The operator restarts the sidecar; the prefill engine carries on with it.
     lab.p1_sc[0] = lab.cluster.restart(lab.p1_sc[0])
     prompt2 = random.Random(6).choices(range(3, 2000), k=3 * BLOCK)
@@ -684,6 +708,11 @@ def test_prefill_sidecar_killed_while_decode_loads_is_recomputed(lab: Lab):
     _, d = devvllm.pd_complete(lab.p1, lab.d1, prompt2, max_tokens=MAX_TOKENS)
     assert d.token_ids == lab.reference(prompt2)
     assert read_bytes(lab.d1_sc) - before == 3 * BLOCK * lab.model.kv_bytes_per_token(), "loaded, not recomputed"
+
+
+def prompt2_of(seed: int) -> list[int]:
+    """A two-block prompt of its own (the decode holds none of its blocks)."""
+    return random.Random(seed).choices(range(3, 2000), k=2 * BLOCK + 1)
 
 
 def _start_decode(lab: Lab, prompt: list[int]) -> tuple[dict, threading.Thread, dict]:

@@ -1072,7 +1072,14 @@ type StatsReply struct {
 	PageSize         uint64 `protobuf:"varint,11,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
 	NumRegions       uint64 `protobuf:"varint,12,opt,name=num_regions,json=numRegions,proto3" json:"num_regions,omitempty"`
 	// False before an engine created the KV cache (every other field is 0).
-	CacheReady    bool `protobuf:"varint,13,opt,name=cache_ready,json=cacheReady,proto3" json:"cache_ready,omitempty"`
+	CacheReady bool `protobuf:"varint,13,opt,name=cache_ready,json=cacheReady,proto3" json:"cache_ready,omitempty"`
+	// True while an engine session is attached: at least one connection that
+	// sent create is open. A cache outlives its engine sessions, so
+	// cache_ready stays true after the engine left; this does not.
+	EngineAttached bool `protobuf:"varint,14,opt,name=engine_attached,json=engineAttached,proto3" json:"engine_attached,omitempty"`
+	// The attached engine session's id (1, 2, ... per sidecar process); 0
+	// when none is attached.
+	EngineSession uint64 `protobuf:"varint,15,opt,name=engine_session,json=engineSession,proto3" json:"engine_session,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1196,6 +1203,20 @@ func (x *StatsReply) GetCacheReady() bool {
 		return x.CacheReady
 	}
 	return false
+}
+
+func (x *StatsReply) GetEngineAttached() bool {
+	if x != nil {
+		return x.EngineAttached
+	}
+	return false
+}
+
+func (x *StatsReply) GetEngineSession() uint64 {
+	if x != nil {
+		return x.EngineSession
+	}
+	return 0
 }
 
 // MappingDelta brings an attached engine's view of the shared pages up to
@@ -1761,7 +1782,7 @@ const file_kvsidecar_v1_local_proto_rawDesc = "" +
 	"\x05Abort\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\"\a\n" +
-	"\x05Stats\"\xe1\x03\n" +
+	"\x05Stats\"\xb1\x04\n" +
 	"\n" +
 	"StatsReply\x12!\n" +
 	"\fpages_mapped\x18\x01 \x01(\x04R\vpagesMapped\x12!\n" +
@@ -1781,7 +1802,9 @@ const file_kvsidecar_v1_local_proto_rawDesc = "" +
 	"\vnum_regions\x18\f \x01(\x04R\n" +
 	"numRegions\x12\x1f\n" +
 	"\vcache_ready\x18\r \x01(\bR\n" +
-	"cacheReady\"{\n" +
+	"cacheReady\x12'\n" +
+	"\x0fengine_attached\x18\x0e \x01(\bR\x0eengineAttached\x12%\n" +
+	"\x0eengine_session\x18\x0f \x01(\x04R\rengineSession\"{\n" +
 	"\fMappingDelta\x12+\n" +
 	"\x03map\x18\x01 \x03(\v2\x19.kvsidecar.v1.PageMappingR\x03map\x12%\n" +
 	"\x0eunmapped_pages\x18\x02 \x03(\rR\runmappedPages\x12\x17\n" +

@@ -233,12 +233,14 @@ class Stats(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ["blocks_total", "blocks_used", "bytes_mapped", "cache_ready", "device_bytes", "leases_held", "loads_in_flight", "memory_limit_bytes", "num_regions", "page_size", "pages_mapped", "reservation_bytes", "reserve_pages"]
+    __slots__ = ["blocks_total", "blocks_used", "bytes_mapped", "cache_ready", "device_bytes", "engine_attached", "engine_session", "leases_held", "loads_in_flight", "memory_limit_bytes", "num_regions", "page_size", "pages_mapped", "reservation_bytes", "reserve_pages"]
     BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     BYTES_MAPPED_FIELD_NUMBER: _ClassVar[int]
     CACHE_READY_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SESSION_FIELD_NUMBER: _ClassVar[int]
     LEASES_HELD_FIELD_NUMBER: _ClassVar[int]
     LOADS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +254,8 @@ class StatsReply(_message.Message):
     bytes_mapped: int
     cache_ready: bool
     device_bytes: int
+    engine_attached: bool
+    engine_session: int
     leases_held: int
     loads_in_flight: int
     memory_limit_bytes: int
@@ -260,7 +264,7 @@ class StatsReply(_message.Message):
     pages_mapped: int
     reservation_bytes: int
     reserve_pages: int
-    def __init__(self, pages_mapped: _Optional[int] = ..., bytes_mapped: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., loads_in_flight: _Optional[int] = ..., device_bytes: _Optional[int] = ..., reserve_pages: _Optional[int] = ..., reservation_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., num_regions: _Optional[int] = ..., cache_ready: bool = ...) -> None: ...
+    def __init__(self, pages_mapped: _Optional[int] = ..., bytes_mapped: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., loads_in_flight: _Optional[int] = ..., device_bytes: _Optional[int] = ..., reserve_pages: _Optional[int] = ..., reservation_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., num_regions: _Optional[int] = ..., cache_ready: bool = ..., engine_attached: bool = ..., engine_session: _Optional[int] = ...) -> None: ...
 
 class FinishStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = []
