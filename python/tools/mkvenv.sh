@@ -43,7 +43,9 @@ echo "mkvenv: building $VENV from $REQS (a cold install downloads about 3.3 GB; 
 start=$(date +%s)
 rm -rf "$VENV"
 "$PYTHON_BASE" -m venv "$VENV"
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r "$REQS"
+# --no-compile: no .pyc for the whole of torch and vLLM up front (minutes
+# on two cores); Python writes them on first import, for what runs.
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-compile -r "$REQS"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e python
 # Fail here, not in the tests, when a pinned package cannot load.
 "$VENV/bin/python" - <<'PY'
