@@ -411,23 +411,35 @@ func TestPoolReserve(t *testing.T) {
 	require.Equal(t, int64(testLayout.NumRegions()), be.mapped.Load())
 }
 
+// refillHeld returns a pool (PreallocPages 1) whose page 0 and reserve
+// page are allocated (the blocks returned) and whose refill is held while
+// it maps the next page; release lets that map go on. Call inside a
+// synctest bubble.
+func refillHeld(t *testing.T) (p *Pool, got []int, release func()) {
+	be := newFailing(t)
+	p = newTestPool(t, Config{Backend: be, PreallocPages: 1})
+	p.settle()
+	gate := make(chan struct{})
+	be.gate.Store(&gate)
+	got, err := p.Alloc(context.Background(), 31+32)
+	require.NoError(t, err)
+	synctest.Wait()
+	return p, got, func() {
+		be.gate.Store(nil)
+		close(gate)
+	}
+}
+
 // TestPoolAllocWaitsForRefill is a regression test: an Alloc that needs the
 // page the background refill is mapping was refused ("want 500, only 383
 // available") because a page in flight counted as neither free nor
 // unmapped. It must wait for the refill instead.
 func TestPoolAllocWaitsForRefill(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		be := newFailing(t)
-		p := newTestPool(t, Config{Backend: be, PreallocPages: 1})
-		p.settle()
 		ctx := context.Background()
-		// Take page 0's and the reserve page's blocks: the refill starts
-		// mapping the next page and is held there.
-		gate := make(chan struct{})
-		be.gate.Store(&gate)
-		first, err := p.Alloc(ctx, 31+32)
-		require.NoError(t, err)
-		synctest.Wait()
+		// Page 0's and the reserve page's blocks taken: the refill maps the
+		// next page and is held there.
+		p, first, release := refillHeld(t)
 		rest := p.Stats().BlocksTotal - len(first)
 		var got []int
 		done := make(chan error, 1)
@@ -442,8 +454,7 @@ func TestPoolAllocWaitsForRefill(t *testing.T) {
 			t.Fatalf("Alloc returned before the refill finished: %v", err)
 		default:
 		}
-		be.gate.Store(nil)
-		close(gate)
+		release()
 		require.NoError(t, <-done)
 		require.Len(t, got, rest)
 		require.NoError(t, p.Close())
@@ -456,22 +467,11 @@ func TestPoolAllocWaitsForRefill(t *testing.T) {
 // refill was mapping the reserve page. A page in flight counts.
 func TestPoolAvailableCountsRefill(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		be := newFailing(t)
-		p := newTestPool(t, Config{Backend: be, PreallocPages: 1})
-		p.settle()
+		p, got, release := refillHeld(t)
 		total := p.Stats().BlocksTotal // the null block not counted
-		require.Equal(t, total, p.Available())
-		gate := make(chan struct{})
-		be.gate.Store(&gate)
-		// Page 0's blocks and the reserve page's: the refill starts
-		// mapping the next page and is held there.
-		got, err := p.Alloc(context.Background(), 31+32)
-		require.NoError(t, err)
-		synctest.Wait()
 		require.Equal(t, total-len(got), p.Available(), "the page the refill maps counts")
 		require.Equal(t, total-len(got), p.Stats().Available, "in the stats too")
-		be.gate.Store(nil)
-		close(gate)
+		release()
 		p.settle()
 		require.Equal(t, total-len(got), p.Available())
 		require.NoError(t, p.Close())
@@ -485,22 +485,14 @@ func TestPoolAvailableCountsRefill(t *testing.T) {
 // that page again. The page in flight neither counts nor keeps it over.
 func TestPoolLimitLoweredDuringRefill(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		be := newFailing(t)
-		p := newTestPool(t, Config{Backend: be, PreallocPages: 1})
-		p.settle()
-		gate := make(chan struct{})
-		be.gate.Store(&gate)
-		_, err := p.Alloc(context.Background(), 31+32) // pages 0 and 1
-		require.NoError(t, err)
-		synctest.Wait() // the refill maps page 2 and is held there
+		p, _, release := refillHeld(t) // pages 0 and 1 allocated; the refill held on page 2
 		st := p.Stats()
 		go func() { _ = p.SetMemoryLimit(2 * st.PageSize * uint64(st.NumRegions)) }()
 		synctest.Wait()
 		n, over := p.AvailableOverLimit()
 		require.Equal(t, 0, n, "pages 0 and 1 are full, and the limit leaves no third")
 		require.False(t, over, "the page the refill maps goes once mapped: only two pages count")
-		be.gate.Store(nil)
-		close(gate)
+		release()
 		p.settle()
 		n, over = p.AvailableOverLimit()
 		require.Equal(t, 0, n)
