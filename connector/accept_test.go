@@ -164,11 +164,14 @@ func TestPrefixHits(t *testing.T) {
 	requireAllDone(t, dec.wait(t, "partial"))
 	dec.check(t, key, tail, 4)
 
-	blocks = pre.alloc(t, 3)
-	params = pre.finish(t, "full", blocks)
+	// Every rank frees "partial"'s blocks when it reports it sent; only
+	// then do the ranks allocate in lockstep again (a rank that had freed
+	// them would hand them out while another still held them).
 	for r := range pre.ranks {
 		require.Equal(t, []string{"partial"}, pre.waitSent(t, r, "partial"), "prefill rank %d", r)
 	}
+	blocks = pre.alloc(t, 3)
+	params = pre.finish(t, "full", blocks)
 	dec.startLoad(t, "full", nil, params)
 	requireAllDone(t, dec.wait(t, "full"))
 	for r := range pre.ranks {
