@@ -204,8 +204,9 @@ func TestBoundaryDecodeDrainKeepsResults(t *testing.T) {
 	warm(t, pre, dec)
 	const key = 17
 	p := pre.export(t, "req-dd", key, bigBlocks)
+	before := served(t, pre.Sidecar)
 	dst := dec.load(t, "dec-dd", p)
-	waitServing(t, pre.Sidecar)
+	requireServing(t, pre.Sidecar, before)
 	dec.Signal(t, syscall.SIGTERM)
 	drained := dec.WaitLog(t, "drain finished", 60*time.Second)
 	require.Equal(t, float64(1), drained["loads_finished"], "the drain let the load finish")

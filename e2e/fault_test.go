@@ -193,21 +193,43 @@ func (s *side) waitSent(t testing.TB, id string, timeout time.Duration) time.Tim
 	return s.sent[id]
 }
 
-// waitServing waits until prefill serves a READ (its in-flight transfer
-// bytes are non-zero): no event says so, so /metrics is polled with a
+// served is how many transfers s has finished serving (every op and
+// result): sample it before a load starts and pass it to waitServing.
+func served(t testing.TB, s *Sidecar) float64 {
+	t.Helper()
+	return s.Metric(t, "kvsidecar_transfer_xfers_total", `role="server"`)
+}
+
+// waitServing waits until s serves a READ and reports true once its
+// in-flight transfer bytes are non-zero; it reports false when s finished
+// serving more transfers than before (served, sampled before the load
+// started) first: the whole READ ran between two looks, as a fast path on
+// a loaded machine can. No event says so, so /metrics is polled with a
 // deadline.
-func waitServing(t testing.TB, s *Sidecar) {
+func waitServing(t testing.TB, s *Sidecar, before float64) bool {
 	t.Helper()
 	deadline := time.After(testutil.Scaled(30 * time.Second))
 	tick := time.NewTicker(time.Millisecond)
 	defer tick.Stop()
 	for s.Metric(t, "kvsidecar_transfer_inflight_bytes") == 0 {
+		if served(t, s) > before {
+			return false
+		}
 		select {
 		case <-deadline:
 			t.Fatalf("%s never served a READ", s.Name)
 		case <-tick.C:
 		}
 	}
+	return true
+}
+
+// requireServing is waitServing for a test that injects a fault into the
+// running READ: one that ended before it was seen fails at once, naming
+// why, instead of at the deadline.
+func requireServing(t testing.TB, s *Sidecar, before float64) {
+	t.Helper()
+	require.True(t, waitServing(t, s, before), "%s served the whole READ before it was seen running", s.Name)
 }
 
 // free frees blocks on an engine.
@@ -243,8 +265,9 @@ func TestFaultPrefillKilledMidRead(t *testing.T) {
 	inodes := MemfdInodes(t, pre.Cmd.Process.Pid)
 
 	p := pre.export(t, "big", 3, bigBlocks)
+	before := served(t, pre.Sidecar)
 	dst := dec.load(t, "big", p)
-	waitServing(t, pre.Sidecar)
+	requireServing(t, pre.Sidecar, before)
 	pre.Kill(t)
 	start := time.Now()
 	f := dec.requireFailed(t, "big", dst, progress+slack)
@@ -277,8 +300,9 @@ func TestFaultDecodeKilledMidRead(t *testing.T) {
 
 	start := time.Now()
 	p := pre.export(t, "big", 3, bigBlocks)
+	before := served(t, pre.Sidecar)
 	dec.load(t, "big", p)
-	waitServing(t, pre.Sidecar)
+	requireServing(t, pre.Sidecar, before)
 	dec.Kill(t)
 	sent := pre.waitSent(t, "big", ttl+progress+slack)
 	require.GreaterOrEqual(t, sent.Sub(start), testutil.Scaled(ttl), "not freed before the lease expired")
@@ -300,8 +324,9 @@ func TestFaultDecodeAbortMidRead(t *testing.T) {
 	RequirePath(t, dec.Sidecar)
 
 	p := pre.export(t, "big", 3, bigBlocks)
+	before := served(t, pre.Sidecar)
 	dst := dec.load(t, "big", p)
-	waitServing(t, pre.Sidecar)
+	requireServing(t, pre.Sidecar, before)
 	require.NoError(t, dec.e.Abort(t.Context(), "big"))
 	if f := dec.outcome(t, "big", 30*time.Second); f != nil {
 		require.Equal(t, v1.Code_CODE_ABORTED, f.GetError().GetCode(), f.GetError().GetMessage())
@@ -519,8 +544,9 @@ func TestFaultPrefillStopped(t *testing.T) {
 	RequirePath(t, dec.Sidecar)
 
 	p := pre.export(t, "big", 3, bigBlocks)
+	before := served(t, pre.Sidecar)
 	dst := dec.load(t, "big", p)
-	waitServing(t, pre.Sidecar)
+	requireServing(t, pre.Sidecar, before)
 	pre.Signal(t, syscall.SIGSTOP)
 	start := time.Now()
 	f := dec.requireFailed(t, "big", dst, progress+slack)
@@ -560,8 +586,9 @@ func TestFaultMemoryLimitUnderLoad(t *testing.T) {
 	RequirePath(t, dec.Sidecar)
 
 	p := pre.export(t, "big", 3, bigBlocks)
+	before := served(t, pre.Sidecar)
 	dst := dec.load(t, "big", p)
-	waitServing(t, pre.Sidecar)
+	requireServing(t, pre.Sidecar, before)
 	code, out, errOut := dec.Ctl(t, "limit", "8MiB")
 	require.Zero(t, code, "stdout %q stderr %q", out, errOut)
 	_, err := dec.e.Alloc(t.Context(), 1024)

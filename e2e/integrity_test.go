@@ -261,8 +261,11 @@ func TestIntegrityDrain(t *testing.T) {
 	// SIGTERM found the READ running.
 	finishes := func(t *testing.T, id string, key uint64) bool {
 		params, _ := exportGroup(t, pre, id, key, n, nil)
+		before := served(t, pre[1].Sidecar)
 		dst := loadGroup(t, dec, id, params)
-		waitServing(t, pre[1].Sidecar)
+		// A READ that ended before it was seen running is told apart by
+		// the drain summary below, as one that ended before the signal.
+		_ = waitServing(t, pre[1].Sidecar, before)
 		pre[1].Signal(t, syscall.SIGTERM)
 		require.Zero(t, pre[1].Wait(t, ExitTimeout), "prefill rank 1 exits 0")
 		f := dec[1].outcome(t, id, 60*time.Second)
@@ -306,8 +309,11 @@ func TestIntegrityDrain(t *testing.T) {
 	// deadline (else it ended before the pause and the load is done).
 	heldBack := func(t *testing.T, id string, key uint64) bool {
 		params, _ := exportGroup(t, pre, id, key, n, nil)
+		before := served(t, pre[1].Sidecar)
 		dst := loadGroup(t, dec, id, params)
-		waitServing(t, pre[1].Sidecar)
+		// A READ that ended before it was seen running is told apart by
+		// the drain summary below, as one that ended before the signal.
+		_ = waitServing(t, pre[1].Sidecar, before)
 		dec[1].Signal(t, syscall.SIGSTOP)
 		pre[1].Signal(t, syscall.SIGTERM)
 		// The abort comes a second before the deadline; the process exits
