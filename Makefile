@@ -16,7 +16,7 @@ VENV      ?= .venv
 PYTHON_BASE ?= python3
 PYTHON    := $(abspath $(VENV))/bin/python
 
-.PHONY: help build venv vllm-demo bench-vllm soak test go-serial test-go test-quic-path test-0rtt test-python test-gpu-bundle flake-check flake-check-vllm e2e bench bench-once fuzz-short lint generate verify ci demo gpu-check gpu-bundle clean
+.PHONY: help build venv vllm-demo bench-vllm bench-staging soak test go-serial test-go test-quic-path test-0rtt test-python test-gpu-bundle flake-check flake-check-vllm e2e bench bench-once fuzz-short lint generate verify ci demo gpu-check gpu-bundle clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
@@ -115,6 +115,9 @@ soak: build venv ## chaos soak (not in CI): staging and zero-copy vLLM engines f
 
 bench-vllm: build venv ## KVSidecarConnector beside vLLM's NixlConnector and a single engine: TTFT and KV transfer time per prompt length (bench-vllm.json, bench-vllm.png)
 	$(PYTHON) python/tools/bench_vllm.py --kvsidecar $(BIN) --out bench-vllm
+
+bench-staging: venv ## the staging copies (Staging.save/load) of a 4096-token request against the byte index they replaced and a plain copy (BENCH_STAGING_FLAGS: --reps, --threads, --cases)
+	$(PYTHON) python/tools/bench_staging.py $(BENCH_STAGING_FLAGS)
 
 gpu-check: ## on a real GPU: conformance, local API device fds (e2e), demo --backend cuda; fails at once without one
 	GO=$(GO) .ci/gpu-check

@@ -39,9 +39,11 @@ of one vLLM block in token order.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from kvsidecar import errors
+from kvsidecar.hostmap import Packing
 from kvsidecar.v1 import common_pb2, local_pb2
 
 __all__ = ["KNOWN_LAYOUTS", "LayerLayout", "Staging", "layer_layout", "region_tensor"]
@@ -153,6 +155,42 @@ def region_tensor(client: Any, r: int, device: Any = None) -> Any:
     return torch.as_tensor(_CudaRange(m.bases[r], info.region_len), device=device)
 
 
+def _row_step(p: Packing) -> int:
+    """Bytes between the starts of neighbouring rows of :func:`_block_rows`:
+    ``gcd(block_len, page_size)``, which divides every ``Packing.offset``
+    (``block_len`` itself where blocks lie back to back: no pages, or pages
+    a whole number of blocks long)."""
+    return math.gcd(p.block_len, p.page_size if p.blocks_per_page else 0)
+
+
+#: The integer dtype of each element width :func:`_block_rows` copies in.
+_WIDE = {8: "int64", 4: "int32", 2: "int16", 1: "uint8"}
+
+
+def _block_rows(region: Any, p: Packing) -> Any:
+    """A region (a flat uint8 tensor, :func:`region_tensor`) as rows of one
+    block each, no copy: a view ``[rows, block_len // w]`` of w-byte integers
+    (w the widest of 8, 4, 2, 1 that divides the row step and the region's
+    address; a copy moves w bytes an element), row ``i`` starting at byte
+    ``i * step`` (:func:`_row_step`), so block ``b`` is row
+    ``Packing.offset(b) // step``.
+
+    Where a page ends in a gap shorter than a block, step is less than
+    block_len and the rows overlap; only the rows of blocks are ever read or
+    written, and those never overlap. Every row ends inside the region
+    (``rows`` counts the whole blocks that fit, a partial last page
+    included), so a copy never reaches past the mapped length.
+    """
+    import torch
+
+    step = _row_step(p)
+    w = next(w for w in _WIDE if step % w == 0 and region.data_ptr() % w == 0)
+    size = region.numel()
+    rows = max(0, (size - p.block_len) // step + 1)
+    flat = region[: size // w * w].view(getattr(torch, _WIDE[w]))
+    return flat.as_strided((rows, p.block_len // w), (step // w, 1))
+
+
 class Staging:
     """Copies blocks of one rank between vLLM's per-layer KV tensors and
     the sidecar's regions, mapped in this process by ``client``
@@ -180,6 +218,7 @@ class Staging:
         #: in one region (2: H2ND, 3: HN2D), or None (HND: two regions).
         self.kv_axis: int | None = {common_pb2.LAYOUT_H2ND: 2, common_pb2.LAYOUT_HN2D: 3}.get(info.geometry.layout)
         self._regions: dict[int, Any] = {}
+        self._rows: dict[int, Any] = {}
         #: Bytes copied each way since start (prefill: vLLM -> sidecar;
         #: decode: sidecar -> vLLM).
         self.copied_bytes = 0
@@ -191,15 +230,27 @@ class Staging:
             t = self._regions[r] = region_tensor(self.client, r)
         return t
 
-    def _index(self, ids: list[int]) -> Any:
-        """The byte index ``[len(ids), block_len]`` of blocks ``ids`` in a
-        :meth:`region` tensor, at ``Packing.offset`` (kvsidecar.hostmap)."""
+    def _rows_of(self, r: int) -> Any:
+        """Region r as rows of blocks, a view ``[rows, block_len // w]`` of
+        w-byte integers over :meth:`region` (:func:`_block_rows`), made once;
+        :meth:`_row_ids` says which rows hold blocks."""
+        v = self._rows.get(r)
+        if v is None:
+            v = self._rows[r] = _block_rows(self.region(r), self.packing)
+        return v
+
+    def _row_ids(self, ids: list[int]) -> Any:
+        """The rows of :meth:`_rows_of` (an int64 tensor ``[len(ids)]``) that
+        hold sidecar blocks ``ids``.
+
+        Raises:
+            InvalidArgument: a block not mapped in this process.
+        """
         for b in ids:
             if not self.client.is_mapped(b):
                 raise errors.InvalidArgument(f"KVSidecarConnector: sidecar block {b} is not mapped here (not allocated)")
-        t = self.torch
-        starts = t.tensor([self.packing.offset(b) for b in ids], dtype=t.long)
-        return starts[:, None] + t.arange(self.packing.block_len, dtype=t.long)
+        step = _row_step(self.packing)
+        return self.torch.tensor([self.packing.offset(b) // step for b in ids], dtype=self.torch.long)
 
     def _regions_of(self, layer: int) -> list[int]:
         """The sidecar regions of ``layer``: K then V, or the one compound."""
@@ -209,7 +260,7 @@ class Staging:
         """vLLM blocks ``vllm_ids`` of one layer -> sidecar blocks
         ``sidecar_ids`` of its region(s), in the sidecar's layout."""
         t = self.torch
-        at = self._index(sidecar_ids)
+        at = self._row_ids(sidecar_ids)
         vidx = t.tensor(vllm_ids, dtype=t.long, device=kv.device)
         n = len(vllm_ids)
         # Each [n, ratio, H, Nk, D] -> [n, H, ratio * Nk, D]: heads outermost.
@@ -219,21 +270,22 @@ class Staging:
         for r, blob in zip(self._regions_of(layer), blobs, strict=True):
             data = blob.contiguous().cpu().view(t.uint8).reshape(n, -1)
             self._check_len(data)
-            self.region(r)[at] = data
+            rows = self._rows_of(r)
+            rows.index_copy_(0, at, data.view(rows.dtype))
             self.copied_bytes += data.numel()
 
     def load(self, layer: int, kv: Any, vllm_ids: list[int], sidecar_ids: list[int]) -> None:
         """Sidecar blocks ``sidecar_ids`` of the layer's region(s) -> vLLM
         blocks ``vllm_ids`` of one layer."""
         t = self.torch
-        at = self._index(sidecar_ids)
+        at = self._row_ids(sidecar_ids)
         vidx = t.tensor(vllm_ids, dtype=t.long, device=kv.device)
         n = len(vllm_ids)
         views = self.layout.kv_views(kv, self.num_blocks)
         _, ratio, h, nk, d = views[0].shape
         blobs = []
         for r in self._regions_of(layer):
-            data = self.region(r)[at]  # [n, block_len], a copy
+            data = self._rows_of(r).index_select(0, at).view(t.uint8)  # [n, block_len], a copy
             self._check_len(data)
             self.copied_bytes += data.numel()
             blobs.append(data.view(kv.dtype))

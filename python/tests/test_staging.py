@@ -97,3 +97,81 @@ def test_compound_layouts_are_the_backends_own_bytes(cluster, backend, sidecar_l
         st.load(0, back, [1, 3, 4], ids)
         assert torch.equal(back[[1, 3, 4]], kv[[5, 2, 7]])
         assert st.copied_bytes == 2 * 3 * info.block_len
+
+
+class _Pages:
+    """A stand-in for a LocalClient's host mapping (Staging reads
+    ``packing``, ``info``, ``region`` and ``is_mapped``): regions of
+    ``size`` random bytes each over plain buffers, every block mapped."""
+
+    def __init__(self, packing, size, num_blocks, regions=2):
+        from kvsidecar.v1 import common_pb2, local_pb2
+
+        self.packing = packing
+        self.info = local_pb2.KVCacheInfo(block_len=packing.block_len, region_len=size, num_blocks=num_blocks,
+                                          page_size=packing.page_size,
+                                          geometry=common_pb2.ModelGeometry(layout=common_pb2.LAYOUT_HND))
+        g = torch.Generator().manual_seed(7)
+        self.bufs = [bytearray(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).numpy().tobytes())
+                     for _ in range(regions)]
+
+    def region(self, r):
+        return memoryview(self.bufs[r])
+
+    def is_mapped(self, b):
+        return 0 <= b < self.info.num_blocks
+
+
+def _old_byte_index(packing, ids):
+    # The rule staging used before it gathered rows: one int64 byte index
+    # [len(ids), block_len] at Packing.offset.
+    starts = torch.tensor([packing.offset(b) for b in ids], dtype=torch.long)
+    return starts[:, None] + torch.arange(packing.block_len, dtype=torch.long)
+
+
+@pytest.mark.parametrize("page_size", [100, 99, 96, 0], ids=["gap-4", "odd-gap", "no-gap", "no-pages"])
+def test_block_rows_are_the_byte_index_rule(page_size):
+    # Blocks of 24 bytes (float32, 1 head, 2 tokens, head_size 3). 100-byte
+    # pages hold 4 blocks and a 4-byte gap; 99-byte ones 4 and 3 (the rows
+    # step 3 bytes, copied a byte at a time). The regions end in a partial
+    # page holding 2 more blocks, the last of them a copied one.
+    from kvsidecar.hostmap import Packing
+    from kvsidecar.staging import Staging
+
+    p = Packing(block_len=24, page_size=page_size)
+    size = 4 * max(page_size, 96) + 60
+    num_blocks = 18
+    assert p.offset(num_blocks - 1) + 24 <= size < p.offset(num_blocks) + 24
+    c = _Pages(p, size, num_blocks)
+    st = Staging(c, c.info, layer_layout("FLASH_ATTN", "LBHNC", 3), 8)
+    vllm_ids, sidecar_ids = [6, 0, 3, 7, 1], [17, 4, 0, 9, 3]
+    regions = [torch.frombuffer(c.bufs[r], dtype=torch.uint8) for r in range(2)]
+    at = _old_byte_index(p, sidecar_ids)
+
+    kv = torch.zeros(8, 1, 2, 6)  # [blocks, heads, tokens, 2 * head_size]
+    st.load(0, kv, vllm_ids, sidecar_ids)
+    for x, half in zip(regions, (kv[..., :3], kv[..., 3:]), strict=True):
+        assert torch.equal(half[vllm_ids].contiguous().view(torch.uint8).reshape(5, 24), x[at])
+    assert not kv[[2, 4, 5]].any(), "only the loaded vLLM blocks are written"
+
+    kv = torch.randn(8, 1, 2, 6)
+    want = [x.clone() for x in regions]
+    for w, half in zip(want, (kv[..., :3], kv[..., 3:]), strict=True):
+        w[at] = half[vllm_ids].contiguous().view(torch.uint8).reshape(5, 24)
+    st.save(0, kv, vllm_ids, sidecar_ids)
+    for x, w in zip(regions, want, strict=True):
+        assert torch.equal(x, w), "every byte as the byte index writes it, the gaps and other blocks kept"
+    assert st.copied_bytes == 2 * 2 * 5 * 24
+
+
+def test_an_unmapped_block_is_refused_before_any_copy():
+    from kvsidecar.hostmap import Packing
+    from kvsidecar.staging import Staging
+
+    p = Packing(block_len=24, page_size=100)
+    c = _Pages(p, 400, 16)
+    before = bytes(c.bufs[0])
+    st = Staging(c, c.info, layer_layout("FLASH_ATTN", "LBHNC", 3), 8)
+    with pytest.raises(errors.InvalidArgument, match="sidecar block 16 is not mapped here"):
+        st.save(0, torch.randn(8, 1, 2, 6), [0, 1], [3, 16])
+    assert bytes(c.bufs[0]) == before and st.copied_bytes == 0
