@@ -99,8 +99,8 @@ verify: generate ## generated code (Go and Python) and go.mod are up to date; bu
 	$(GO) mod tidy -diff
 	CGO_ENABLED=0 $(GO) build ./...
 
-ci: lint verify build venv ## everything CI runs: the README's two commands (make test, make demo) and the rest (bench-once, fuzz-short), the Go ones beside the Python tests
-	@$(BESIDE) GO_SERIAL='$(GO_TESTS) demo bench-once fuzz-short'
+ci: ## everything CI runs: the README's two commands (make test, make demo) and the rest (verify, bench-once, fuzz-short, lint), one after another beside the venv's build and the Python tests
+	@$(BESIDE) GO_SERIAL='verify $(GO_TESTS) demo bench-once fuzz-short lint'
 
 demo: ## the main job: prefill→decode on the host backend over a real trace
 	@echo "make demo: building $(BIN) first (a cold build takes a minute or two)..."

@@ -21,6 +21,10 @@ cd "$(dirname "$0")/../.."
 VENV=${VENV:-.venv}
 PYTHON_BASE=${PYTHON_BASE:-python3}
 REQS=python/requirements.txt
+# One build at a time: make ci runs lint (which checks the venv too) beside
+# the Python tests' venv; the second waits for the first and finds it ready.
+exec 9>"$VENV.lock"
+flock 9
 
 ver=$("$PYTHON_BASE" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || {
   echo "mkvenv: $PYTHON_BASE not found: the environment needs Python 3.11" >&2; exit 1; }
