@@ -680,6 +680,7 @@ func (lx *localXfer) copyHostShare(ctx context.Context, ranges []streamRange, su
 	}
 	var mapErr error                      // set by the mapper before it closes the ready of the page it failed on
 	room := make(chan struct{}, mapAhead) // a token per page mapped and not yet reached by the copier
+	reached := make(map[int]bool, len(order))
 	quit := make(chan struct{})
 	var mapper sync.WaitGroup
 	mapper.Go(func() {
@@ -728,9 +729,18 @@ func (lx *localXfer) copyHostShare(ctx context.Context, ranges []streamRange, su
 			if m == nil {
 				return mapErr
 			}
-			if cur >= 0 {
-				<-room // the copier left a page: the mapper may map one more
+			// The first reach of a page after the first frees a token: the
+			// mapper may map one more. Pieces may go back to a page they
+			// left (block ids in any order); only new pages count, or the
+			// copier would take more tokens than the mapper gives.
+			if cur >= 0 && !reached[pc.page] {
+				select {
+				case <-room:
+				case <-ctx.Done():
+					return ctx.Err()
+				}
 			}
+			reached[pc.page] = true
 			cur, src = pc.page, m
 		}
 		s := lx.local[pc.local]
