@@ -16,7 +16,7 @@ VENV      ?= .venv
 PYTHON_BASE ?= python3
 PYTHON    := $(abspath $(VENV))/bin/python
 
-.PHONY: help build venv vllm-demo bench-vllm bench-staging soak test go-serial test-python-labs test-python-rest test-go test-quic-path test-0rtt test-python test-gpu-bundle flake-check flake-check-vllm e2e bench bench-once fuzz-short lint generate verify ci demo gpu-check gpu-bundle clean
+.PHONY: help build venv vllm-demo bench-vllm bench-staging soak test go-serial test-go test-quic-path test-0rtt test-python test-gpu-bundle flake-check flake-check-vllm e2e bench bench-once fuzz-short lint generate verify ci demo gpu-check gpu-bundle clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
@@ -27,20 +27,14 @@ build: ## build bin/kvsidecar
 venv: ## build the pinned Python environment .venv (vLLM, torch, pytest, ...) unless it is up to date
 	VENV=$(VENV) PYTHON_BASE=$(PYTHON_BASE) python/tools/mkvenv.sh
 
-# Three at once: the real-engine labs (test_vllm_engines.py), the rest of the
-# Python tests (the README's recipe starts three more engines), and the Go
-# checks one after another. A vLLM engine's start is three processes each
-# importing vLLM on one core (about 60 CPU-seconds over a minute on this
-# 2-core machine), and its worker computes on the one core vLLM binds, so
-# alone neither Python part keeps both cores busy. Each part is the others'
-# burner, so their deadlines are scaled as under `make flake-check`'s burners
-# (KVSIDECAR_TIME_SCALE, 2 unless set; the e2e tests that wait out a lease or
-# a deadline wait twice as long).
+# The Go checks one after another, beside the Python tests: a vLLM engine's
+# start is three processes each importing vLLM on one core (about 60
+# CPU-seconds over a minute on this 2-core machine), so the Go tests fill the
+# other core. Each suite is the other's burner, so their deadlines are
+# scaled as under `make flake-check`'s burners (KVSIDECAR_TIME_SCALE, 2 unless
+# set; the e2e tests that wait out a lease or a deadline wait twice as long).
 GO_TESTS := test-go test-quic-path test-0rtt test-gpu-bundle
-BESIDE    = KVSIDECAR_TIME_SCALE=$${KVSIDECAR_TIME_SCALE:-2} $(MAKE) --no-print-directory -j3 --output-sync=line \
-	test-python-labs test-python-rest go-serial
-PYTEST    = cd python && KVSIDECAR_BIN=$(CURDIR)/$(BIN) $(PYTHON) -m pytest -q -rP -p no:cacheprovider
-LABS     := tests/test_vllm_engines.py
+BESIDE    = KVSIDECAR_TIME_SCALE=$${KVSIDECAR_TIME_SCALE:-2} $(MAKE) --no-print-directory -j2 --output-sync=line test-python go-serial
 
 test: build venv ## every test: Go (race detector, shuffled; the connector and e2e suites also with every READ over QUIC; 0-RTT without it) and the GPU bundle's build, one after another, beside the Python tests (the README's test command)
 	@$(BESIDE) GO_SERIAL='$(GO_TESTS)'
@@ -61,13 +55,7 @@ test-gpu-bundle: ## make gpu-bundle builds, and its run.sh fails at once without
 	GO=$(GO) .ci/gpu-bundle-check
 
 test-python: build venv ## run the Python tests (pytest in .venv, against bin/kvsidecar), the real vLLM engines included
-	$(PYTEST)
-
-test-python-labs: build venv # test-python's real-engine labs alone (for test and ci)
-	$(PYTEST) $(LABS)
-
-test-python-rest: build venv # test-python without its real-engine labs (for test and ci)
-	$(PYTEST) --ignore=$(LABS)
+	cd python && KVSIDECAR_BIN=$(CURDIR)/$(BIN) $(PYTHON) -m pytest -q -rP -p no:cacheprovider
 
 flake-check: ## every Go test (-race -shuffle=on -count=3) while a CPU burner keeps every core busy
 	GO=$(GO) PKGS='$(PKGS)' .ci/flake-check
