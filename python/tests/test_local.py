@@ -70,9 +70,11 @@ def test_attach_alloc_write_free(cluster):
         # b attaches without a geometry: it gets the sidecar's (--layers ...).
         assert b.attach(num_blocks=1024).geometry == info.geometry
 
-        ids = a.alloc(400)  # pages 0..3; page 3 is mapped by this call
+        ids = a.alloc(400)  # 128 blocks a page: at least 4 pages, some mapped by this call
         assert len(set(ids)) == 400 and 0 not in ids, "block 0 is the null block, never allocated"
-        assert a.packing.offset(ids[-1]) // info.page_size == 3
+        # Which pages hold them is the pool's choice (its background refill
+        # maps a page ahead when it can: page 4 on a loaded machine).
+        assert len({a.packing.offset(b) // info.page_size for b in ids}) >= 4
         for r in range(info.num_regions):
             for k in (0, 399):
                 a.block(r, ids[k])[:] = pattern(1, r, ids[k], info.block_len)
