@@ -208,33 +208,16 @@ func TestSameHostReadByteExact(t *testing.T) {
 // TestSameHostReadByBlocks reads by region and block, the way a connector
 // does, with expectations the peer checks.
 func TestSameHostReadByBlocks(t *testing.T) {
-	p := newSameHostPair(t, Config{}, Config{}, 16)
-	const blockLen = 4 << 10
-	ids := []uint32{3, 250, 4, 5, 6, 100}
-	var local []Desc
-	for i := range ids {
-		local = append(local, Desc{Addr: p.dst.Base + uint64(i)*blockLen, Len: blockLen})
-	}
-	_, err := p.cli.Transfer(t.Context(), &Xfer{Op: OpRead, Peer: p.srv.Addr().String(), RequestID: "r", Local: local,
-		RemoteBlocks: &BlockDescs{NumRegions: 1, Len: blockLen, BlockIDs: ids}, SameHost: p.srv.SameHost()})
-	require.NoError(t, err)
-	for i, id := range ids {
-		require.Equal(t, p.src.mem[uint64(id)*blockLen:uint64(id+1)*blockLen], p.dst.mem[uint64(i)*blockLen:uint64(i+1)*blockLen], "block %d", id)
-	}
-	require.Equal(t, float64(len(ids)*blockLen), sameHostBytes(p.cliReg, "client"))
+	readBlocks(t, []uint32{3, 250, 4, 5, 6, 100})
 }
 
-// TestSameHostReadRevisitingPages: blocks that go back and forth between
-// pages (vLLM hands out block ids in any order) arrive byte-exact. The
-// copier took a map-ahead token at every change of page and the mapper
-// gave one per page, so a READ that changed page more often than it had
-// pages waited forever for a token (a decode's load in the chaos soak of
-// issue 35 hung so, and its abort with it).
-func TestSameHostReadRevisitingPages(t *testing.T) {
+// readBlocks reads blocks ids of 4 KiB (16 a page) from a same-host peer
+// into local blocks 0..len(ids)-1 and checks every byte, and that all of
+// them took the same-host path.
+func readBlocks(t *testing.T, ids []uint32) {
+	t.Helper()
 	p := newSameHostPair(t, Config{}, Config{}, 16)
 	const blockLen = 4 << 10
-	// Pages 0 and 15 (16 blocks a page), six changes of page over two pages.
-	ids := []uint32{0, 250, 1, 251, 2, 252, 3}
 	var local []Desc
 	for i := range ids {
 		local = append(local, Desc{Addr: p.dst.Base + uint64(i)*blockLen, Len: blockLen})
@@ -246,6 +229,17 @@ func TestSameHostReadRevisitingPages(t *testing.T) {
 		require.Equal(t, p.src.mem[uint64(id)*blockLen:uint64(id+1)*blockLen], p.dst.mem[uint64(i)*blockLen:uint64(i+1)*blockLen], "block %d", id)
 	}
 	require.Equal(t, float64(len(ids)*blockLen), sameHostBytes(p.cliReg, "client"), "every byte over the same-host path")
+}
+
+// TestSameHostReadRevisitingPages: blocks that go back and forth between
+// pages (vLLM hands out block ids in any order) arrive byte-exact. The
+// copier took a map-ahead token at every change of page and the mapper
+// gave one per page, so a READ that changed page more often than it had
+// pages waited forever for a token (a decode's load in the chaos soak of
+// issue 35 hung so, and its abort with it).
+func TestSameHostReadRevisitingPages(t *testing.T) {
+	// Pages 0 and 15 (16 blocks a page), six changes of page over two pages.
+	readBlocks(t, []uint32{0, 250, 1, 251, 2, 252, 3})
 }
 
 // TestSameHostFallsBackToQUIC: a socket that does not answer, or answers
