@@ -29,7 +29,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Cluster", "DevCerts", "ServeError", "Sidecar", "free_udp_addrs", "make_dev_certs", "rss_bytes"]
+__all__ = ["Cluster", "DevCerts", "ServeError", "Sidecar", "free_udp_addrs", "make_dev_certs", "prom_sum", "rss_bytes"]
 
 #: Seconds a process may take to log "serving" (multiplied by
 #: KVSIDECAR_TIME_SCALE, as the Go e2e harness does).
@@ -43,6 +43,27 @@ def time_scale() -> float:
         return max(1.0, float(os.environ.get("KVSIDECAR_TIME_SCALE", "1")))
     except ValueError:
         return 1.0
+
+
+def prom_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of metric ``name`` in Prometheus text format
+    (``/metrics`` of a sidecar or a vLLM server) whose labels include every
+    ``labels`` pair; 0 when there is none. ``name`` is the sample's name
+    (``x_sum``, ``x_count``, ``x_total``), not the family's."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        rest = line[len(name):]
+        if rest and rest[0] not in " {":
+            continue
+        if want:
+            lab = rest[1:rest.find("}")] if rest.startswith("{") else ""
+            if any(w not in lab.split(",") for w in want):
+                continue
+        total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def rss_bytes(pid: int, *, group: bool = False) -> int:
@@ -220,15 +241,7 @@ class Sidecar:
         code, body = self.get("/metrics")
         if code != 200:
             raise ServeError(f"{self.name}: /metrics answered {code}")
-        total = 0.0
-        for line in body.splitlines():
-            if line.startswith("#") or not line.startswith(name):
-                continue
-            rest = line[len(name):]
-            if rest and rest[0] not in " {":
-                continue
-            total += float(line.rsplit(" ", 1)[1])
-        return total
+        return prom_sum(body, name)
 
     def signal(self, sig: int) -> None:
         """Sends ``sig`` (SIGTERM, SIGKILL, SIGSTOP, SIGCONT) to the process."""

@@ -175,8 +175,11 @@ def connector_config(role: str, engine_id: str, socket_dir: str, **extra: Any) -
 
 
 def nixl_config(role: str, engine_id: str) -> dict[str, Any]:
-    """``--kv-transfer-config`` of vLLM's own NixlConnector staging through
-    host memory (``kv_buffer_device`` cpu, as vLLM runs it without a GPU)."""
+    """``--kv-transfer-config`` of vLLM's own NixlConnector with
+    ``kv_buffer_device`` cpu. On a CPU platform NIXL registers vLLM's KV
+    cache and transfers it in place: vllm 0.32.0 turns ``use_host_buffer``
+    off for device type cpu (``kv_connector/v1/nixl/base_worker.py``), so
+    there is no staging copy."""
     return {
         "kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine_id, "kv_buffer_device": "cpu",
         "kv_load_failure_policy": "recompute",
@@ -393,18 +396,21 @@ def start_engines(engines: Sequence[Engine]) -> None:
 
 
 def pd_complete(prefill: Engine, decode: Engine, prompt: Sequence[int], *, max_tokens: int,
-                stream: bool = True) -> tuple[Completion, Completion]:
+                stream: bool = True, timeout: float = REQUEST_TIMEOUT_SECONDS) -> tuple[Completion, Completion]:
     """The proxy's two steps: the prompt to ``prefill`` with
     ``do_remote_decode`` and ``max_tokens=1``, then to ``decode`` with the
     ``kv_transfer_params`` prefill returned. Returns both completions (the
     decode's streamed, so its ``ttft_seconds`` is the decode's time to first
-    token).
+    token). ``timeout``: seconds each request's socket may wait (times
+    KVSIDECAR_TIME_SCALE).
 
     Raises:
         EngineError: either engine failed, or prefill returned no params.
+        TimeoutError: an engine did not answer within ``timeout``.
     """
-    p = prefill.complete(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    p = prefill.complete(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout)
     if not p.kv_transfer_params:
         raise EngineError(f"prefill {prefill.name} returned no kv_transfer_params:\n{prefill.tail()}")
-    d = decode.complete(prompt, max_tokens=max_tokens, kv_transfer_params=p.kv_transfer_params, stream=stream)
+    d = decode.complete(prompt, max_tokens=max_tokens, kv_transfer_params=p.kv_transfer_params, stream=stream,
+                        timeout=timeout)
     return p, d
