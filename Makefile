@@ -113,7 +113,7 @@ vllm-demo: build venv ## the main job for a vLLM user: prefill and decode vLLM e
 soak: build venv ## chaos soak (not in CI): staging and zero-copy vLLM engines for SOAK_MINUTES (10) under traffic while sidecars and engines are killed; every answer against a single engine, nothing held at the end
 	$(PYTHON) python/tools/soak.py --kvsidecar $(BIN) --minutes $(SOAK_MINUTES) $(SOAK_FLAGS)
 
-bench-vllm: build venv ## KVSidecarConnector beside vLLM's NixlConnector and a single engine: TTFT and KV transfer time per prompt length (bench-vllm.json, bench-vllm.png)
+bench-vllm: build venv ## zero copy and staging beside vLLM's NixlConnector (pull, push) and one engine: decode TTFT taken apart, real transfers checked, a load mode (bench-vllm.json, .png)
 	$(PYTHON) python/tools/bench_vllm.py --kvsidecar $(BIN) --out bench-vllm
 
 bench-staging: venv ## the staging copies (Staging.save/load) of a 4096-token request against the byte index they replaced and a plain copy (BENCH_STAGING_FLAGS: --reps, --threads, --cases)
