@@ -238,10 +238,19 @@ class Sidecar:
     def metric(self, name: str) -> float:
         """The sum of every sample of metric family ``name`` in /metrics (0
         when absent)."""
+        return prom_sum(self.metrics_text(), name)
+
+    def metrics_text(self) -> str:
+        """The sidecar's /metrics, Prometheus text (read it once and sum
+        several metrics with :func:`prom_sum`).
+
+        Raises:
+            ServeError: /metrics did not answer 200.
+        """
         code, body = self.get("/metrics")
         if code != 200:
             raise ServeError(f"{self.name}: /metrics answered {code}")
-        return prom_sum(body, name)
+        return body
 
     def signal(self, sig: int) -> None:
         """Sends ``sig`` (SIGTERM, SIGKILL, SIGSTOP, SIGCONT) to the process."""

@@ -108,14 +108,8 @@ VLLM_STAGES = {
     "itl_count": "vllm:inter_token_latency_seconds_count",
     "finished": "vllm:request_queue_time_seconds_count",
 }
-NIXL_BAD = ("vllm:nixl_num_failed_transfers", "vllm:nixl_num_failed_notifications",
-            "vllm:nixl_num_kv_expired_reqs", "vllm:nixl_num_notifications_after_expiry")
-
-
-def counter(text: str, name: str) -> float:
-    """A Prometheus counter by its family name (the client library may add
-    ``_total``)."""
-    return devserve.prom_sum(text, name + "_total") + devserve.prom_sum(text, name)
+NIXL_BAD = ("vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_failed_notifications_total",
+            "vllm:nixl_num_kv_expired_reqs_total", "vllm:nixl_num_notifications_after_expiry_total")
 
 
 def machine() -> str:
@@ -171,17 +165,16 @@ class Setup:
     """One compared setup: its engines, its sidecars, and the counters read
     around each request.
 
-    ``xfer``: the transport's transfer seconds (cumulative) now;
-    ``xfer_bytes``: the KV bytes it moved (cumulative) now; ``bad``: the
-    failure and expiry counters (cumulative) now. ``kv_bytes_per_token``:
-    a real transfer of an n-token prompt moves at least (n - 1) times it."""
+    ``counters``: given the decode engine's /metrics text, the transport's
+    cumulative counters now: ``xfer`` (transfer seconds), ``xfer_bytes``
+    (KV bytes moved) and ``bad`` (failure and expiry counts), reading every
+    other /metrics it needs once. ``kv_bytes_per_token``: a real transfer of
+    an n-token prompt moves at least (n - 1) times it."""
 
     def __init__(self, name: str, engines: list[devvllm.Engine], sidecars: list[devserve.Sidecar] | None = None,
-                 xfer: Callable[[], float] | None = None, xfer_bytes: Callable[[], float] | None = None,
-                 bad: Callable[[], float] | None = None, kv_bytes_per_token: int = 0) -> None:
+                 counters: Callable[[str], dict[str, float]] | None = None, kv_bytes_per_token: int = 0) -> None:
         self.name, self.engines, self.sidecars = name, engines, sidecars or []
-        self.xfer, self.xfer_bytes, self.bad = xfer, xfer_bytes, bad
-        self.kv_bytes_per_token = kv_bytes_per_token
+        self.counters, self.kv_bytes_per_token = counters, kv_bytes_per_token
         self.timeout = devvllm.REQUEST_TIMEOUT_SECONDS
 
     @property
@@ -196,12 +189,8 @@ class Setup:
     def snapshot(self) -> dict[str, float]:
         text = self.decode.metrics()
         snap = {k: devserve.prom_sum(text, v) for k, v in VLLM_STAGES.items()}
-        if self.xfer is not None:
-            snap["xfer"] = self.xfer()
-        if self.xfer_bytes is not None:
-            snap["xfer_bytes"] = self.xfer_bytes()
-        if self.bad is not None:
-            snap["bad"] = self.bad()
+        if self.counters is not None:
+            snap.update(self.counters(text))
         return snap
 
     def settled(self, before: dict[str, float], n: int) -> dict[str, float]:
@@ -360,7 +349,7 @@ def main() -> int:
     ap.add_argument("--setup-budget-seconds", type=float, default=300,
                     help="a setup's trials stop once they took this long (the rest are reported as not run)")
     ap.add_argument("--no-bind", action="store_true",
-                    help="leave vLLM's own OpenMP binding (every engine's threads on every core)")
+                    help="leave vLLM's automatic OpenMP binding (every TP 1 engine computes on core 0)")
     ap.add_argument("--out", default="bench-vllm", help="writes <out>.json and <out>.png")
     a = ap.parse_args()
     names = [x for x in a.setups.split(",") if x]
@@ -393,8 +382,8 @@ def main() -> int:
         kv = 1 << 30
         # Each engine computes on a core of its own: the prefill on the
         # first, the decode (and the single engine) on the last. vLLM's
-        # automatic binding gives every engine an OpenMP thread on every
-        # core, and two engines' threads then wait on each other's barriers.
+        # automatic binding gives every TP 1 engine core 0 (reserving the
+        # rest), so both engines of a pair would compute on one core.
         last = (os.cpu_count() or 1) - 1
         bind = {} if a.no_bind else {"prefill": {"VLLM_CPU_OMP_THREADS_BIND": "0"},
                                      "decode": {"VLLM_CPU_OMP_THREADS_BIND": str(last)}}
@@ -416,15 +405,16 @@ def main() -> int:
                                  kv_transfer_config=devvllm.connector_config("kv_consumer", f"{name}-decode",
                                                                              cl.socket_dir, **extra))]
 
-            def bad() -> float:
-                text = dec_sc[0].get("/metrics")[1]
-                dec_bad = devserve.prom_sum(text, "kvsidecar_connector_requests_total", side="decode") - \
-                    devserve.prom_sum(text, "kvsidecar_connector_requests_total", side="decode", outcome="done")
-                return dec_bad + pre_sc[0].metric("kvsidecar_connector_leases_expired_total")
+            def counters(_: str) -> dict[str, float]:
+                dec, pre = dec_sc[0].metrics_text(), pre_sc[0].metrics_text()
+                requests = "kvsidecar_connector_requests_total"
+                return {"xfer": devserve.prom_sum(dec, "kvsidecar_connector_load_seconds_sum"),
+                        "xfer_bytes": devserve.prom_sum(dec, "kvsidecar_connector_read_bytes_total"),
+                        "bad": devserve.prom_sum(dec, requests, side="decode")
+                        - devserve.prom_sum(dec, requests, side="decode", outcome="done")
+                        + devserve.prom_sum(pre, "kvsidecar_connector_leases_expired_total")}
 
-            return Setup(name, es, pre_sc + dec_sc, xfer=lambda: dec_sc[0].metric("kvsidecar_connector_load_seconds_sum"),
-                         xfer_bytes=lambda: dec_sc[0].metric("kvsidecar_connector_read_bytes_total"), bad=bad,
-                         kv_bytes_per_token=model.kv_bytes_per_token())
+            return Setup(name, es, pre_sc + dec_sc, counters=counters, kv_bytes_per_token=model.kv_bytes_per_token())
 
         def nixl(name: str) -> Setup:
             es = []
@@ -439,14 +429,14 @@ def main() -> int:
                 es.append(devvllm.Engine(model, name=f"{name}-{side}", log_dir=d, kv_cache_bytes=kv, env=env,
                                          kv_transfer_config=cfg))
 
-            def both(f: Callable[[str], float]) -> float:
-                return sum(f(e.metrics()) for e in es)
+            def counters(dec: str) -> dict[str, float]:
+                # Pull counts on the decode, push on the prefill: both sides.
+                texts = (es[0].metrics(), dec)
+                return {"xfer": sum(devserve.prom_sum(t, "vllm:nixl_xfer_time_seconds_sum") for t in texts),
+                        "xfer_bytes": sum(devserve.prom_sum(t, "vllm:nixl_bytes_transferred_sum") for t in texts),
+                        "bad": sum(devserve.prom_sum(t, c) for t in texts for c in NIXL_BAD)}
 
-            return Setup(name, es,
-                         xfer=lambda: both(lambda t: devserve.prom_sum(t, "vllm:nixl_xfer_time_seconds_sum")),
-                         xfer_bytes=lambda: both(lambda t: devserve.prom_sum(t, "vllm:nixl_bytes_transferred_sum")),
-                         bad=lambda: both(lambda t: sum(counter(t, c) for c in NIXL_BAD)),
-                         kv_bytes_per_token=model.kv_bytes_per_token())
+            return Setup(name, es, counters=counters, kv_bytes_per_token=model.kv_bytes_per_token())
 
         def single(name: str) -> Setup:
             return Setup(name, [devvllm.Engine(model, name="single", log_dir=d, kv_cache_bytes=kv,
@@ -508,6 +498,8 @@ def main() -> int:
     report["seconds"] = round(time.monotonic() - t_start)
     summarize(report, lengths)
     write(report, a.out, lengths)
+    if os.path.exists(a.out + ".partial.json"):
+        os.remove(a.out + ".partial.json")
     return 0
 
 
