@@ -379,7 +379,7 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 			_ = cfg.udp.Close()
 		}
 	}()
-	b, err := connector.BuildRank(ctx, &connector.BuildConfig{NumBlocks: n, Backend: be, Device: f.device,
+	b, err := connector.BuildRank(ctx, &connector.BuildConfig{NumBlocks: n, Backend: be, Device: f.device, PreallocPages: preallocPages(f.reservePages),
 		Group: &tpgroup.Config{Dir: f.socketDir, Logger: log, Registerer: reg},
 		Track: func(next vmm.PageHook) vmm.PageHook {
 			tracker = localapi.NewPageTracker(next)
@@ -405,6 +405,15 @@ func openCache(ctx context.Context, cfg *serveConfig, req *v1.CreateKVCache, srv
 	created.NumBlocks, created.Ownership = uint32(n), cfg.ownership
 	return &localapi.Cache{Pool: b.Pool, Rank: b.Rank, Tracker: tracker, Create: created, EngineID: f.engineID,
 		DeviceMemory: be != nil, Close: b.Close}, nil
+}
+
+// preallocPages is connector.BuildConfig.PreallocPages for --reserve-pages
+// n (0 there means none, -1 to vmm).
+func preallocPages(n int) int {
+	if n == 0 {
+		return -1
+	}
+	return n
 }
 
 // verifyEvery is connector.Config.SameHostVerifyEvery for

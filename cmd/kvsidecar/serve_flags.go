@@ -32,7 +32,7 @@ type serveFlags struct {
 	engineID, role, ownership, backend, model, dtype, attention string
 	cudaLibrary, kvLayout                                       string
 	tpRank, tpSize, device, layers, kvHeads, headDim, blockSize int
-	numBlocks, readLanes, sameHostVerifyEvery                   int
+	numBlocks, readLanes, sameHostVerifyEvery, reservePages     int
 	memoryLimit, listen, advertise, rankAddrs, allowPeers       string
 	tlsCert, tlsKey, tlsCA, capKeyFile, socketDir, metricsAddr  string
 	qlogDir, logLevel, handshakeMode                            string
@@ -67,6 +67,7 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.kvLayout, "kv-layout", "HND", "layout of a block, with --model or the explicit geometry: HND (a K and a V region per layer), H2ND (one region per layer, each head's K then V: vLLM's CPU backend, for zero copy) or HN2D (one region per layer, each token's K then V: vLLM's FlashAttention with LBHNC)")
 	fs.IntVar(&f.blockSize, "block-size", kvgeom.DefaultBlockSize, "tokens per KV block")
 	fs.IntVar(&f.numBlocks, "num-blocks", 0, "blocks per region (0: the engine's create request decides)")
+	fs.IntVar(&f.reservePages, "reserve-pages", vmm.DefaultPreallocPages, "page indices (one page of every region each) kept mapped with no block allocated, refilled in the background, so an allocation that needs new pages takes them without waiting for the backend to map them (zero copy: vLLM's scheduler allocates on the request's path); they count toward --memory-limit; 0: none (ranks 1..N-1 under coordinated ownership keep none: rank 0 maps their pages)")
 	fs.StringVar(&f.memoryLimit, "memory-limit", "", "limit on mapped bytes: bytes with a unit (8GiB, 512MiB) or a percent of the reservation (50%); empty: none")
 	fs.StringVar(&f.listen, "listen", "127.0.0.1:0", "QUIC listen address host:port")
 	fs.StringVar(&f.advertise, "advertise", "", "address peers reach this rank at (default: the listen address)")
@@ -329,6 +330,9 @@ func (f *serveFlags) validate() (*serveConfig, error) {
 	}
 	if f.numBlocks < 0 || f.numBlocks == 1 {
 		return bad("num-blocks", "%d: must be 0 (the engine decides) or at least 2", f.numBlocks)
+	}
+	if f.reservePages < 0 {
+		return bad("reserve-pages", "%d: must be 0 (no reserve) or more", f.reservePages)
 	}
 	if f.memoryLimit != "" {
 		lv, err := parseLimit(f.memoryLimit)

@@ -14,6 +14,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -616,5 +617,51 @@ func TestServeReadinessAndMetricFamilies(t *testing.T) {
 	require.Greater(t, len(fa), 25, "the families of transfer, handshake, connector, vmm and the local API")
 	for f := range fa {
 		require.True(t, fb[f], "%s appears only after an engine attached", f)
+	}
+}
+
+// TestServeReservePages: --reserve-pages is the pool's reserve of mapped
+// page indices with no block allocated: it fills to the flag's count after
+// the engine attached and again after a free trims the pages its blocks
+// used back to it; 0 keeps none.
+func TestServeReservePages(t *testing.T) {
+	for _, n := range []int{0, 3} {
+		t.Run(strconv.Itoa(n), func(t *testing.T) {
+			env := newServeEnv(t)
+			ctx, cancel := context.WithCancel(t.Context())
+			p := startServe(t, ctx, env.args("--num-blocks", "4096", "--reserve-pages", strconv.Itoa(n)))
+			t.Cleanup(func() {
+				cancel()
+				require.Equal(t, 0, p.wait(t))
+			})
+			c := dialServe(t, p.waitLog(t, "serving")["socket"].(string))
+			_, err := c.Attach(t.Context(), &v1.CreateKVCache{Geometry: smallGQA, TpRank: 0, TpSize: 1})
+			require.NoError(t, err)
+			// smallGQA's blocks are 4 KiB per region: 512 to a 2 MiB page.
+			settled := func(what string) {
+				t.Helper()
+				// wallclock: the refill maps pages on a goroutine of the real
+				// serve; a generous scaled bound on a few memfd maps.
+				deadline := time.Now().Add(testutil.Scaled(20 * time.Second))
+				for {
+					st, err := c.Stats(t.Context())
+					require.NoError(t, err)
+					if st.GetReservePages() == uint64(n) && st.GetPagesMapped() == uint64(1+n) {
+						return
+					}
+					require.True(t, time.Now().Before(deadline), "%s: reserve %d pages, %d mapped; want %d and %d",
+						what, st.GetReservePages(), st.GetPagesMapped(), n, 1+n)
+					time.Sleep(10 * time.Millisecond)
+				}
+			}
+			settled("after attach")
+			ids, err := c.Alloc(t.Context(), 1500)
+			require.NoError(t, err)
+			st, err := c.Stats(t.Context())
+			require.NoError(t, err)
+			require.GreaterOrEqual(t, st.GetPagesMapped(), uint64(3), "1500 blocks span 3 pages")
+			require.NoError(t, c.Free(t.Context(), ids))
+			settled("after the free")
+		})
 	}
 }

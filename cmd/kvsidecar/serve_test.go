@@ -37,6 +37,7 @@ func TestServeFlagErrors(t *testing.T) {
 		{"kv layout", append(base, "--model", "llama-3.1-8b", "--kv-layout", "NHD"), `--kv-layout: "NHD": want HND, H2ND or HN2D`},
 		{"kv layout without geometry", append(base, "--kv-layout", "H2ND"), `--kv-layout: "H2ND" needs a geometry`},
 		{"num blocks", append(base, "--num-blocks", "1"), "--num-blocks"},
+		{"reserve pages", append(base, "--reserve-pages", "-1"), "--reserve-pages: -1: must be 0 (no reserve) or more"},
 		{"memory limit 0%", append(base, "--memory-limit", "0%"), "--memory-limit: 0% is outside the accepted range (0 %, 100 %]"},
 		{"memory limit 150%", append(base, "--memory-limit", "150%"), "(0 %, 100 %]"},
 		{"listen", append(base, "--listen", "nowhere"), "--listen"},
