@@ -14,7 +14,7 @@ from kvsidecar.limits import DEFAULT_CALL_TIMEOUT_SECONDS
 from kvsidecar.local import DEFAULT_SIDECAR_WAIT_SECONDS
 from kvsidecar.paths import default_socket_dir, local_socket_path
 from kvsidecar.rankset import dtype_code
-from kvsidecar.v1 import common_pb2
+from kvsidecar.v1 import common_pb2, params_pb2
 from kvsidecar.vllm_zerocopy import DEFAULT_FREE_HOLD_SECONDS, requested
 
 __all__ = ["ConnectorConfig", "KVSidecarConnectorMetadata", "LoadSpec", "SaveSpec", "log", "role_name"]
@@ -34,7 +34,8 @@ class LoadSpec:
             the local prefix hit, at most as many as the remote blocks left
             after that hit (a further block vLLM allocated is computed
             locally and not part of the load).
-        params: the request's kv_transfer_params (JSON form).
+        params: the request's kv_transfer_params, parsed and validated once
+            by the scheduler side (None only with ``refused``).
         notify_only: nothing to read (a full local prefix hit, or a request
             aborted before it was scheduled): the prefill ranks are only
             notified so they free their blocks; vLLM is not told anything.
@@ -50,7 +51,7 @@ class LoadSpec:
 
     req_id: str
     block_ids: list[int]
-    params: dict[str, Any]
+    params: params_pb2.KVTransferParams | None
     notify_only: bool = False
     hit_blocks: int = 0
     token_digests: bytes = b""

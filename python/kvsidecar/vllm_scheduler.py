@@ -40,13 +40,11 @@ class SchedulerSide:
         self.cfg = cfg
         self.ranks = RankSet(cfg.socket, cfg.tp_size, cfg.geometry, cfg.num_blocks, cfg.timeout,
                              default_blocks=cfg.num_vllm_blocks)
-        # Decode: prefix hit tokens and the prompt tokens the export holds,
-        # noted by get_num_new_matched_tokens.
+        # Decode: prefix hit tokens, noted by get_num_new_matched_tokens, and
+        # each waiting request's params as parsed there once (vLLM asks
+        # again every step the request waits), carried to the worker.
         self._hit_tokens: dict[str, int] = {}
-        self._covered: dict[str, int] = {}
-        # Decode: the token digests of the prompt tokens a load takes
-        # (StartLoad compares them with the params' before a byte is read).
-        self._digests: dict[str, bytes] = {}
+        self._remote: dict[str, _Remote] = {}
         self._loads: list[LoadSpec] = []
         self._aborts: list[str] = []
         self._loading: set[str] = set()
@@ -124,30 +122,31 @@ class SchedulerSide:
             self.pool.note_waiting(rid, -(-int(request.num_tokens) // bs) - num_computed_tokens // bs)
         if not (self.cfg.consumer and params.get("do_remote_prefill")):
             return 0, False
-        try:
-            p = params_from_json(params)
-            validate_remote_prefill(p)
-            if not p.remote_block_ids:
-                raise errors.ParamsError("kv_transfer_params: remote_block_ids: missing", field="remote_block_ids",
-                                         reason=reasons.PARAMS_MISSING)
-        except errors.KVSidecarError as e:
-            log.warning("request %s: kv_transfer_params refused, the prompt is computed here: %s", rid, e)
-            # Consumed, as a load's are: nothing is loaded or notified.
-            params["do_remote_prefill"] = False
-            return 0, False
-        covered = min(len(request.prompt_token_ids or ()), len(p.remote_block_ids) * self.cfg.block_size)
-        if p.prompt_tokens:
-            covered = min(covered, p.prompt_tokens)
-        mine = token_digests(prompt_tokens(request)[:covered], self.cfg.block_size, token_salt(request, covered))
-        if why := token_digest_mismatch(p, mine):
-            log.warning("request %s: kv_transfer_params refused (%s), the prompt is computed here: %s", rid,
-                        reasons.TOKEN_DIGEST_MISMATCH, why)
-            params["do_remote_prefill"] = False
-            return 0, False
-        self._digests[rid] = mine
+        rem = self._remote.get(rid)
+        if rem is None:
+            try:
+                p = params_from_json(params)
+                validate_remote_prefill(p)
+                if not p.remote_block_ids:
+                    raise errors.ParamsError("kv_transfer_params: remote_block_ids: missing", field="remote_block_ids",
+                                             reason=reasons.PARAMS_MISSING)
+            except errors.KVSidecarError as e:
+                log.warning("request %s: kv_transfer_params refused, the prompt is computed here: %s", rid, e)
+                # Consumed, as a load's are: nothing is loaded or notified.
+                params["do_remote_prefill"] = False
+                return 0, False
+            covered = min(len(request.prompt_token_ids or ()), len(p.remote_block_ids) * self.cfg.block_size)
+            if p.prompt_tokens:
+                covered = min(covered, p.prompt_tokens)
+            mine = token_digests(prompt_tokens(request)[:covered], self.cfg.block_size, token_salt(request, covered))
+            if why := token_digest_mismatch(p, mine):
+                log.warning("request %s: kv_transfer_params refused (%s), the prompt is computed here: %s", rid,
+                            reasons.TOKEN_DIGEST_MISMATCH, why)
+                params["do_remote_prefill"] = False
+                return 0, False
+            rem = self._remote[rid] = _Remote(p, covered, mine)
         self._hit_tokens[rid] = num_computed_tokens
-        self._covered[rid] = covered
-        count = covered - num_computed_tokens
+        count = rem.covered - num_computed_tokens
         if count <= 0:
             return 0, False
         return count, True
@@ -159,17 +158,29 @@ class SchedulerSide:
             self._exports[rid] = _Export(prompt_len=len(request.prompt_token_ids or ()))
         if not (self.cfg.consumer and params.get("do_remote_prefill")):
             return
-        spec = dict(params)
         # Consumed: a second update_state_after_alloc (after the load) must
         # not load again.
         params["do_remote_prefill"] = False
-        digests = self._digests.pop(rid, b"")
+        rem = self._remote.pop(rid, None)
+        hit_blocks = self._hit_tokens.pop(rid, 0) // self.cfg.block_size
+        if rem is None:
+            # vLLM asks get_num_new_matched_tokens first, which refuses bad
+            # params; a caller that did not is refused here.
+            try:
+                p = params_from_json(params)
+                validate_remote_prefill(p)
+            except errors.KVSidecarError as e:
+                log.warning("request %s: kv_transfer_params refused: %s", rid, e)
+                if num_external_tokens > 0:
+                    self._loads.append(LoadSpec(rid, list(blocks.get_unhashed_block_ids()), None, refused=str(e)))
+                    self._loading.add(rid)
+                return
+            rem = _Remote(p, len(p.remote_block_ids) * self.cfg.block_size, b"")
+        spec, digests, covered = rem.params, rem.digests, rem.covered
         if num_external_tokens <= 0:
             self._loads.append(LoadSpec(rid, [], spec, notify_only=True))
             return
-        remote = list(spec.get("remote_block_ids") or ())
-        hit_blocks = self._hit_tokens.pop(rid, 0) // self.cfg.block_size
-        covered = self._covered.pop(rid, len(remote) * self.cfg.block_size)
+        remote = spec.remote_block_ids
         # vLLM allocates the blocks after the local prefix hit (the unhashed
         # ones); the first ones take the remote blocks after the hit that
         # hold the claimed tokens, in order. A further block (vLLM can
@@ -246,8 +257,7 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._hit_tokens.pop(rid, None)
-        self._covered.pop(rid, None)
-        self._digests.pop(rid, None)
+        rem = self._remote.pop(rid, None)
         exp = self._exports.pop(rid, None)
         if exp is not None and self.zero_copy:
             return self._finish_in_place(request, exp, block_ids)
@@ -265,8 +275,17 @@ class SchedulerSide:
         if self.cfg.consumer and params.get("do_remote_prefill"):
             # Finished before it was scheduled: notify the prefill so it
             # frees its blocks now, not at lease expiry.
-            self._loads.append(LoadSpec(rid, [], dict(params), notify_only=True))
             params["do_remote_prefill"] = False
+            p = rem.params if rem is not None else None
+            if p is None:
+                try:
+                    p = params_from_json(params)
+                    validate_remote_prefill(p)
+                except errors.KVSidecarError as e:
+                    log.warning("request %s: finished before its load; its kv_transfer_params cannot notify the "
+                                "prefill: %s", rid, e)
+                    return False, None
+            self._loads.append(LoadSpec(rid, [], p, notify_only=True))
         return False, None
 
     def _finish_export(self, request: Any, exp: _Export) -> dict[str, Any] | None:
@@ -322,6 +341,16 @@ def _keep(request: Any, block_size: int) -> params_pb2.KVTransferParams:
     if isinstance(checksums, bool):
         keep.checksums = checksums
     return keep
+
+
+@dataclasses.dataclass
+class _Remote:
+    """A waiting decode request's params, parsed and validated once: the
+    prompt tokens its export holds and their token digests."""
+
+    params: params_pb2.KVTransferParams
+    covered: int
+    digests: bytes
 
 
 @dataclasses.dataclass

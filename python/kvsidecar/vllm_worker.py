@@ -11,7 +11,7 @@ from typing import Any
 from kvsidecar import errors, vllm_plugin
 from kvsidecar.devicemap import CudaDeviceMapping
 from kvsidecar.local import LocalClient, dial_waiting
-from kvsidecar.params import params_from_json, req_meta
+from kvsidecar.params import req_meta
 from kvsidecar.rankset import attach_rank
 from kvsidecar.staging import LayerLayout, Staging, layer_layout
 from kvsidecar.v1 import common_pb2, group_pb2
@@ -296,20 +296,15 @@ class WorkerSide:
         if c is None:
             self._fail(spec, "the sidecar is unreachable")
             return
-        if spec.refused:
-            self._fail(spec, spec.refused)
-            return
-        try:
-            params = params_from_json(spec.params)
-        except errors.KVSidecarError as e:
-            self._fail(spec, e)
+        if spec.refused or spec.params is None:
+            self._fail(spec, spec.refused or "no kv_transfer_params")
             return
         staging: list[int] = []
         try:
             if spec.block_ids and not self.zero_copy:
                 staging = c.alloc(len(spec.block_ids))
             local = spec.block_ids if self.zero_copy else staging
-            c.start_load(req_meta(rid, local, params, remote_hit_blocks=spec.hit_blocks,
+            c.start_load(req_meta(rid, local, spec.params, remote_hit_blocks=spec.hit_blocks,
                                   token_digests=spec.token_digests))
         except errors.BrokenConnection as e:
             self._fail(spec, e)

@@ -224,12 +224,49 @@ def test_decode_loads_the_blocks_after_its_local_hit_and_an_abort_is_passed_on(h
     m = c.build_connector_meta(output())
     assert [(ld.req_id, ld.block_ids, ld.hit_blocks) for ld in m.loads] == [("d1", [60 + i for i in range(4 - hit)],
                                                                                hit)]
-    assert m.loads[0].params["remote_block_ids"] == [11, 12, 13, 14]
+    assert list(m.loads[0].params.remote_block_ids) == [11, 12, 13, 14]
     # The client aborts while the load runs: the workers abort it next step.
     r.status = RequestStatus.FINISHED_ABORTED
     assert c.request_finished(r, []) == (False, None)
     m = c.build_connector_meta(output())
     assert m.aborts == ["d1"] and m.loads == []
+
+
+
+def test_params_are_parsed_once_and_reach_the_worker_parsed(monkeypatch):
+    # vLLM asks get_num_new_matched_tokens again every step a request
+    # waits; the params were parsed (and their token digests computed) on
+    # each ask, then again in the worker.
+    import kvsidecar.vllm_scheduler as vs
+
+    parsed = []
+    real = vs.params_from_json
+    monkeypatch.setattr(vs, "params_from_json", lambda d: parsed.append(d) or real(d))
+    c, _ = connector("kv_consumer")
+    r = request("d2", 4 * BS, decode_params(remote_block_ids=[11, 12, 13, 14]))
+    for _ in range(3):
+        assert c.get_num_new_matched_tokens(r, 0) == (4 * BS, True)
+    c.update_state_after_alloc(r, KVCacheBlocks(([KVCacheBlock(60 + i) for i in range(4)],)), 4 * BS)
+    m = c.build_connector_meta(output())
+    assert len(parsed) == 1
+    p = m.loads[0].params
+    assert isinstance(p, params_pb2.KVTransferParams) and (p.remote_engine_id, p.tp_size) == ("p", 2)
+    assert m.loads[0].token_digests == token_digests(r.prompt_token_ids, BS)
+
+
+def test_a_request_finished_before_its_load_notifies_with_its_params_or_logs_why_not(caplog):
+    c, _ = connector("kv_consumer")
+    r = request("d3", 4 * BS, decode_params(remote_block_ids=[11, 12, 13, 14]))
+    r.status = RequestStatus.FINISHED_ABORTED
+    assert c.request_finished(r, []) == (False, None)
+    m = c.build_connector_meta(output())
+    assert [(ld.req_id, ld.notify_only, ld.params.remote_request_id) for ld in m.loads] == [("d3", True, "r-1")]
+    bad = request("d4", 4 * BS, decode_params(remote_block_ids=[11, 12], tp_size="two"))
+    bad.status = RequestStatus.FINISHED_ABORTED
+    with caplog.at_level(logging.WARNING, logger="vllm.kvsidecar"):
+        assert c.request_finished(bad, []) == (False, None)
+    assert c.build_connector_meta(output()).loads == []
+    assert any("d4" in x.getMessage() and "tp_size" in x.getMessage() for x in caplog.records), caplog.records
 
 
 # fault-matrix: token-digest-mismatch
