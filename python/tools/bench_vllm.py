@@ -147,6 +147,10 @@ class Sample:
     real: bool = True
     why_not_real: str = ""
     token_exact: bool = True
+    #: CPU seconds each side used while the decode request ran (from the
+    #: decode's HTTP request to its last token): ``prefill`` and ``decode``
+    #: engines (every process of each), ``sidecars`` (all four).
+    decode_cpu: dict[str, float] | None = None
 
     def stages(self) -> dict[str, float | None]:
         """The decode's TTFT taken apart: HTTP and streaming (client TTFT less
@@ -222,11 +226,25 @@ class Setup:
                                    timeout=self.timeout)
 
     def trial(self, prompt: list[int]) -> tuple[Sample, list[int]]:
-        """One request, alone on the setup, with its stages and checks."""
+        """One request, alone on the setup, with its stages and checks, and
+        the CPU each process used while the decode ran."""
         before = self.snapshot()
         t0 = time.monotonic()
+        cpu: dict[str, float] | None = None
         try:
-            _, d = self.request(prompt)
+            if len(self.engines) == 1:
+                _, d = self.request(prompt)
+            else:
+                # The proxy's two steps, as devvllm.pd_complete.
+                p = self.engines[0].complete(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True},
+                                             timeout=self.timeout)
+                if not p.kv_transfer_params:
+                    raise devvllm.EngineError(f"prefill returned no kv_transfer_params:\n{self.engines[0].tail()}")
+                cpu0 = self.cpu_seconds()
+                d = self.decode.complete(prompt, max_tokens=MAX_TOKENS, kv_transfer_params=p.kv_transfer_params,
+                                         stream=True, timeout=self.timeout)
+                cpu1 = self.cpu_seconds()
+                cpu = {k: round(cpu1[k] - cpu0[k], 3) for k in cpu1}
         except (devvllm.EngineError, OSError) as e:
             # No answer (an engine failed, or none within the timeout): not a
             # real transfer, and its time is a lower bound.
@@ -239,7 +257,7 @@ class Setup:
             return s, []
         after = self.settled(before, 1)
         diff = {k: after[k] - before[k] for k in before}
-        s = Sample(self.name, len(prompt), d.ttft_seconds)
+        s = Sample(self.name, len(prompt), d.ttft_seconds, decode_cpu=cpu)
         if diff["finished"] == 1:
             s.vllm_ttft, s.queue, s.first_step = diff["vllm_ttft"], diff["queue"], diff["first_step"]
             s.step = diff["itl_sum"] / diff["itl_count"] if diff["itl_count"] else None
@@ -361,6 +379,9 @@ def main() -> int:
     ap.add_argument("--reserve-pages", type=int, default=4,
                     help="the kvsidecar setups' serve --reserve-pages (4 page indices hold a 4096-token prompt of "
                          "the bench's model)")
+    ap.add_argument("--sidecar-nice", type=int, default=0,
+                    help="the kvsidecar setups' sidecars run at this nice value (negative needs root or "
+                         "CAP_SYS_NICE): an A/B of the sidecars waiting for a core")
     ap.add_argument("--no-bind", action="store_true",
                     help="leave vLLM's automatic OpenMP binding (every TP 1 engine computes on core 0)")
     ap.add_argument("--out", default="bench-vllm", help="writes <out>.json and <out>.png")
@@ -385,7 +406,7 @@ def main() -> int:
                               "max_tokens": MAX_TOKENS, "trials": a.trials, "setups": names, "samples": [],
                               "load": [], "errors": {}, "engine_start_seconds": {}, "first_request_ms": {},
                               "peak_mem_mib": {}, "not_run": {}, "nixl_pthr_delay_us": a.nixl_pthr_delay_us,
-                              "reserve_pages": a.reserve_pages, "cpu": {}}
+                              "reserve_pages": a.reserve_pages, "sidecar_nice": a.sidecar_nice, "cpu": {}}
     want: dict[tuple[int, ...], list[int]] = {}
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvs-bench-vllm") as d, devserve.Cluster(a.kvsidecar) as cl:
@@ -416,6 +437,11 @@ def main() -> int:
                 extra = {"zero_copy": True}
             pre_sc = cl.start_group(f"{name}-prefill", tp_size=1, role="prefill", args=args)
             dec_sc = cl.start_group(f"{name}-decode", tp_size=1, role="decode", args=args)
+            if a.sidecar_nice:
+                for sc in pre_sc + dec_sc:
+                    # Every thread: Linux applies a nice value per thread.
+                    for tid in os.listdir(f"/proc/{sc.proc.pid}/task"):
+                        os.setpriority(os.PRIO_PROCESS, int(tid), a.sidecar_nice)
             es = [devvllm.Engine(model, name=f"{name}-prefill", log_dir=d, kv_cache_bytes=kv, env=bind.get("prefill"),
                                  kv_transfer_config=devvllm.connector_config("kv_producer", f"{name}-prefill",
                                                                              cl.socket_dir, **extra)),
@@ -556,6 +582,10 @@ def summarize(report: dict[str, Any], lengths: list[int]) -> None:
                 for k in ("transfer", "step", "queue"):
                     m = med([s[k] for s in real if s[k] is not None])
                     row[f"{k}_ms"] = round(m * 1e3, 2) if m is not None else None
+                for side in ("prefill", "decode", "sidecars"):
+                    m = med([s["decode_cpu"][side] for s in real if (s.get("decode_cpu") or {}).get(side) is not None])
+                    if m is not None:
+                        row.setdefault("decode_cpu_ms", {})[side] = round(m * 1e3)
                 stages = [Sample(**s).stages() for s in real]
                 row["stages_ms"] = {k: round(m * 1e3, 1) for k in STAGES
                                     if (m := med([st[k] for st in stages if st.get(k) is not None])) is not None}
@@ -600,6 +630,15 @@ def write(report: dict[str, Any], out: str, lengths: list[int]) -> None:
                 st = r["stages_ms"]
                 print(f"  {n:>14} {L:>5}: " + " | ".join(f"{st.get(k, '-')!s:>7}" for k in STAGES)
                       + f"   (step {r.get('step_ms')})")
+    print("\nCPU ms used while the decode request ran (medians over real transfers; the decode's TTFT beside "
+          "them): prefill engine | decode engine | the four sidecars")
+    for n in names:
+        for L in lengths:
+            r = by.get((n, L))
+            if r and r.get("decode_cpu_ms"):
+                c = r["decode_cpu_ms"]
+                print(f"  {n:>14} {L:>5}: " + " | ".join(f"{c.get(k, '-')!s:>6}" for k in ("prefill", "decode", "sidecars"))
+                      + f"   (TTFT {r.get('decode_ttft_ms')})")
     best = [n for n in names if n.startswith("nixl")]
     if "zero-copy" in names and best:
         ratios = {}
