@@ -621,24 +621,20 @@ def write(report: dict[str, Any], out: str, lengths: list[int]) -> None:
         for L in lengths:
             print(f"{L:>13} {L * report['model']['kv_bytes_per_token']:>10}"
                   + "".join(f" {cell(by.get((n, L)), key):>16}" for n in cols))
-    print("\ndecode TTFT taken apart, ms (medians over real transfers): http | API server to engine core | "
-          "KV wait outside the transfer | transfer | first step")
-    for n in names:
-        for L in lengths:
-            r = by.get((n, L))
-            if r and r.get("stages_ms"):
-                st = r["stages_ms"]
-                print(f"  {n:>14} {L:>5}: " + " | ".join(f"{st.get(k, '-')!s:>7}" for k in STAGES)
-                      + f"   (step {r.get('step_ms')})")
-    print("\nCPU ms used while the decode request ran (medians over real transfers; the decode's TTFT beside "
-          "them): prefill engine | decode engine | the four sidecars")
-    for n in names:
-        for L in lengths:
-            r = by.get((n, L))
-            if r and r.get("decode_cpu_ms"):
-                c = r["decode_cpu_ms"]
-                print(f"  {n:>14} {L:>5}: " + " | ".join(f"{c.get(k, '-')!s:>6}" for k in ("prefill", "decode", "sidecars"))
-                      + f"   (TTFT {r.get('decode_ttft_ms')})")
+    def parts(title: str, key: str, cols: tuple[str, ...], label: str, beside: str) -> None:
+        # One line per setup and length: row[key]'s cols, and row[beside].
+        print(f"\n{title}")
+        for n in names:
+            for L in lengths:
+                r = by.get((n, L))
+                if r and r.get(key):
+                    print(f"  {n:>14} {L:>5}: " + " | ".join(f"{r[key].get(k, '-')!s:>7}" for k in cols)
+                          + f"   ({label} {r.get(beside)})")
+
+    parts("decode TTFT taken apart, ms (medians over real transfers): http | API server to engine core | "
+          "KV wait outside the transfer | transfer | first step", "stages_ms", STAGES, "step", "step_ms")
+    parts("CPU ms used while the decode request ran (medians over real transfers): prefill engine | decode engine | "
+          "the four sidecars", "decode_cpu_ms", ("prefill", "decode", "sidecars"), "TTFT", "decode_ttft_ms")
     best = [n for n in names if n.startswith("nixl")]
     if "zero-copy" in names and best:
         ratios = {}
