@@ -222,9 +222,12 @@ def main() -> int:
     ap.add_argument("--cases", default=",".join(c.name for c in CASES),
                     help=f"comma-separated, of {', '.join(c.name for c in CASES)}")
     a = ap.parse_args()
+    by_name = {c.name: c for c in CASES}
+    for name in a.cases.split(","):
+        if name not in by_name:
+            ap.error(f"--cases: {name!r} is not one of {', '.join(by_name)}")
     if a.threads:
         torch.set_num_threads(a.threads)
-    by_name = {c.name: c for c in CASES}
     print(f"bench-staging: {platform.machine()}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.2f}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"medians of {a.reps} runs")

@@ -390,15 +390,33 @@ def main() -> int:
     for n in names:
         if n not in SETUPS:
             ap.error(f"--setups: {n!r} is not one of {', '.join(SETUPS)}")
-    lengths = [int(x) for x in a.lengths.split(",")]
-    rates = [float(x) for x in a.rates.split(",") if x]
+    def positive(flag: str, value: str, conv: Callable[[str], float]) -> list[Any]:
+        # A comma-separated list of positive numbers, or the usage error
+        # naming the flag, the value and the rule.
+        try:
+            out = [conv(x) for x in value.split(",") if x]
+        except ValueError:
+            ap.error(f"{flag}: {value!r} is not a comma-separated list of numbers")
+        if any(x <= 0 for x in out):
+            ap.error(f"{flag}: {value!r}: every value must be positive")
+        return out
+
+    lengths = positive("--lengths", a.lengths, int)
+    rates = positive("--rates", a.rates, float)
+    if not lengths:
+        ap.error("--lengths: give at least one prompt length")
+    if a.trials < 1 or a.load_requests < 1 or a.reserve_pages < 0:
+        ap.error(f"--trials {a.trials} and --load-requests {a.load_requests} must be at least 1, "
+                 f"--reserve-pages {a.reserve_pages} at least 0")
     rnd = random.Random(7)
     # The same prompts for every setup: fresh ones per trial, so no prefix
     # cache helps; the single engine's tokens are the reference.
     # Round robin over the lengths, so a setup whose budget runs out still
     # has trials at every length.
     plan = [(n, [rnd.randrange(3, 2000) for _ in range(n)]) for _ in range(a.trials) for n in lengths]
-    load_lengths = [int(x) for x in a.load_lengths.split(",")]
+    load_lengths = positive("--load-lengths", a.load_lengths, int)
+    if rates and not load_lengths:
+        ap.error("--load-lengths: give at least one prompt length for the load mode (or --rates '')")
     load_prompts = {r: [[rnd.randrange(3, 2000) for _ in range(rnd.choice(load_lengths))]
                         for _ in range(a.load_requests)] for r in rates}
     warm = [rnd.randrange(3, 2000) for _ in range(64)]
