@@ -222,6 +222,10 @@ def main() -> int:
     ap.add_argument("--cases", default=",".join(c.name for c in CASES),
                     help=f"comma-separated, of {', '.join(c.name for c in CASES)}")
     a = ap.parse_args()
+    if a.reps < 1:
+        ap.error(f"--reps {a.reps}: must be at least 1")
+    if a.threads < 0:
+        ap.error(f"--threads {a.threads}: must be 0 (torch's default) or more")
     by_name = {c.name: c for c in CASES}
     for name in a.cases.split(","):
         if name not in by_name:

@@ -76,6 +76,7 @@ import math
 import os
 import platform
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -149,7 +150,7 @@ class Sample:
     token_exact: bool = True
     #: CPU seconds each side used while the decode request ran (from the
     #: decode's HTTP request to its last token): ``prefill`` and ``decode``
-    #: engines (every process of each), ``sidecars`` (all four).
+    #: engines (every process of each), ``sidecars`` (the prefill's and the decode's).
     decode_cpu: dict[str, float] | None = None
 
     def stages(self) -> dict[str, float | None]:
@@ -387,6 +388,22 @@ def main() -> int:
     ap.add_argument("--out", default="bench-vllm", help="writes <out>.json and <out>.png")
     a = ap.parse_args()
     names = [x for x in a.setups.split(",") if x]
+    if not names:
+        ap.error("--setups: give at least one setup")
+    if len(set(names)) != len(names):
+        ap.error(f"--setups: {a.setups!r} names a setup twice")
+    if not (os.path.isfile(a.kvsidecar) and os.access(a.kvsidecar, os.X_OK)):
+        ap.error(f"--kvsidecar: {a.kvsidecar!r} is not an executable file (make build writes bin/kvsidecar)")
+    if a.request_timeout_seconds <= 0 or a.setup_budget_seconds <= 0:
+        ap.error(f"--request-timeout-seconds {a.request_timeout_seconds} and --setup-budget-seconds "
+                 f"{a.setup_budget_seconds}: both must be positive")
+    if a.nixl_pthr_delay_us < 0:
+        ap.error(f"--nixl-pthr-delay-us {a.nixl_pthr_delay_us}: must be 0 or more")
+    if not -20 <= a.sidecar_nice <= 19:
+        ap.error(f"--sidecar-nice {a.sidecar_nice}: must be in [-20, 19]")
+    # SIGTERM ends the run as Ctrl-C does: each setup's finally stops its
+    # engines (started in sessions of their own, they outlive a killed bench).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for n in names:
         if n not in SETUPS:
             ap.error(f"--setups: {n!r} is not one of {', '.join(SETUPS)}")
@@ -405,9 +422,12 @@ def main() -> int:
     rates = positive("--rates", a.rates, float)
     if not lengths:
         ap.error("--lengths: give at least one prompt length")
-    if a.trials < 1 or a.load_requests < 1 or a.reserve_pages < 0:
-        ap.error(f"--trials {a.trials} and --load-requests {a.load_requests} must be at least 1, "
-                 f"--reserve-pages {a.reserve_pages} at least 0")
+    if a.trials < 1:
+        ap.error(f"--trials {a.trials}: must be at least 1")
+    if a.load_requests < 1:
+        ap.error(f"--load-requests {a.load_requests}: must be at least 1")
+    if a.reserve_pages < 0:
+        ap.error(f"--reserve-pages {a.reserve_pages}: must be 0 (no reserve) or more")
     rnd = random.Random(7)
     # The same prompts for every setup: fresh ones per trial, so no prefix
     # cache helps; the single engine's tokens are the reference.
@@ -652,7 +672,7 @@ def write(report: dict[str, Any], out: str, lengths: list[int]) -> None:
     parts("decode TTFT taken apart, ms (medians over real transfers): http | API server to engine core | "
           "KV wait outside the transfer | transfer | first step", "stages_ms", STAGES, "step", "step_ms")
     parts("CPU ms used while the decode request ran (medians over real transfers): prefill engine | decode engine | "
-          "the four sidecars", "decode_cpu_ms", ("prefill", "decode", "sidecars"), "TTFT", "decode_ttft_ms")
+          "the sidecars", "decode_cpu_ms", ("prefill", "decode", "sidecars"), "TTFT", "decode_ttft_ms")
     best = [n for n in names if n.startswith("nixl")]
     if "zero-copy" in names and best:
         ratios = {}
