@@ -106,6 +106,7 @@ type Pool struct {
 	pins        map[*pin]struct{} // transfers' holds on blocks (Pin)
 	pagePins    []int32           // pins per page index
 	unpinned    chan struct{}     // closed and cleared when a pin goes
+	trimPinned  bool              // a trim skipped an empty page under a pin: the last unpin trims again
 
 	onCommit func(committed, limitPages int) // tests: called under mu when a page is committed
 }

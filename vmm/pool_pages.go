@@ -141,9 +141,11 @@ func (p *Pool) trimLocked(keep int) []int {
 	for p.empty.len() > 0 && (p.empty.len() > keep || (p.limit != 0 && uint64(p.committed)*p.pageBytes > p.limit)) {
 		pg := p.empty.last()
 		if p.pinnedPageLocked(pg) {
-			// A transfer still touches it (a pin on a freed block): not now.
+			// A transfer still touches it (a pin on a freed block): not
+			// now; the unpin trims again.
 			p.empty.remove(pg)
 			skipped = append(skipped, pg)
+			p.trimPinned = true
 			continue
 		}
 		p.empty.remove(pg)

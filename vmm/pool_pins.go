@@ -61,7 +61,6 @@ func (p *Pool) Pin(ids []int, abort func()) (unpin func(), err error) {
 	return func() {
 		once.Do(func() {
 			p.mu.Lock()
-			defer p.mu.Unlock()
 			delete(p.pins, pn)
 			for _, pg := range pn.pages {
 				p.pagePins[pg]--
@@ -70,6 +69,23 @@ func (p *Pool) Pin(ids []int, abort func()) (unpin func(), err error) {
 				close(p.unpinned)
 				p.unpinned = nil
 			}
+			// A Free (or a lowered limit) that left an empty page mapped
+			// because this pin held it: trim now, or the page stays
+			// mapped beyond the reserve until the next Free.
+			var trim []int
+			if p.trimPinned && !p.closed {
+				p.trimPinned = false
+				trim = p.trimLocked(p.cfg.PreallocPages)
+			}
+			if len(trim) == 0 {
+				p.mu.Unlock()
+				return
+			}
+			p.ops.Add(1)
+			p.mu.Unlock()
+			defer p.ops.Done()
+			// Logged and counted by unmapTrimmed.
+			_ = p.unmapTrimmed(p.ctx, trim)
 		})
 	}, nil
 }

@@ -1056,3 +1056,28 @@ kvsidecar_vmm_failures_total{op="unmap"} 0
 		checkInvariants(t, p)
 	})
 }
+
+// TestPoolUnpinTrimsWhatAFreeLeftMapped: a Free whose last block of a page
+// is freed while a transfer pins a block of it leaves the page mapped (the
+// pin); the unpin unmaps it back to the reserve. Found by e2e's
+// TestIntegrityRanksDisagreeOnBlockIDs under load: a prefill rank's lease
+// ended (its blocks freed) while the READ it served still pinned them, and
+// 7 empty pages stayed mapped.
+func TestPoolUnpinTrimsWhatAFreeLeftMapped(t *testing.T) {
+	be := newFailing(t)
+	p := newTestPool(t, Config{Backend: be, PreallocPages: 1})
+	p.settle()
+	idle := p.Stats().PagesMapped
+	ids, err := p.Alloc(context.Background(), 3*32) // page 0's free blocks and whole pages after
+	require.NoError(t, err)
+	p.settle()
+	unpin, err := p.Pin(ids, nil)
+	require.NoError(t, err)
+	require.NoError(t, p.Free(context.Background(), ids))
+	held := p.Stats().PagesMapped
+	require.Greater(t, held, idle+1, "the pinned pages stay mapped past the reserve")
+	unpin()
+	require.Equal(t, idle, p.Stats().PagesMapped, "the unpin trimmed back to the reserve")
+	require.Equal(t, int64(idle)*int64(testLayout.NumRegions()), be.mapped.Load())
+	checkInvariants(t, p)
+}
