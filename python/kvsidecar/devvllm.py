@@ -57,6 +57,7 @@ __all__ = [
     "make_tiny_llama",
     "nixl_config",
     "pd_complete",
+    "pd_prefill",
 ]
 
 #: Tokens per KV block of the engines started here (the CPU backend's
@@ -395,6 +396,22 @@ def start_engines(engines: Sequence[Engine]) -> None:
         raise errs[0]
 
 
+def pd_prefill(prefill: Engine, prompt: Sequence[int], *, timeout: float = REQUEST_TIMEOUT_SECONDS) -> Completion:
+    """The proxy's first step: the prompt to ``prefill`` with
+    ``do_remote_decode`` and ``max_tokens=1``; its completion carries the
+    ``kv_transfer_params`` for the decode.
+
+    Raises:
+        EngineError: the engine failed, or returned no params.
+        TimeoutError: it did not answer within ``timeout`` (seconds, times
+            KVSIDECAR_TIME_SCALE).
+    """
+    p = prefill.complete(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout)
+    if not p.kv_transfer_params:
+        raise EngineError(f"prefill {prefill.name} returned no kv_transfer_params:\n{prefill.tail()}")
+    return p
+
+
 def pd_complete(prefill: Engine, decode: Engine, prompt: Sequence[int], *, max_tokens: int,
                 stream: bool = True, timeout: float = REQUEST_TIMEOUT_SECONDS) -> tuple[Completion, Completion]:
     """The proxy's two steps: the prompt to ``prefill`` with
@@ -408,9 +425,7 @@ def pd_complete(prefill: Engine, decode: Engine, prompt: Sequence[int], *, max_t
         EngineError: either engine failed, or prefill returned no params.
         TimeoutError: an engine did not answer within ``timeout``.
     """
-    p = prefill.complete(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout)
-    if not p.kv_transfer_params:
-        raise EngineError(f"prefill {prefill.name} returned no kv_transfer_params:\n{prefill.tail()}")
+    p = pd_prefill(prefill, prompt, timeout=timeout)
     d = decode.complete(prompt, max_tokens=max_tokens, kv_transfer_params=p.kv_transfer_params, stream=stream,
                         timeout=timeout)
     return p, d

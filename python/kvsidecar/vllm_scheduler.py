@@ -125,8 +125,7 @@ class SchedulerSide:
         rem = self._remote.get(rid)
         if rem is None:
             try:
-                p = params_from_json(params)
-                validate_remote_prefill(p)
+                p = _parse(params)
                 if not p.remote_block_ids:
                     raise errors.ParamsError("kv_transfer_params: remote_block_ids: missing", field="remote_block_ids",
                                              reason=reasons.PARAMS_MISSING)
@@ -167,8 +166,7 @@ class SchedulerSide:
             # vLLM asks get_num_new_matched_tokens first, which refuses bad
             # params; a caller that did not is refused here.
             try:
-                p = params_from_json(params)
-                validate_remote_prefill(p)
+                p = _parse(params)
             except errors.KVSidecarError as e:
                 log.warning("request %s: kv_transfer_params refused: %s", rid, e)
                 if num_external_tokens > 0:
@@ -279,8 +277,7 @@ class SchedulerSide:
             p = rem.params if rem is not None else None
             if p is None:
                 try:
-                    p = params_from_json(params)
-                    validate_remote_prefill(p)
+                    p = _parse(params)
                 except errors.KVSidecarError as e:
                     log.warning("request %s: finished before its load; its kv_transfer_params cannot notify the "
                                 "prefill: %s", rid, e)
@@ -341,6 +338,18 @@ def _keep(request: Any, block_size: int) -> params_pb2.KVTransferParams:
     if isinstance(checksums, bool):
         keep.checksums = checksums
     return keep
+
+
+def _parse(params: dict[str, Any]) -> params_pb2.KVTransferParams:
+    """A decode request's ``kv_transfer_params``, parsed and validated for a
+    remote prefill.
+
+    Raises:
+        KVSidecarError: params a load cannot use (the reason names the field).
+    """
+    p = params_from_json(params)
+    validate_remote_prefill(p)
+    return p
 
 
 @dataclasses.dataclass

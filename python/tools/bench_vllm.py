@@ -9,7 +9,9 @@ KV cache of 1 GiB per engine, ``kv_load_failure_policy`` recompute):
 
 - ``zero-copy``: KVSidecarConnector with zero copy: vLLM's KV cache is the
   sidecars' pages (``--kv-layout H2ND --ownership coordinated``); the decode
-  sidecar READs the prefill's pages over QUIC on loopback.
+  sidecar READs the prefill's pages through the same-host path (mapped from
+  the prefill sidecar's unix socket; QUIC carries the handshake and the
+  notification).
 - ``staging``: KVSidecarConnector copying between vLLM's KV cache and the
   sidecars' pages, the same READ between them.
 - ``nixl-pull``: ``NixlConnector`` (vLLM's default, the decode READs). On a
@@ -236,11 +238,9 @@ class Setup:
             if len(self.engines) == 1:
                 _, d = self.request(prompt)
             else:
-                # The proxy's two steps, as devvllm.pd_complete.
-                p = self.engines[0].complete(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True},
-                                             timeout=self.timeout)
-                if not p.kv_transfer_params:
-                    raise devvllm.EngineError(f"prefill returned no kv_transfer_params:\n{self.engines[0].tail()}")
+                # The proxy's two steps (devvllm.pd_complete's), the CPU read
+                # between them.
+                p = devvllm.pd_prefill(self.engines[0], prompt, timeout=self.timeout)
                 cpu0 = self.cpu_seconds()
                 d = self.decode.complete(prompt, max_tokens=MAX_TOKENS, kv_transfer_params=p.kv_transfer_params,
                                          stream=True, timeout=self.timeout)
