@@ -21,21 +21,18 @@ Modules by concern (the Go package each mirrors, where there is one):
 - :mod:`kvsidecar.staging`: a sidecar region as a tensor, and copies between
   an engine's KV tensors and sidecar blocks through vLLM's KV layouts (the
   one module that imports torch).
-- :mod:`kvsidecar.vllm`: ``KVSidecarConnector``, the vLLM v1 KV connector
-  (its halves in :mod:`kvsidecar.vllm_scheduler` and
-  :mod:`kvsidecar.vllm_worker`, their settings and step metadata in
-  :mod:`kvsidecar.vllm_meta`, its copy counter in vLLM's metrics in
-  :mod:`kvsidecar.vllm_stats`); zero copy, vLLM's KV cache in the sidecar's
-  pages, in :mod:`kvsidecar.vllm_zerocopy`, routed by the vLLM plugin
-  :mod:`kvsidecar.vllm_plugin` (a ``vllm.general_plugins`` entry point).
+- :mod:`kvsidecar.vllm`: ``KVSidecarConnector``, the vLLM v1 KV connector,
+  a package in the shape of vLLM's NIXL connector (front, scheduler and
+  worker halves, metadata, stats, the plugin, zero copy, and vLLM's private
+  names one module per release in :mod:`kvsidecar.vllm.compat`).
 - :mod:`kvsidecar.errors`: typed errors carrying the wire code and reason.
 - :mod:`kvsidecar.v1`: the generated protobuf modules (``make generate``).
 - :mod:`kvsidecar.limits` and :mod:`kvsidecar.reasons`: the sidecar's limits
   and every error reason, generated from their Go constants (``make
   generate``, ``internal/pygen``).
-- For trials and tests on one machine: :mod:`kvsidecar.devserve` (``kvsidecar
-  serve`` processes), :mod:`kvsidecar.devvllm` (vLLM engines and a tiny model)
-  and :mod:`kvsidecar.pdproxy` (a prefill/decode proxy).
+- For trials and tests on one machine, not needed at run time:
+  :mod:`kvsidecar.dev` (``kvsidecar serve`` processes, vLLM engines and a tiny
+  model, a prefill/decode proxy).
 
 The engine contract (call order, block ids, layouts, kv_transfer_params) is
 ``docs/engine-integration.md`` in the repository.

@@ -21,8 +21,8 @@ PYTHON_DIR = os.path.dirname(HERE)
 REPO = os.path.dirname(PYTHON_DIR)
 sys.path.insert(0, PYTHON_DIR)
 
-from kvsidecar import devserve  # noqa: E402
-from kvsidecar.devserve import time_scale  # noqa: E402
+from kvsidecar.dev import devserve  # noqa: E402
+from kvsidecar.dev.devserve import time_scale  # noqa: E402
 from kvsidecar.local import LocalClient  # noqa: E402
 
 

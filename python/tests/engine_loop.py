@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from kvsidecar.devserve import time_scale
+from kvsidecar.dev.devserve import time_scale
 from kvsidecar.staging import LayerLayout, layer_layout
-from kvsidecar.vllm import KVConnectorRole, KVSidecarConnector
+from kvsidecar.vllm.connector import KVConnectorRole, KVSidecarConnector
 
 # llama-3.2-1b's KV geometry (its config.json): 16 layers, 8 KV heads of 64.
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 64, 16

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvsidecar import devserve, errors, reasons
+from kvsidecar import errors, reasons
+from kvsidecar.dev import devserve
 from kvsidecar.local import LocalClient
 from kvsidecar.rankset import attach_rank
 from kvsidecar.v1 import common_pb2

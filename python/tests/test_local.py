@@ -13,7 +13,7 @@ import pytest
 from conftest import Background, LogWatch
 
 from kvsidecar import errors
-from kvsidecar.devserve import time_scale
+from kvsidecar.dev.devserve import time_scale
 from kvsidecar.local import LocalClient, dial_waiting
 from kvsidecar.params import params_from_json, params_to_json
 from kvsidecar.paths import local_socket_path
@@ -188,7 +188,7 @@ def wait_finished(c: LocalClient, done, timeout: float = 30.0) -> local_pb2.GetF
     """Polls get_finished (as a scheduler loop does) until done(reply)."""
     import time
 
-    from kvsidecar.devserve import time_scale
+    from kvsidecar.dev.devserve import time_scale
 
     acc = local_pb2.GetFinishedReply()
     deadline = time.monotonic() + timeout * time_scale()

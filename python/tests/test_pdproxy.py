@@ -1,4 +1,4 @@
-"""kvsidecar.pdproxy's refusals and policies (its happy path runs against
+"""kvsidecar.dev.pdproxy's refusals and policies (its happy path runs against
 real vLLM engines in test_vllm_engines.py): a prefill that answers without
 kv_transfer_params, fails or cannot be reached is, under ``fail``, the
 client's 502 naming it (the decode never asked), and under ``fallback`` the
@@ -21,8 +21,8 @@ from collections.abc import Callable
 import pytest
 from conftest import wait_for
 
-from kvsidecar import devvllm
-from kvsidecar.pdproxy import PDProxy
+from kvsidecar.dev import devvllm
+from kvsidecar.dev.pdproxy import PDProxy
 
 
 class Upstream:
@@ -128,7 +128,7 @@ def test_a_failed_prefill_falls_back_to_the_decode_counted_and_logged(failure, c
     dec = Upstream(200, {"choices": [{"token_ids": [7, 8]}]})
     proxy = PDProxy([pre.url], [dec.url]).start()
     try:
-        with caplog.at_level(logging.WARNING, logger="kvsidecar.pdproxy"):
+        with caplog.at_level(logging.WARNING, logger="kvsidecar.dev.pdproxy"):
             conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
             conn.request("POST", "/v1/completions", json.dumps({"model": "m", "prompt": [1, 2], "max_tokens": 4}),
                          {"Content-Type": "application/json", "X-Request-Id": "client-42"})
@@ -137,7 +137,7 @@ def test_a_failed_prefill_falls_back_to_the_decode_counted_and_logged(failure, c
             assert r.getheader("X-Request-Id") == "client-42"
             conn.close()
         assert dec.got == [{"model": "m", "prompt": [1, 2], "max_tokens": 4}], "no params: the decode computes it"
-        lines = [rec.getMessage() for rec in caplog.records if rec.name == "kvsidecar.pdproxy"]
+        lines = [rec.getMessage() for rec in caplog.records if rec.name == "kvsidecar.dev.pdproxy"]
         assert len(lines) == 1, lines
         assert lines[0].startswith(f"request client-42: prefill {pre.url} ")
         assert "fallback: the decode computes the prompt" in lines[0]

@@ -17,7 +17,7 @@ import tempfile
 
 from conftest import REPO
 
-from kvsidecar.devserve import time_scale
+from kvsidecar.dev.devserve import time_scale
 
 START, END = "<!-- by-hand recipe: start -->", "<!-- by-hand recipe: end -->"
 
@@ -34,7 +34,7 @@ def recipe() -> str:
 def test_recipe_is_one_block_naming_the_memory_flags():
     r = recipe()
     assert "--kv-cache-memory-bytes" in r and "--max-model-len" in r
-    assert r.count("bin/kvsidecar serve") == 1 and "kvsidecar.pdproxy" in r
+    assert r.count("bin/kvsidecar serve") == 1 and "kvsidecar.dev.pdproxy" in r
 
 
 def test_the_readme_by_hand_recipe_runs():

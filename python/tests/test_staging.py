@@ -11,7 +11,7 @@ import torch
 
 from kvsidecar import errors
 from kvsidecar.staging import KNOWN_LAYOUTS, layer_layout
-from kvsidecar.vllm import KVConnectorRole, KVSidecarConnector
+from kvsidecar.vllm.connector import KVConnectorRole, KVSidecarConnector
 
 
 @pytest.mark.parametrize("backend, layout, dtype, why", [

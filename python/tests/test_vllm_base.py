@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvsidecar import errors
-from kvsidecar.vllm import PLUGIN_HOOKS, KVConnectorRole, KVSidecarConnector
+from kvsidecar.vllm.connector import PLUGIN_HOOKS, KVConnectorRole, KVSidecarConnector
 
 HERE = os.path.dirname(__file__)
 LIST = os.path.join(HERE, "kvconnector_base_v1.txt")
@@ -102,7 +102,7 @@ def test_connector_matches_the_base_by_name_and_parameter_order():
 def test_the_plugin_calls_each_plugin_hook():
     # The connector's methods vLLM does not call are called by the plugin,
     # by these names.
-    from kvsidecar import vllm_plugin
+    from kvsidecar.vllm import plugin as vllm_plugin
 
     src = inspect.getsource(vllm_plugin)
     for name in PLUGIN_HOOKS:
@@ -127,7 +127,7 @@ def config(**kt):
 def test_builds_on_the_real_base():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 
-    from kvsidecar.vllm import KVSidecarConnectorMetadata
+    from kvsidecar.vllm.connector import KVSidecarConnectorMetadata
 
     assert "site-packages" in (inspect.getsourcefile(KVConnectorBase_V1) or ""), "the installed vLLM, no stand-in"
     assert issubclass(KVSidecarConnector, KVConnectorBase_V1)

@@ -12,7 +12,7 @@ from conftest import Background, LogWatch, stats, wait_for
 from engine_loop import BLOCK_SIZE, LAYERS, Engine, RequestStatus, pattern
 
 from kvsidecar import errors
-from kvsidecar.devserve import time_scale
+from kvsidecar.dev.devserve import time_scale
 from kvsidecar.local import LocalClient
 from kvsidecar.paths import local_socket_path
 

@@ -13,7 +13,7 @@ of TP 1 (kv_consumer), once per mode:
   that is mapped only as it is used.
 
 A reference engine without a connector answers every prompt once. Requests
-go through the proxy (:mod:`kvsidecar.pdproxy`) as vLLM's disaggregated
+go through the proxy (:mod:`kvsidecar.dev.pdproxy`) as vLLM's disaggregated
 serving runs them, and every decode's greedy tokens must equal the
 reference's.
 
@@ -36,10 +36,10 @@ from collections.abc import Iterator
 import pytest
 from conftest import print_logs, stats, wait_for
 
-from kvsidecar import devserve, devvllm
-from kvsidecar.devserve import rss_bytes, time_scale
+from kvsidecar.dev import devserve, devvllm
+from kvsidecar.dev.devserve import rss_bytes, time_scale
+from kvsidecar.dev.pdproxy import PDProxy
 from kvsidecar.local import LocalClient
-from kvsidecar.pdproxy import PDProxy
 
 BLOCK = devvllm.BLOCK_SIZE
 MAX_TOKENS = 12

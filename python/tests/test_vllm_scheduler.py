@@ -21,7 +21,7 @@ from vllm.v1.request import Request, RequestStatus
 from kvsidecar import errors, reasons
 from kvsidecar.params import params_to_json, token_digests
 from kvsidecar.v1 import local_pb2, params_pb2
-from kvsidecar.vllm import KVConnectorRole, KVSidecarConnector
+from kvsidecar.vllm.connector import KVConnectorRole, KVSidecarConnector
 
 BS = 32
 
@@ -237,7 +237,7 @@ def test_params_are_parsed_once_and_reach_the_worker_parsed(monkeypatch):
     # vLLM asks get_num_new_matched_tokens again every step a request
     # waits; the params were parsed (and their token digests computed) on
     # each ask, then again in the worker.
-    import kvsidecar.vllm_scheduler as vs
+    import kvsidecar.vllm.scheduler as vs
 
     parsed = []
     real = vs.params_from_json

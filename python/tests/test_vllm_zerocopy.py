@@ -14,10 +14,10 @@ from conftest import stats
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
-from kvsidecar import vllm_plugin
 from kvsidecar.local import LocalClient
-from kvsidecar.vllm import KVConnectorRole, KVSidecarConnector
-from kvsidecar.vllm_zerocopy import (
+from kvsidecar.vllm import plugin as vllm_plugin
+from kvsidecar.vllm.connector import KVConnectorRole, KVSidecarConnector
+from kvsidecar.vllm.zerocopy import (
     AVAILABLE_REFRESH_SECONDS,
     LIMIT_RETRY_SECONDS,
     LIMIT_WAIT_SECONDS,
@@ -378,7 +378,7 @@ def test_released_exports_are_reported_once_vllm_names_them():
     # Either way it is reported in finished_sending once; one vLLM never
     # waits for (an export withdrawn) is dropped after a while.
     from kvsidecar.v1 import local_pb2
-    from kvsidecar.vllm_meta import KVSidecarConnectorMetadata
+    from kvsidecar.vllm.metadata import KVSidecarConnectorMetadata
 
     class Client:
         def __init__(self) -> None:

@@ -45,7 +45,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from kvsidecar import devvllm, errors  # noqa: E402
+from kvsidecar import errors  # noqa: E402
+from kvsidecar.dev import devvllm  # noqa: E402
 from kvsidecar.hostmap import Packing  # noqa: E402
 from kvsidecar.staging import Staging, layer_layout  # noqa: E402
 from kvsidecar.v1 import common_pb2, local_pb2  # noqa: E402
@@ -84,7 +85,7 @@ class Case:
 
 
 def tiny_case(tokens: int) -> Case:
-    """The tests' tiny model (kvsidecar.devvllm.make_tiny_llama's defaults,
+    """The tests' tiny model (kvsidecar.dev.devvllm.make_tiny_llama's defaults,
     float32)."""
     d = {k: p.default for k, p in inspect.signature(devvllm.make_tiny_llama).parameters.items()}
     return Case(f"tiny-{tokens}", d["layers"], d["kv_heads"], d["head_dim"], torch.float32, tokens)

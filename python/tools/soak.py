@@ -6,7 +6,7 @@ sidecars and engines are killed and restarted, a sidecar is stopped, the
 decode's memory limit is lowered and leases expire. Every answer is
 checked against a single engine without a connector.
 
-Traffic, per mode, from several clients through kvsidecar.pdproxy: prompts
+Traffic, per mode, from several clients through kvsidecar.dev.pdproxy: prompts
 of mixed lengths (1 to 1500 tokens), many sharing a prefix (prefix hits on
 either side), prompt lists, streamed and not, clients that go away while
 their request runs (aborts), ``n > 1`` with greedy sampling (refused with
@@ -51,10 +51,10 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from kvsidecar import devserve, devvllm  # noqa: E402
-from kvsidecar.devserve import time_scale  # noqa: E402
+from kvsidecar.dev import devserve, devvllm  # noqa: E402
+from kvsidecar.dev.devserve import time_scale  # noqa: E402
+from kvsidecar.dev.pdproxy import PDProxy  # noqa: E402
 from kvsidecar.local import LocalClient  # noqa: E402
-from kvsidecar.pdproxy import PDProxy  # noqa: E402
 
 MODES = ("staging", "zero_copy")
 #: The sidecars' --lease-ttl: a prefill nobody decodes holds its blocks this long.

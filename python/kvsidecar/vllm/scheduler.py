@@ -1,7 +1,7 @@
 """The scheduler-process half of KVSidecarConnector (see :mod:`kvsidecar.vllm`):
 which requests load or export, the sidecar blocks of each export on every
 rank (staging) or vLLM's own (zero copy, where vLLM's block pool takes its
-blocks from the sidecar: :class:`kvsidecar.vllm_zerocopy.SidecarBlockPool`),
+blocks from the sidecar: :class:`kvsidecar.vllm.zerocopy.SidecarBlockPool`),
 and RequestFinished with the ranks' exports merged."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from kvsidecar import errors, reasons
 from kvsidecar.params import TOKEN_DIGEST_LEN, params_from_json, params_to_json, token_digests, validate_remote_prefill
 from kvsidecar.rankset import RankSet
 from kvsidecar.v1 import local_pb2, params_pb2
-from kvsidecar.vllm_meta import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, SaveSpec, log, role_name
-from kvsidecar.vllm_zerocopy import ModeHandshake, SidecarBlockPool
+from kvsidecar.vllm.metadata import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, SaveSpec, log, role_name
+from kvsidecar.vllm.zerocopy import ModeHandshake, SidecarBlockPool
 
 __all__ = ["SchedulerSide"]
 

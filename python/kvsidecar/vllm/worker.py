@@ -1,6 +1,6 @@
 """The worker-process half of KVSidecarConnector (see :mod:`kvsidecar.vllm`):
 one TP rank's KV tensors, its sidecar connection, the loads it started, and
-either the staging copies or (zero copy, :mod:`kvsidecar.vllm_zerocopy`) vLLM's
+either the staging copies or (zero copy, :mod:`kvsidecar.vllm.zerocopy`) vLLM's
 KV tensors over the sidecar's pages."""
 
 from __future__ import annotations
@@ -8,15 +8,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvsidecar import errors, vllm_plugin
+from kvsidecar import errors
 from kvsidecar.devicemap import CudaDeviceMapping
 from kvsidecar.local import LocalClient, dial_waiting
 from kvsidecar.params import req_meta
 from kvsidecar.rankset import attach_rank
 from kvsidecar.staging import LayerLayout, Staging, layer_layout
 from kvsidecar.v1 import common_pb2, group_pb2
-from kvsidecar.vllm_meta import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, log
-from kvsidecar.vllm_zerocopy import ModeHandshake, Refused, backend_layout, kv_cache_views, layer_index
+from kvsidecar.vllm import plugin as vllm_plugin
+from kvsidecar.vllm.metadata import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, log
+from kvsidecar.vllm.zerocopy import ModeHandshake, Refused, backend_layout, kv_cache_views, layer_index
 
 __all__ = ["WorkerSide"]
 
@@ -101,7 +102,7 @@ class WorkerSide:
     def allocate_kv_cache(self, kv_cache_config: Any, layout: Any, kernel_block_sizes: Any,
                           device: Any = None) -> dict[str, Any] | None:
         """Zero copy: vLLM's per-layer KV tensors as views of this rank's
-        sidecar regions (:func:`kvsidecar.vllm_zerocopy.kv_cache_views`), or
+        sidecar regions (:func:`kvsidecar.vllm.zerocopy.kv_cache_views`), or
         None when zero copy is not asked for or cannot run here (logged once
         with the reason; vLLM then allocates its own and the connector
         stages). Called by the plugin in place of vLLM's allocation. On a

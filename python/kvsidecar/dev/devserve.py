@@ -6,7 +6,7 @@ certificates from a real CA (see the README). This module does the same on
 127.0.0.1 with a throwaway CA made by ``openssl`` (the README's commands),
 UDP ports picked here and logs parsed from the sidecar's JSON lines::
 
-    from kvsidecar import devserve
+    from kvsidecar.dev import devserve
 
     with devserve.Cluster("/path/to/bin/kvsidecar") as cl:
         prefill = cl.start_group("prefill-a", tp_size=2, role="prefill", args=["--model", "llama-3.2-1b"])

@@ -15,7 +15,7 @@ from kvsidecar.local import DEFAULT_SIDECAR_WAIT_SECONDS
 from kvsidecar.paths import default_socket_dir, local_socket_path
 from kvsidecar.rankset import dtype_code
 from kvsidecar.v1 import common_pb2, params_pb2
-from kvsidecar.vllm_zerocopy import DEFAULT_FREE_HOLD_SECONDS, requested
+from kvsidecar.vllm.zerocopy import DEFAULT_FREE_HOLD_SECONDS, requested
 
 __all__ = ["ConnectorConfig", "KVSidecarConnectorMetadata", "LoadSpec", "SaveSpec", "log", "role_name"]
 
@@ -152,7 +152,7 @@ class ConnectorConfig:
         self.producer = role in ("kv_producer", "kv_both")
         self.consumer = role in ("kv_consumer", "kv_both")
         #: Zero copy asked for (``zero_copy``, or KVSIDECAR_ZERO_COPY=1);
-        #: whether it runs is the workers' finding (kvsidecar.vllm_zerocopy).
+        #: whether it runs is the workers' finding (kvsidecar.vllm.zerocopy).
         self.zero_copy: bool = requested(extra)
         self.free_hold_seconds: float = float(extra.get("free_hold_seconds", DEFAULT_FREE_HOLD_SECONDS))
         #: The CUDA driver a zero-copy worker imports device pages with.

@@ -10,7 +10,7 @@ it returns go unchanged into the same request sent to a decode server, whose
 answer (streamed or not) is the client's. Prefill and decode servers are
 taken round robin. Standard library only::
 
-    python -m kvsidecar.pdproxy --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+    python -m kvsidecar.dev.pdproxy --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 
 **Prompt lists.** A ``prompt`` that is a list of prompts (strings or token
 id lists; vLLM answers one choice per prompt and ``n``, choice ``i * n + j``
@@ -43,7 +43,7 @@ sends the decode the prefill's own request (one token) with the params,
 which loads and releases it.
 
 Every failure (either side, a client error included) is logged (logger
-``kvsidecar.pdproxy``) with the request id: the client's ``X-Request-Id``
+``kvsidecar.dev.pdproxy``) with the request id: the client's ``X-Request-Id``
 header, else one the proxy makes (``pd-`` and 16 hex digits), returned to
 the client in ``X-Request-Id``. ``GET /metrics`` is the proxy's own, in
 Prometheus text: ``kvsidecar_pdproxy_requests_total``,
@@ -78,7 +78,7 @@ UPSTREAM_TIMEOUT_SECONDS = 300.0
 #: The values of ``on_prefill_failure`` (see the module doc).
 POLICIES = ("fallback", "fail")
 
-log = logging.getLogger("kvsidecar.pdproxy")
+log = logging.getLogger("kvsidecar.dev.pdproxy")
 
 #: The proxy's metric families: name -> (help, label, label values); a
 #: family without a label has label "".

@@ -1,5 +1,5 @@
 """kvsidecar's vLLM plugin: routes vLLM's KV cache allocation to the sidecar
-for zero copy (:mod:`kvsidecar.vllm_zerocopy`).
+for zero copy (:mod:`kvsidecar.vllm.zerocopy`).
 
 vLLM loads it in every process it starts (the API server, the engine core
 and each worker) through the ``vllm.general_plugins`` entry point
@@ -93,7 +93,7 @@ def _connector() -> Any:
     """This worker's KVSidecarConnector, or None."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    from kvsidecar.vllm import KVSidecarConnector
+    from kvsidecar.vllm.connector import KVSidecarConnector
 
     if not has_kv_transfer_group():
         return None
