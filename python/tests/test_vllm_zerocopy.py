@@ -17,6 +17,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 from kvsidecar.local import LocalClient
 from kvsidecar.vllm import plugin as vllm_plugin
 from kvsidecar.vllm.connector import KVConnectorRole, KVSidecarConnector
+from kvsidecar.vllm.worker import ZeroCopyMode
 from kvsidecar.vllm.zerocopy import (
     AVAILABLE_REFRESH_SECONDS,
     LIMIT_RETRY_SECONDS,
@@ -391,7 +392,7 @@ def test_released_exports_are_reported_once_vllm_names_them():
     w = worker(zero_copy=True)._worker
     assert w is not None
     client = Client()
-    w.zero_copy, w.client = True, client  # type: ignore[assignment]
+    w.mode, w.client = ZeroCopyMode(w), client  # type: ignore[assignment]
 
     def step(exported=(), released=()) -> set[str]:
         w.note_exported(KVSidecarConnectorMetadata(exported=list(exported)))

@@ -1,11 +1,17 @@
 """The worker-process half of KVSidecarConnector (see :mod:`kvsidecar.vllm`):
-one TP rank's KV tensors, its sidecar connection, the loads it started, and
-either the staging copies or (zero copy, :mod:`kvsidecar.vllm.zerocopy`) vLLM's
-KV tensors over the sidecar's pages."""
+one TP rank's KV tensors, its sidecar connection and the loads it started.
+
+The mode is chosen once, at the KV cache's allocation, as an object
+(:class:`StagingMode` or :class:`ZeroCopyMode`, the rank's ``mode``): what a
+load lands in, what a lost connection means, when a released export is
+forgotten. The sidecar client is made by ``dial`` (:data:`Dial`), which the
+worker's unit tests replace with a fake client, as vLLM's NixlConnector
+tests replace its NIXL wrapper."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from kvsidecar import errors
@@ -19,7 +25,14 @@ from kvsidecar.vllm import plugin as vllm_plugin
 from kvsidecar.vllm.metadata import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, log
 from kvsidecar.vllm.zerocopy import ModeHandshake, Refused, backend_layout, kv_cache_views, layer_index
 
-__all__ = ["WorkerSide"]
+__all__ = ["Dial", "StagingMode", "WorkerSide", "ZeroCopyMode"]
+
+#: Makes one rank's sidecar client: called as ``dial(path, *, engine_id,
+#: tp_rank, wait_seconds, setting, logger, timeout, **client_kwargs)`` and
+#: returns a connected :class:`kvsidecar.local.LocalClient` (or an object with
+#: its methods), raising :class:`kvsidecar.errors.KVSidecarError` as
+#: :func:`kvsidecar.local.dial_waiting` does.
+Dial = Callable[..., LocalClient]
 
 
 @dataclasses.dataclass
@@ -53,8 +66,10 @@ def _vllm_layout(cfg: ConnectorConfig) -> LayerLayout:
 class WorkerSide:
     """The half in each worker process: one TP rank's KV."""
 
-    def __init__(self, cfg: ConnectorConfig) -> None:
+    def __init__(self, cfg: ConnectorConfig, dial: Dial = dial_waiting) -> None:
         self.cfg = cfg
+        #: How the worker connects to its sidecar (replaced by the unit tests).
+        self.dial = dial
         if cfg.tp_rank_override is not None:
             self.rank = cfg.tp_rank_override
         else:
@@ -70,10 +85,13 @@ class WorkerSide:
         #: vLLM's attention backend, KV cache layout and cache dtype
         #: (replaced by tests, as layout_of).
         self.backend_of = _vllm_backend
-        #: Whether vLLM's KV tensors are the sidecar's pages (decided by
-        #: allocate_kv_cache), and why not when zero copy was asked for.
-        self.zero_copy = False
-        self.zero_copy_why = "" if cfg.zero_copy else "not asked for"
+        #: StagingMode until allocate_kv_cache put vLLM's KV tensors over
+        #: the sidecar's pages (ZeroCopyMode); chosen once, before vLLM
+        #: registers its KV caches.
+        self.mode: StagingMode | ZeroCopyMode = StagingMode(self)
+        #: Why the rank stages when zero copy was asked for ("" while that is
+        #: not known yet, "not asked for" when it was not).
+        self.why_staging = "" if cfg.zero_copy else "not asked for"
         self._exported: set[str] = set()
         # Exports the sidecar reported released, by the step they came in:
         # vLLM learns of its exports a step after the sidecar may release
@@ -149,67 +167,52 @@ class WorkerSide:
         except Refused as e:
             if c is not None:
                 c.close()
-            self.zero_copy_why = str(e)
+            self.why_staging = str(e)
             log.warning("rank %d: zero copy off, the connector stages: %s", self.rank, e)
             return None
         except Exception:
             if c is not None:
                 c.close()
             raise
-        self.client, self.zero_copy = c, True
+        self.client, self.mode = c, ZeroCopyMode(self)
         log.info("rank %d: zero copy: vLLM's KV cache is sidecar %s's pages (%d layers of %d blocks of %d bytes)",
                  self.rank, c.path, len(views), info.num_blocks, info.block_len)
         return views
 
     def handshake(self) -> ModeHandshake:
-        """What this rank tells the scheduler side at start."""
-        return ModeHandshake(zero_copy=self.zero_copy, why=self.zero_copy_why)
+        """What this rank tells the scheduler side at start: its mode and its
+        attention backend (for the prefill/decode compatibility check; ""
+        when vLLM cannot name it here, e.g. under a test's stand-in config)."""
+        try:
+            backend = self.backend_of(self.cfg)[0]
+        except Exception as e:  # reported when known, never required
+            log.debug("rank %d: attention backend not reported: %s", self.rank, e)
+            backend = ""
+        return ModeHandshake(zero_copy=isinstance(self.mode, ZeroCopyMode), why=self.why_staging,
+                             attention_backend=backend)
 
     def sync_mappings(self, meta: KVSidecarConnectorMetadata) -> None:
-        """Zero copy: maps here every page the sidecar mapped since the last
-        call when the step's metadata says there are any, before vLLM
-        touches the step's blocks (vLLM calls ``handle_preemptions`` first
-        in ``execute_model``). Pages unmapped since need nothing: vLLM no
-        longer uses their blocks, and the next sync drops them."""
-        if not self.zero_copy or not meta.sync_mappings:
-            return
-        assert self.client is not None
-        try:
-            self.client.sync()
-        except errors.KVSidecarError as e:
-            raise self._gone(e) from e
-
-    def _gone(self, e: Exception) -> RuntimeError:
-        return RuntimeError(f"rank {self.rank}: sidecar connection lost ({e}); in zero-copy mode the sidecar holds "
-                            "this engine's KV cache, so the engine cannot go on: restart it with its sidecars")
+        """Before vLLM touches the step's blocks (vLLM calls
+        ``handle_preemptions`` first in ``execute_model``): the mode's
+        :meth:`ZeroCopyMode.sync_mappings`."""
+        self.mode.sync_mappings(meta)
 
     # -- both modes ------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """vLLM's per-layer KV tensors, by layer name; the mode's
+        ``register`` (staging: check them and attach)."""
         names = sorted(kv_caches, key=layer_index)
         self.layers = {n: i for i, n in enumerate(names)}
         self.kv = [kv_caches[n] for n in names]
-        if self.zero_copy:
-            return
-        if self.cfg.zero_copy and not self.zero_copy_why:
-            # Zero copy was asked for, but the plugin never routed vLLM's
-            # allocation here (not loaded, or VLLM_PLUGINS leaves it out).
-            self.zero_copy_why = vllm_plugin.why_not or "vLLM allocated its KV cache without the kvsidecar plugin"
-            log.warning("rank %d: zero copy off, the connector stages: %s", self.rank, self.zero_copy_why)
-        self.layout = self.layout_of(self.cfg)
-        for n in names:
-            # Raises naming the shape when a tensor is not the layout's.
-            self.layout.kv_views(kv_caches[n], self.cfg.num_vllm_blocks)
-        self._connect(self.cfg.sidecar_wait_seconds)
-        log.info("rank %d: staging: vLLM keeps its KV tensors (%s) and the connector copies each exported or "
-                 "loaded block through sidecar %s's pages", self.rank, self.layout.describe(), self.cfg.socket(self.rank))
+        self.mode.register(kv_caches)
 
     def _dial(self, wait_seconds: float, **kwargs: Any) -> LocalClient:
-        """Connects to this rank's sidecar, waiting up to ``wait_seconds``
-        for its socket (logged once, naming the rule)."""
-        return dial_waiting(self.cfg.socket(self.rank), engine_id=self.cfg.engine_id, tp_rank=self.rank,
-                            wait_seconds=wait_seconds, setting="kv_connector_extra_config.sidecar_wait_seconds",
-                            logger=log, timeout=self.cfg.timeout, **kwargs)
+        """Connects to this rank's sidecar through :attr:`dial`, waiting up
+        to ``wait_seconds`` for its socket (logged once, naming the rule)."""
+        return self.dial(self.cfg.socket(self.rank), engine_id=self.cfg.engine_id, tp_rank=self.rank,
+                         wait_seconds=wait_seconds, setting="kv_connector_extra_config.sidecar_wait_seconds",
+                         logger=log, timeout=self.cfg.timeout, **kwargs)
 
     def _connect(self, wait_seconds: float = 0) -> LocalClient:
         """Dials and attaches to this rank's sidecar and checks vLLM's KV
@@ -262,9 +265,9 @@ class WorkerSide:
         """The connection broke (the sidecar exited or restarted): every load
         in flight fails (its blocks are recomputed) and the next step dials
         again. The sidecar released this session's blocks when it saw the
-        connection close. In zero-copy mode the engine cannot go on."""
-        if self.zero_copy:
-            raise self._gone(err)
+        connection close. In zero-copy mode the engine cannot go on
+        (:meth:`ZeroCopyMode.lost` raises)."""
+        self.mode.lost(err)
         log.error("rank %d: sidecar connection lost, %d loads fail: %s", self.rank, len(self._loads), err)
         for rid, ld in self._loads.items():
             if rid in self._silent:
@@ -302,9 +305,8 @@ class WorkerSide:
             return
         staging: list[int] = []
         try:
-            if spec.block_ids and not self.zero_copy:
-                staging = c.alloc(len(spec.block_ids))
-            local = spec.block_ids if self.zero_copy else staging
+            staging = self.mode.staging_blocks(c, len(spec.block_ids))
+            local = staging or spec.block_ids
             c.start_load(req_meta(rid, local, spec.params, remote_hit_blocks=spec.hit_blocks,
                                   token_digests=spec.token_digests))
         except errors.BrokenConnection as e:
@@ -458,11 +460,7 @@ class WorkerSide:
         # The sidecar reports every export it released; one vLLM never waited
         # for (staging, a request not delayed, an export withdrawn) is
         # dropped: at once under staging, after a while under zero copy.
-        if not self.zero_copy:
-            self._sent.clear()
-        elif self._sent:
-            old = self._step - self.SENT_MATCH_STEPS
-            self._sent = {r: s for r, s in self._sent.items() if s > old}
+        self._sent = self.mode.still_awaited(self._sent, self._step)
 
     # -- prefill -------------------------------------------------------------
 
@@ -470,9 +468,11 @@ class WorkerSide:
         """Copies one layer of the step's saves, after vLLM's forward wrote
         it (vLLM 0.32.0 calls it on the way out of each attention layer,
         ``maybe_transfer_kv_layer``; the step's start_load_kv may come after
-        the forward, so the saves are read from the bound metadata)."""
+        the forward, so the saves are read from the bound metadata). Under
+        zero copy the scheduler sends no saves: the forward wrote the
+        sidecar's pages."""
         layer = self.layers.get(layer_name)
-        if self.zero_copy or not meta.saves or layer is None or layer in self._saved:
+        if not meta.saves or layer is None or layer in self._saved:
             return
         if not self._saved:
             self._sync()  # the scheduler allocated the staging blocks
@@ -486,7 +486,7 @@ class WorkerSide:
     def wait_for_save(self, meta: KVSidecarConnectorMetadata) -> None:
         """Copies the layers of the step's saves that save_kv_layer did not."""
         try:
-            if self.zero_copy or not meta.saves:
+            if not meta.saves:
                 return
             if not self._saved:
                 self._sync()
@@ -526,3 +526,106 @@ class WorkerSide:
             self.client = None
 
 
+
+
+class StagingMode:
+    """vLLM keeps its own KV tensors; every export and load is copied through
+    blocks of the sidecar's pages (:class:`kvsidecar.staging.Staging`)."""
+
+    def __init__(self, worker: WorkerSide) -> None:
+        self.w = worker
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        """Checks vLLM's KV tensors against their layout and attaches to the
+        sidecar (waiting ``sidecar_wait_seconds`` for it). Logs once why
+        zero copy, when asked for, did not run: the plugin never routed
+        vLLM's allocation here (not loaded, or ``VLLM_PLUGINS`` leaves it
+        out).
+
+        Raises:
+            IncompatibleModel: the tensors do not match the sidecar's cache.
+            KVSidecarError: the sidecar cannot be reached or attached.
+        """
+        w = self.w
+        if w.cfg.zero_copy and not w.why_staging:
+            w.why_staging = vllm_plugin.why_not or "vLLM allocated its KV cache without the kvsidecar plugin"
+            log.warning("rank %d: zero copy off, the connector stages: %s", w.rank, w.why_staging)
+        w.layout = w.layout_of(w.cfg)
+        for kv in kv_caches.values():
+            # Raises naming the shape when a tensor is not the layout's.
+            w.layout.kv_views(kv, w.cfg.num_vllm_blocks)
+        w._connect(w.cfg.sidecar_wait_seconds)
+        log.info("rank %d: staging: vLLM keeps its KV tensors (%s) and the connector copies each exported or "
+                 "loaded block through sidecar %s's pages", w.rank, w.layout.describe(), w.cfg.socket(w.rank))
+
+    def sync_mappings(self, meta: KVSidecarConnectorMetadata) -> None:
+        """Nothing: the staging blocks of a step's saves are mapped when the
+        first layer is copied."""
+
+    def lost(self, err: Exception) -> None:
+        """Nothing to stop: the worker fails the loads in flight and dials
+        again at the next step."""
+
+    def staging_blocks(self, client: LocalClient, n: int) -> list[int]:
+        """``n`` sidecar blocks a load lands in before it is copied into
+        vLLM's (none for ``n`` 0).
+
+        Raises:
+            KVSidecarError: the sidecar's allocation failed (its error).
+        """
+        return client.alloc(n) if n else []
+
+    def still_awaited(self, released: dict[str, int], step: int) -> dict[str, int]:
+        """Released exports vLLM did not wait for: none are kept (vLLM's blocks
+        are free once the sidecar holds its copy)."""
+        return {}
+
+
+class ZeroCopyMode:
+    """vLLM's KV tensors are views of the sidecar's pages
+    (:mod:`kvsidecar.vllm.zerocopy`): loads land in vLLM's own blocks,
+    nothing is copied, and the engine cannot outlive its sidecar."""
+
+    def __init__(self, worker: WorkerSide) -> None:
+        self.w = worker
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        """Nothing: the tensors are the sidecar's pages, attached at
+        allocation."""
+
+    def sync_mappings(self, meta: KVSidecarConnectorMetadata) -> None:
+        """Maps here every page the sidecar mapped since the last call when
+        the step's metadata says there are any. Pages unmapped since need
+        nothing: vLLM no longer uses their blocks, and the next sync drops
+        them.
+
+        Raises:
+            RuntimeError: the sidecar connection is lost (:meth:`lost`).
+        """
+        if not meta.sync_mappings:
+            return
+        assert self.w.client is not None, "zero copy attached at allocation"
+        try:
+            self.w.client.sync()
+        except errors.KVSidecarError as e:
+            self.lost(e)
+
+    def lost(self, err: Exception) -> None:
+        """Stops the engine: the sidecar held its KV cache.
+
+        Raises:
+            RuntimeError: always, naming the rank, the error and what to do.
+        """
+        raise RuntimeError(f"rank {self.w.rank}: sidecar connection lost ({err}); in zero-copy mode the sidecar holds "
+                           "this engine's KV cache, so the engine cannot go on: restart it with its sidecars") from err
+
+    def staging_blocks(self, client: LocalClient, n: int) -> list[int]:
+        """None: a load lands in vLLM's own blocks."""
+        return []
+
+    def still_awaited(self, released: dict[str, int], step: int) -> dict[str, int]:
+        """Released exports, by the step they came in, that vLLM may still
+        name as kept (it does a step after the request finished): those
+        younger than :attr:`WorkerSide.SENT_MATCH_STEPS` steps."""
+        old = step - WorkerSide.SENT_MATCH_STEPS
+        return {r: s for r, s in released.items() if s > old}
