@@ -128,15 +128,20 @@ def requested(extra: dict[str, Any]) -> bool:
 class ModeHandshake(KVConnectorHandshakeMetadata):
     """What a worker tells the scheduler side at start (vLLM's
     ``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``): whether
-    its KV tensors are the sidecar's pages.
+    its KV tensors are the sidecar's pages, and its attention backend.
 
     Attributes:
         zero_copy: True when they are.
         why: for staging, why zero copy is off ("" when it was not asked).
+        attention_backend: vLLM's name of the rank's attention backend
+            (``AttentionBackend.get_name()``, "CPU_ATTN"); "" when the rank
+            could not tell. Stated in the params a prefill returns and
+            compared by a decode (``EngineFacts.attention_backend``).
     """
 
     zero_copy: bool
     why: str = ""
+    attention_backend: str = ""
 
 
 _LAYER_INDEX = re.compile(r"\d+")
