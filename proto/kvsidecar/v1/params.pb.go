@@ -88,7 +88,17 @@ type KVTransferParams struct {
 	// whose own digests (ReqMeta.token_digests) are equal over every block it
 	// takes: params of other tokens (mixed up, replayed, a prompt list's
 	// other prompt) are refused before any byte is read.
-	TokenDigests  []byte `protobuf:"bytes,18,opt,name=token_digests,json=tokenDigests,proto3" json:"token_digests,omitempty"`
+	TokenDigests []byte `protobuf:"bytes,18,opt,name=token_digests,json=tokenDigests,proto3" json:"token_digests,omitempty"`
+	// What the exported KV depends on beside its geometry and tokens: the
+	// prefill engine's release, model, attention backend and KV cache dtype,
+	// stated by the prefill's engine connector (kvsidecar.vllm: its
+	// scheduler half, after RequestFinished; the sidecar leaves it unset). A
+	// decode connector compares it with its own before it claims a token
+	// and refuses params that differ in a field both state, naming the field
+	// and both values; it computes the prompt then. Unset: an engine or a
+	// connector release that states none; nothing is compared, and the
+	// sidecars' handshake still compares the KV geometry (ModelGeometry).
+	EngineFacts   *EngineFacts `protobuf:"bytes,19,opt,name=engine_facts,json=engineFacts,proto3" json:"engine_facts,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -249,6 +259,108 @@ func (x *KVTransferParams) GetTokenDigests() []byte {
 	return nil
 }
 
+func (x *KVTransferParams) GetEngineFacts() *EngineFacts {
+	if x != nil {
+		return x.EngineFacts
+	}
+	return nil
+}
+
+// EngineFacts are the facts of one engine that decide whether another can
+// attend over its KV: the ones vLLM's NixlConnector folds into its
+// compatibility hash beside the geometry (vllm 0.32.0
+// kv_connector/v1/nixl/metadata.py compute_nixl_compatibility_hash:
+// vllm_version, model, attn_backend_name, cache_dtype). Each field is the
+// engine's own spelling; an empty one is not known and is not compared.
+type EngineFacts struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The engine, lower case ("vllm").
+	Engine string `protobuf:"bytes,1,opt,name=engine,proto3" json:"engine,omitempty"`
+	// Its release as the engine reports it (vLLM: vllm.__version__,
+	// "0.32.0").
+	EngineVersion string `protobuf:"bytes,2,opt,name=engine_version,json=engineVersion,proto3" json:"engine_version,omitempty"`
+	// The model as the engine was started with it. vLLM: model_config.model,
+	// its --model (a hub id or a path), the identity NixlConnector hashes;
+	// not the served name (an alias a router picks) nor the architecture
+	// (two checkpoints share one). The same weights under two paths compare
+	// unequal: start prefill and decode with one --model string.
+	Model string `protobuf:"bytes,3,opt,name=model,proto3" json:"model,omitempty"`
+	// The attention backend the ranks run, as each reports it (vLLM:
+	// AttentionBackend.get_name(), "CPU_ATTN", "FLASH_ATTN"); ranks that
+	// differ: their names sorted and joined with ",".
+	AttentionBackend string `protobuf:"bytes,4,opt,name=attention_backend,json=attentionBackend,proto3" json:"attention_backend,omitempty"`
+	// The dtype of the KV cache's elements (vLLM: cache_config.cache_dtype,
+	// "fp8_e4m3"; for "auto" the model's dtype, "bfloat16", "float32").
+	KvCacheDtype  string `protobuf:"bytes,5,opt,name=kv_cache_dtype,json=kvCacheDtype,proto3" json:"kv_cache_dtype,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EngineFacts) Reset() {
+	*x = EngineFacts{}
+	mi := &file_kvsidecar_v1_params_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EngineFacts) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EngineFacts) ProtoMessage() {}
+
+func (x *EngineFacts) ProtoReflect() protoreflect.Message {
+	mi := &file_kvsidecar_v1_params_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EngineFacts.ProtoReflect.Descriptor instead.
+func (*EngineFacts) Descriptor() ([]byte, []int) {
+	return file_kvsidecar_v1_params_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *EngineFacts) GetEngine() string {
+	if x != nil {
+		return x.Engine
+	}
+	return ""
+}
+
+func (x *EngineFacts) GetEngineVersion() string {
+	if x != nil {
+		return x.EngineVersion
+	}
+	return ""
+}
+
+func (x *EngineFacts) GetModel() string {
+	if x != nil {
+		return x.Model
+	}
+	return ""
+}
+
+func (x *EngineFacts) GetAttentionBackend() string {
+	if x != nil {
+		return x.AttentionBackend
+	}
+	return ""
+}
+
+func (x *EngineFacts) GetKvCacheDtype() string {
+	if x != nil {
+		return x.KvCacheDtype
+	}
+	return ""
+}
+
 // RankExport names one export: the blocks one prefill rank holds for one
 // request under one lease. READs, notifications and heartbeats name it by
 // export_id; the serving rank checks every block against that lease.
@@ -290,7 +402,7 @@ type RankExport struct {
 
 func (x *RankExport) Reset() {
 	*x = RankExport{}
-	mi := &file_kvsidecar_v1_params_proto_msgTypes[1]
+	mi := &file_kvsidecar_v1_params_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -302,7 +414,7 @@ func (x *RankExport) String() string {
 func (*RankExport) ProtoMessage() {}
 
 func (x *RankExport) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_params_proto_msgTypes[1]
+	mi := &file_kvsidecar_v1_params_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -315,7 +427,7 @@ func (x *RankExport) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RankExport.ProtoReflect.Descriptor instead.
 func (*RankExport) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_params_proto_rawDescGZIP(), []int{1}
+	return file_kvsidecar_v1_params_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *RankExport) GetTpRank() uint32 {
@@ -399,7 +511,7 @@ type ReqMeta struct {
 
 func (x *ReqMeta) Reset() {
 	*x = ReqMeta{}
-	mi := &file_kvsidecar_v1_params_proto_msgTypes[2]
+	mi := &file_kvsidecar_v1_params_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -411,7 +523,7 @@ func (x *ReqMeta) String() string {
 func (*ReqMeta) ProtoMessage() {}
 
 func (x *ReqMeta) ProtoReflect() protoreflect.Message {
-	mi := &file_kvsidecar_v1_params_proto_msgTypes[2]
+	mi := &file_kvsidecar_v1_params_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -424,7 +536,7 @@ func (x *ReqMeta) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReqMeta.ProtoReflect.Descriptor instead.
 func (*ReqMeta) Descriptor() ([]byte, []int) {
-	return file_kvsidecar_v1_params_proto_rawDescGZIP(), []int{2}
+	return file_kvsidecar_v1_params_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *ReqMeta) GetRequestId() string {
@@ -473,7 +585,7 @@ var File_kvsidecar_v1_params_proto protoreflect.FileDescriptor
 
 const file_kvsidecar_v1_params_proto_rawDesc = "" +
 	"\n" +
-	"\x19kvsidecar/v1/params.proto\x12\fkvsidecar.v1\"\x88\x06\n" +
+	"\x19kvsidecar/v1/params.proto\x12\fkvsidecar.v1\"\xc6\x06\n" +
 	"\x10KVTransferParams\x12*\n" +
 	"\x11do_remote_prefill\x18\x01 \x01(\bR\x0fdoRemotePrefill\x12(\n" +
 	"\x10do_remote_decode\x18\x02 \x01(\bR\x0edoRemoteDecode\x12(\n" +
@@ -498,11 +610,18 @@ const file_kvsidecar_v1_params_proto_rawDesc = "" +
 	"block_size\x18\x0f \x01(\rR\tblockSize\x12!\n" +
 	"\tchecksums\x18\x10 \x01(\bH\x01R\tchecksums\x88\x01\x01\x12#\n" +
 	"\rprompt_tokens\x18\x11 \x01(\rR\fpromptTokens\x12#\n" +
-	"\rtoken_digests\x18\x12 \x01(\fR\ftokenDigestsB\n" +
+	"\rtoken_digests\x18\x12 \x01(\fR\ftokenDigests\x12<\n" +
+	"\fengine_facts\x18\x13 \x01(\v2\x19.kvsidecar.v1.EngineFactsR\vengineFactsB\n" +
 	"\n" +
 	"\b_tp_sizeB\f\n" +
 	"\n" +
-	"_checksums\"\xfb\x01\n" +
+	"_checksums\"\xb5\x01\n" +
+	"\vEngineFacts\x12\x16\n" +
+	"\x06engine\x18\x01 \x01(\tR\x06engine\x12%\n" +
+	"\x0eengine_version\x18\x02 \x01(\tR\rengineVersion\x12\x14\n" +
+	"\x05model\x18\x03 \x01(\tR\x05model\x12+\n" +
+	"\x11attention_backend\x18\x04 \x01(\tR\x10attentionBackend\x12$\n" +
+	"\x0ekv_cache_dtype\x18\x05 \x01(\tR\fkvCacheDtype\"\xfb\x01\n" +
 	"\n" +
 	"RankExport\x12\x17\n" +
 	"\atp_rank\x18\x01 \x01(\rR\x06tpRank\x12\x1b\n" +
@@ -536,20 +655,22 @@ func file_kvsidecar_v1_params_proto_rawDescGZIP() []byte {
 	return file_kvsidecar_v1_params_proto_rawDescData
 }
 
-var file_kvsidecar_v1_params_proto_msgTypes = make([]protoimpl.MessageInfo, 3)
+var file_kvsidecar_v1_params_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
 var file_kvsidecar_v1_params_proto_goTypes = []any{
 	(*KVTransferParams)(nil), // 0: kvsidecar.v1.KVTransferParams
-	(*RankExport)(nil),       // 1: kvsidecar.v1.RankExport
-	(*ReqMeta)(nil),          // 2: kvsidecar.v1.ReqMeta
+	(*EngineFacts)(nil),      // 1: kvsidecar.v1.EngineFacts
+	(*RankExport)(nil),       // 2: kvsidecar.v1.RankExport
+	(*ReqMeta)(nil),          // 3: kvsidecar.v1.ReqMeta
 }
 var file_kvsidecar_v1_params_proto_depIdxs = []int32{
-	1, // 0: kvsidecar.v1.KVTransferParams.rank_exports:type_name -> kvsidecar.v1.RankExport
-	0, // 1: kvsidecar.v1.ReqMeta.params:type_name -> kvsidecar.v1.KVTransferParams
-	2, // [2:2] is the sub-list for method output_type
-	2, // [2:2] is the sub-list for method input_type
-	2, // [2:2] is the sub-list for extension type_name
-	2, // [2:2] is the sub-list for extension extendee
-	0, // [0:2] is the sub-list for field type_name
+	2, // 0: kvsidecar.v1.KVTransferParams.rank_exports:type_name -> kvsidecar.v1.RankExport
+	1, // 1: kvsidecar.v1.KVTransferParams.engine_facts:type_name -> kvsidecar.v1.EngineFacts
+	0, // 2: kvsidecar.v1.ReqMeta.params:type_name -> kvsidecar.v1.KVTransferParams
+	3, // [3:3] is the sub-list for method output_type
+	3, // [3:3] is the sub-list for method input_type
+	3, // [3:3] is the sub-list for extension type_name
+	3, // [3:3] is the sub-list for extension extendee
+	0, // [0:3] is the sub-list for field type_name
 }
 
 func init() { file_kvsidecar_v1_params_proto_init() }
@@ -558,14 +679,14 @@ func file_kvsidecar_v1_params_proto_init() {
 		return
 	}
 	file_kvsidecar_v1_params_proto_msgTypes[0].OneofWrappers = []any{}
-	file_kvsidecar_v1_params_proto_msgTypes[2].OneofWrappers = []any{}
+	file_kvsidecar_v1_params_proto_msgTypes[3].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvsidecar_v1_params_proto_rawDesc), len(file_kvsidecar_v1_params_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   3,
+			NumMessages:   4,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

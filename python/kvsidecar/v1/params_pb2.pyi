@@ -5,13 +5,28 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EngineFacts(_message.Message):
+    __slots__ = ["attention_backend", "engine", "engine_version", "kv_cache_dtype", "model"]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    attention_backend: str
+    engine: str
+    engine_version: str
+    kv_cache_dtype: str
+    model: str
+    def __init__(self, engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., model: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+
 class KVTransferParams(_message.Message):
-    __slots__ = ["block_size", "capability", "checksums", "do_remote_decode", "do_remote_prefill", "expected_consumers", "lease_expires_unix_ms", "prompt_tokens", "rank_exports", "remote_block_ids", "remote_engine_id", "remote_host", "remote_incarnation", "remote_port", "remote_rank_addrs", "remote_request_id", "token_digests", "tp_size"]
+    __slots__ = ["block_size", "capability", "checksums", "do_remote_decode", "do_remote_prefill", "engine_facts", "expected_consumers", "lease_expires_unix_ms", "prompt_tokens", "rank_exports", "remote_block_ids", "remote_engine_id", "remote_host", "remote_incarnation", "remote_port", "remote_rank_addrs", "remote_request_id", "token_digests", "tp_size"]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DO_REMOTE_DECODE_FIELD_NUMBER: _ClassVar[int]
     DO_REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FACTS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_CONSUMERS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +45,7 @@ class KVTransferParams(_message.Message):
     checksums: bool
     do_remote_decode: bool
     do_remote_prefill: bool
+    engine_facts: EngineFacts
     expected_consumers: int
     lease_expires_unix_ms: int
     prompt_tokens: int
@@ -43,7 +59,7 @@ class KVTransferParams(_message.Message):
     remote_request_id: str
     token_digests: bytes
     tp_size: int
-    def __init__(self, do_remote_prefill: bool = ..., do_remote_decode: bool = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., tp_size: _Optional[int] = ..., remote_rank_addrs: _Optional[_Iterable[str]] = ..., remote_incarnation: _Optional[int] = ..., capability: _Optional[bytes] = ..., lease_expires_unix_ms: _Optional[int] = ..., expected_consumers: _Optional[int] = ..., rank_exports: _Optional[_Iterable[_Union[RankExport, _Mapping]]] = ..., block_size: _Optional[int] = ..., checksums: bool = ..., prompt_tokens: _Optional[int] = ..., token_digests: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, do_remote_prefill: bool = ..., do_remote_decode: bool = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., tp_size: _Optional[int] = ..., remote_rank_addrs: _Optional[_Iterable[str]] = ..., remote_incarnation: _Optional[int] = ..., capability: _Optional[bytes] = ..., lease_expires_unix_ms: _Optional[int] = ..., expected_consumers: _Optional[int] = ..., rank_exports: _Optional[_Iterable[_Union[RankExport, _Mapping]]] = ..., block_size: _Optional[int] = ..., checksums: bool = ..., prompt_tokens: _Optional[int] = ..., token_digests: _Optional[bytes] = ..., engine_facts: _Optional[_Union[EngineFacts, _Mapping]] = ...) -> None: ...
 
 class RankExport(_message.Message):
     __slots__ = ["block_checksums", "block_ids", "capability", "capability_key_id", "checksum_heads", "export_id", "tp_rank"]
