@@ -16,6 +16,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
 from kvsidecar.local import LocalClient
 from kvsidecar.vllm import plugin as vllm_plugin
+from kvsidecar.vllm.compat.v0_32 import SidecarBlockPool
 from kvsidecar.vllm.connector import KVConnectorRole, KVSidecarConnector
 from kvsidecar.vllm.worker import ZeroCopyMode
 from kvsidecar.vllm.zerocopy import (
@@ -24,8 +25,8 @@ from kvsidecar.vllm.zerocopy import (
     LIMIT_WAIT_SECONDS,
     ModeHandshake,
     Refused,
-    SidecarBlockPool,
     backend_layout,
+    install_block_pool,
 )
 
 NUM_BLOCKS = 256
@@ -290,8 +291,9 @@ def test_install_refuses_a_pool_in_use_or_of_another_size(pool):
     used.get_new_blocks(1)
     with pytest.raises(Refused, match="1 in use"):
         SidecarBlockPool.install(used, pool.client)
+    # Through zero copy's door (zerocopy -> compat.for_release -> v0_32), as the scheduler installs it.
     with pytest.raises(Refused, match=f"{NUM_BLOCKS + 1} blocks, 0 in use.*{NUM_BLOCKS} blocks"):
-        SidecarBlockPool.install(BlockPool(NUM_BLOCKS + 1, enable_caching=True, hash_block_size=32), pool.client)
+        install_block_pool(BlockPool(NUM_BLOCKS + 1, enable_caching=True, hash_block_size=32), pool.client)
 
 
 # -- what falls back to staging -----------------------------------------------
@@ -320,7 +322,8 @@ def test_an_unknown_release_falls_back_with_one_line(monkeypatch, caplog):
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
     vllm_plugin.register()
     assert gpu_model_runner.allocate_kv_cache is vllm_allocate, "nothing replaced"
-    assert vllm_plugin.why_not.startswith("vLLM 0.33.0 is not a release the kvsidecar plugin knows (0.32.0)")
+    assert vllm_plugin.why_not == ("vLLM 0.33.0 is not a release kvsidecar's zero copy knows (0.32.0): its KV cache "
+                                   "allocation was left alone")
     w = worker(zero_copy=True)
     with caplog.at_level(logging.WARNING, logger="vllm.kvsidecar"):
         assert w.allocate_kv_cache(SimpleNamespace(num_blocks=NUM_BLOCKS), None, None) is None

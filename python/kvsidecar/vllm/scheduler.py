@@ -1,7 +1,7 @@
 """The scheduler-process half of KVSidecarConnector (see :mod:`kvsidecar.vllm`):
 which requests load or export, the sidecar blocks of each export on every
 rank (staging) or vLLM's own (zero copy, where vLLM's block pool takes its
-blocks from the sidecar: :class:`kvsidecar.vllm.zerocopy.SidecarBlockPool`),
+blocks from the sidecar: :func:`kvsidecar.vllm.zerocopy.install_block_pool`),
 and RequestFinished with the ranks' exports merged."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from kvsidecar import errors, reasons
 from kvsidecar.params import TOKEN_DIGEST_LEN, params_from_json, params_to_json, token_digests, validate_remote_prefill
 from kvsidecar.rankset import RankSet
 from kvsidecar.v1 import local_pb2, params_pb2
+from kvsidecar.vllm.compat import SidecarPool
 from kvsidecar.vllm.metadata import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, SaveSpec, log, role_name
-from kvsidecar.vllm.zerocopy import ModeHandshake, SidecarBlockPool
+from kvsidecar.vllm.zerocopy import ModeHandshake, install_block_pool
 
 __all__ = ["SchedulerSide"]
 
@@ -55,7 +56,7 @@ class SchedulerSide:
         # pool once every worker reported zero copy, the engine loop's
         # waker, and the exports vLLM waits for (told to the workers).
         self._vllm_pool: Any = None
-        self.pool: SidecarBlockPool | None = None
+        self.pool: SidecarPool | None = None
         self._waker: Callable[[], None] | None = None
         self._exported: list[str] = []
         # Zero copy: mappings rank 0's client had received at the last step.
@@ -74,7 +75,7 @@ class SchedulerSide:
         """Takes every worker's mode (vLLM collects them after the KV caches
         are allocated, before the first request): when every rank's KV
         tensors are its sidecar's pages, vLLM's block pool becomes a
-        :class:`SidecarBlockPool` over rank 0's blocks.
+        pool over rank 0's blocks (:func:`kvsidecar.vllm.zerocopy.install_block_pool`).
 
         Raises:
             RuntimeError: ranks disagree (some zero copy, some staging).
@@ -87,7 +88,7 @@ class SchedulerSide:
             raise RuntimeError(f"KVSidecarConnector: ranks {zc} run zero copy, the others stage ({why}); "
                                "every rank of an engine must do the same")
         assert self._vllm_pool is not None, "vLLM binds its block pool before it collects the workers' modes"
-        self.pool = SidecarBlockPool.install(self._vllm_pool, self.ranks.clients()[0], self.cfg.free_hold_seconds)
+        self.pool = install_block_pool(self._vllm_pool, self.ranks.clients()[0], self.cfg.free_hold_seconds)
         if self._waker is not None:
             self.pool.set_waker(self._waker)
         log.info("zero copy: vLLM's block pool takes its %d blocks from the sidecars; freed prefix-cache blocks stay "
