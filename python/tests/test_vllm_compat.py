@@ -18,8 +18,7 @@ from vllm.v1.core.block_pool import BlockPool
 
 from kvsidecar.vllm import compat
 from kvsidecar.vllm import plugin as vllm_plugin
-from kvsidecar.vllm.compat import v0_32
-from kvsidecar.vllm.zerocopy import Refused
+from kvsidecar.vllm.compat import Refused, v0_32
 
 HERE = os.path.dirname(__file__)
 TOOL = os.path.join(HERE, "..", "tools", "vllm_private_names.py")

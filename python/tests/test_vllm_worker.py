@@ -181,7 +181,13 @@ def test_a_staged_load_lands_the_sidecars_bytes_in_vllms_blocks_and_frees_its_ow
     assert v[5].count_nonzero() == 0
     assert caches["model.layers.1.self_attn.attn"][3].count_nonzero() == 0
     assert c.held == set() and w.get_block_ids_with_load_errors() == set()
-    assert w.take_copied_bytes() == 2 * bl * 2 * LAYERS
+    # What vLLM's /metrics gets from this rank: one load of 2 blocks of every
+    # region (K and V of each layer), copied out once; then nothing new.
+    st = w.take_stats()
+    assert st is not None and len(st.data["transfer_duration"]) == 1 and st.data["transfer_duration"][0] >= 0
+    assert st.data["bytes_transferred"] == [2 * bl * 2 * LAYERS] and st.data["num_failed_transfers"] == 0
+    assert st.data["copied_bytes"] == 2 * bl * 2 * LAYERS
+    assert w.take_stats() is None
 
 
 def test_a_partly_failed_load_reports_exactly_the_vllm_blocks_that_did_not_land(tmp_path: Any) -> None:
@@ -195,6 +201,10 @@ def test_a_partly_failed_load_reports_exactly_the_vllm_blocks_that_did_not_land(
     assert w.get_finished() == (None, {"r1"})
     assert w.get_block_ids_with_load_errors() == {5}
     assert c.held == set()
+    # A failed transfer, not a transfer; the blocks that landed were copied.
+    st = w.take_stats()
+    assert st is not None and st.data["num_failed_transfers"] == 1 and st.data["transfer_duration"] == []
+    assert c.info is not None and st.data["copied_bytes"] == 2 * c.info.block_len * 2 * LAYERS
 
 
 def test_a_refused_allocation_fails_the_load_and_allocates_nothing(tmp_path: Any) -> None:
@@ -242,6 +252,8 @@ def test_staging_with_the_sidecar_unreachable_fails_each_load_and_never_raises(t
     w.start_load_kv(load("r2", [4]))
     assert w.get_finished() == (None, {"r2"})
     assert w.get_block_ids_with_load_errors() == {3, 4}
+    st = w.take_stats()
+    assert st is not None and st.data["num_failed_transfers"] == 2 and st.data["bytes_transferred"] == []
 
 
 def test_zero_copy_loads_into_vllms_own_blocks_and_stops_the_engine_on_a_lost_connection(

@@ -16,6 +16,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
 from kvsidecar.local import LocalClient
 from kvsidecar.vllm import plugin as vllm_plugin
+from kvsidecar.vllm.compat import Refused
 from kvsidecar.vllm.compat.v0_32 import SidecarBlockPool
 from kvsidecar.vllm.connector import KVConnectorRole, KVSidecarConnector
 from kvsidecar.vllm.worker import ZeroCopyMode
@@ -24,7 +25,6 @@ from kvsidecar.vllm.zerocopy import (
     LIMIT_RETRY_SECONDS,
     LIMIT_WAIT_SECONDS,
     ModeHandshake,
-    Refused,
     backend_layout,
     install_block_pool,
 )

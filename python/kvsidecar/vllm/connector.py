@@ -67,9 +67,10 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
+from kvsidecar.errors import Unsupported
 from kvsidecar.vllm.metadata import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, SaveSpec, role_name
 from kvsidecar.vllm.scheduler import SchedulerSide
-from kvsidecar.vllm.stats import CopyPromMetrics, CopyStats
+from kvsidecar.vllm.stats import ConnectorPromMetrics, ConnectorStats
 from kvsidecar.vllm.worker import WorkerSide
 from kvsidecar.vllm.zerocopy import ModeHandshake, requested
 
@@ -79,6 +80,10 @@ __all__ = ["PLUGIN_HOOKS", "KVConnectorRole", "KVSidecarConnector", "KVSidecarCo
 #: :mod:`kvsidecar.vllm.plugin` does (every other public one is a
 #: KVConnectorBase_V1 method).
 PLUGIN_HOOKS = ("allocate_kv_cache", "set_engine_waker")
+
+#: Why unregister_kv_caches and restore_kv_caches refuse (vLLM's sleep mode).
+SLEEP_MODE_REFUSED = ("KVSidecarConnector does not support vLLM's sleep mode (supports_sleep_mode is False): the "
+                      "connector's KV views and loads in flight would outlive the memory sleep frees")
 
 
 class KVSidecarConnector(KVConnectorBase_V1):
@@ -188,6 +193,46 @@ class KVSidecarConnector(KVConnectorBase_V1):
             return "LBHNC"
         return None
 
+    # -- sleep mode (vLLM 0.33.0) ----------------------------------------------
+    #
+    # vllm 0.33.0 (upstream tag v0.33.0) added these three to the base
+    # (vllm/distributed/kv_transfer/kv_connector/v1/base.py); the base's
+    # supports_sleep_mode returns True and its unregister_kv_caches and
+    # restore_kv_caches do nothing, i.e. a connector that does not override
+    # them claims to follow sleep mode. vllm 0.32.0 calls none of them.
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """False: sleep mode is refused for now. Sleep frees (level 1) or
+        discards (level 2) vLLM's KV cache memory and wake-up maps it anew,
+        while this connector keeps views of those tensors for its staging
+        copies and loads in flight write into them (zero copy: the tensors
+        are the sidecars' pages). vllm 0.33.0 asks this when the engine's
+        config is built (``VllmConfig._verify_kv_transfer_compat``,
+        vllm/config/vllm.py) and, with ``enable_sleep_mode``, stops there
+        with ``ValueError("KVSidecarConnector does not support sleep
+        mode.")``, so an engine never sleeps with it."""
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        """Never called by vLLM (see :meth:`supports_sleep_mode`); vllm
+        0.33.0's worker calls it before sleep (``Worker.sleep``,
+        ``Worker.discard``, vllm/v1/worker/gpu_worker.py).
+
+        Raises:
+            Unsupported: always, naming the rule.
+        """
+        raise Unsupported(SLEEP_MODE_REFUSED)
+
+    def restore_kv_caches(self) -> None:
+        """Never called by vLLM (see :meth:`supports_sleep_mode`); vllm
+        0.33.0's worker calls it at wake-up (``Worker.wake_up``).
+
+        Raises:
+            Unsupported: always, naming the rule.
+        """
+        raise Unsupported(SLEEP_MODE_REFUSED)
+
     # -- worker side ---------------------------------------------------------
 
     def allocate_kv_cache(self, kv_cache_config: Any, layout: Any, kernel_block_sizes: Any,
@@ -252,20 +297,21 @@ class KVSidecarConnector(KVConnectorBase_V1):
         assert self._worker is not None
         return self._worker.get_finished()
 
-    def get_kv_connector_stats(self) -> CopyStats | None:
-        """The KV bytes this rank copied since the last call
-        (:mod:`kvsidecar.vllm.stats`), None when none."""
-        n = self._worker.take_copied_bytes() if self._worker is not None else 0
-        return CopyStats(data={"copied_bytes": n}) if n else None
+    def get_kv_connector_stats(self) -> ConnectorStats | None:
+        """This rank's loads (time, bytes, failures) and staging copies since
+        the last call (:mod:`kvsidecar.vllm.stats`), None when none."""
+        return self._worker.take_stats() if self._worker is not None else None
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> CopyStats:
-        return CopyStats(data=dict(data or {}))
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> ConnectorStats:
+        """The stats vLLM shipped between processes, as :class:`ConnectorStats`."""
+        return ConnectorStats(data=dict(data or {}))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> CopyPromMetrics:
-        return CopyPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+                           per_engine_labelvalues: dict[int, list[object]]) -> ConnectorPromMetrics:
+        """The connector's series at vLLM's ``/metrics`` (:mod:`kvsidecar.vllm.stats`)."""
+        return ConnectorPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM block ids of loads that failed since the last call."""

@@ -48,11 +48,10 @@ def register() -> None:
     import vllm
 
     from kvsidecar.vllm import compat
-    from kvsidecar.vllm.zerocopy import Refused
 
     try:
         rel = compat.for_release(vllm.__version__)
-    except Refused as e:
+    except compat.Refused as e:
         why_not = f"{e}: its KV cache allocation was left alone"
         return
     rel.install_hooks(_allocate, _hand_waker)
@@ -76,12 +75,14 @@ def _hand_waker(connector: Any, wake: Callable[[], None]) -> None:
 
 
 def _connector() -> Any:
-    """This worker's KVSidecarConnector, or None."""
+    """This worker's KVSidecarConnector, or None: the connector with the
+    plugin's hook ``allocate_kv_cache`` (``kvsidecar.vllm.connector.
+    PLUGIN_HOOKS``; no vLLM connector has one). Told by its hook rather than
+    its class, so that this module imports nothing of the connector's and the
+    connector's worker can read :data:`why_not`."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    from kvsidecar.vllm.connector import KVSidecarConnector
 
     if not has_kv_transfer_group():
         return None
     c = get_kv_transfer_group()
-    return c if isinstance(c, KVSidecarConnector) else None
+    return c if callable(getattr(c, "allocate_kv_cache", None)) else None

@@ -11,6 +11,7 @@ tests replace its NIXL wrapper."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +23,10 @@ from kvsidecar.rankset import attach_rank
 from kvsidecar.staging import LayerLayout, Staging, layer_layout
 from kvsidecar.v1 import common_pb2, group_pb2
 from kvsidecar.vllm import plugin as vllm_plugin
+from kvsidecar.vllm.compat import Refused
 from kvsidecar.vllm.metadata import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, log
-from kvsidecar.vllm.zerocopy import ModeHandshake, Refused, backend_layout, kv_cache_views, layer_index
+from kvsidecar.vllm.stats import ConnectorStats
+from kvsidecar.vllm.zerocopy import ModeHandshake, backend_layout, kv_cache_views, layer_index
 
 __all__ = ["Dial", "StagingMode", "WorkerSide", "ZeroCopyMode"]
 
@@ -40,6 +43,8 @@ class _Load:
     spec: LoadSpec
     staging: list[int]
     aborted: bool = False
+    #: time.monotonic() when StartLoad was sent.
+    started: float = dataclasses.field(default_factory=time.monotonic)
 
 
 def _vllm_backend(cfg: ConnectorConfig) -> tuple[str, str, str]:
@@ -102,6 +107,8 @@ class WorkerSide:
         # bytes a Staging lost with its connection copied but not yet taken.
         self._copied_seen = 0
         self._copied_banked = 0
+        #: This rank's loads since the last take_stats.
+        self.stats = ConnectorStats()
         self.layers: dict[str, int] = {}
         self.kv: list[Any] = []
         self._loads: dict[str, _Load] = {}
@@ -329,6 +336,7 @@ class WorkerSide:
             log.warning("request %s: notifying the prefill failed: %s", spec.req_id, err)
             return
         log.warning("request %s: load failed, %d blocks to recompute: %s", spec.req_id, len(spec.block_ids), err)
+        self.stats.record_failed_transfer()
         self._invalid.update(spec.block_ids)
         self._recving.add(spec.req_id)
 
@@ -406,6 +414,9 @@ class WorkerSide:
                 "copying the loaded blocks into vLLM's failed"
             self._fail(dataclasses.replace(ld.spec, block_ids=vblocks), why)
             return
+        info = c.info
+        if info is not None:
+            self.stats.record_transfer(time.monotonic() - ld.started, len(local) * info.block_len * info.num_regions)
         self._recving.add(rid)
 
     def _copy_out(self, rid: str, ld: _Load, bad: set[int]) -> set[int]:
@@ -426,6 +437,13 @@ class WorkerSide:
             log.exception("request %s: copying %d loaded blocks into vLLM failed; they are recomputed", rid, len(pairs))
             return set(sblocks)
         return set()
+
+    def take_stats(self) -> ConnectorStats | None:
+        """This rank's loads and staging copies since the last call
+        (:mod:`kvsidecar.vllm.stats`), None when there were none."""
+        st, self.stats = self.stats, ConnectorStats()
+        st.data["copied_bytes"] = self.take_copied_bytes()
+        return None if st.is_empty() else st
 
     def take_copied_bytes(self) -> int:
         """KV bytes the staging copies moved since the last call (0 under

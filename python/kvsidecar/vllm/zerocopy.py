@@ -61,6 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandsha
 from kvsidecar import errors
 from kvsidecar.local import LocalClient
 from kvsidecar.v1 import common_pb2
+from kvsidecar.vllm.compat import Refused
 
 if TYPE_CHECKING:
     from kvsidecar.vllm.compat import Release, SidecarPool
@@ -72,7 +73,6 @@ __all__ = [
     "LIMIT_RETRY_SECONDS",
     "LIMIT_WAIT_SECONDS",
     "ModeHandshake",
-    "Refused",
     "backend_layout",
     "install_block_pool",
     "kv_cache_views",
@@ -112,11 +112,6 @@ LIMIT_WAIT_SECONDS = 10.0
 
 #: Seconds between two tries of a refused allocation (LIMIT_WAIT_SECONDS).
 LIMIT_RETRY_SECONDS = 0.05
-
-
-class Refused(Exception):
-    """Zero copy cannot run in this engine; the message says why and what
-    would allow it. The connector logs it once and stages instead."""
 
 
 def requested(extra: dict[str, Any]) -> bool:

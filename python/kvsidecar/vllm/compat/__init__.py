@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 from kvsidecar.local import LocalClient
-from kvsidecar.vllm.zerocopy import Refused
 
 __all__ = ["RELEASES", "Release", "SidecarPool", "check", "describe", "for_release", "record_path"]
 
@@ -42,6 +41,11 @@ __all__ = ["RELEASES", "Release", "SidecarPool", "check", "describe", "for_relea
 #: upstream tag v0.32.0) -> the module of this package that holds zero copy's
 #: uses of that release's private code.
 RELEASES = {"0.32.0": "v0_32"}
+
+
+class Refused(Exception):
+    """Zero copy cannot run in this engine; the message says why and what
+    would allow it. The connector logs it once and stages instead."""
 
 
 class SidecarPool(Protocol):

@@ -45,12 +45,12 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheTensor, create_kv_c
 from kvsidecar import errors
 from kvsidecar.local import LocalClient
 from kvsidecar.staging import region_tensor
+from kvsidecar.vllm.compat import Refused
 from kvsidecar.vllm.zerocopy import (
     AVAILABLE_REFRESH_SECONDS,
     DEFAULT_FREE_HOLD_SECONDS,
     LIMIT_RETRY_SECONDS,
     LIMIT_WAIT_SECONDS,
-    Refused,
     layer_index,
     log,
 )
