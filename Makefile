@@ -27,6 +27,23 @@ build: ## build bin/kvsidecar
 venv: ## build the pinned Python environment .venv (vLLM, torch, pytest, ...) unless it is up to date
 	VENV=$(VENV) PYTHON_BASE=$(PYTHON_BASE) python/tools/mkvenv.sh
 
+# The connector is also checked against upstream vLLM 0.33.0, in an overlay
+# of $(VENV): .venv-vllm033 holds vllm 0.33.0 alone
+# (python/requirements-vllm033.txt) and takes the rest from $(VENV). Its
+# tests keep vLLM's model-info cache apart (VLLM_CACHE_ROOT), so the two
+# releases do not evict each other's.
+VENV033   ?= .venv-vllm033
+PYTHON033 := $(abspath $(VENV033))/bin/python
+.PHONY: venv-vllm033 test-python-vllm033
+
+venv-vllm033: venv ## build .venv-vllm033 (upstream vLLM 0.33.0 over .venv) unless it is up to date
+	VENV=$(VENV033) REQS=python/requirements-vllm033.txt BASE_VENV=$(VENV) PYTHON_BASE=$(PYTHON_BASE) \
+	  CHECK='vllm.v1.core.sched.scheduler kvsidecar.vllm.connector' python/tools/mkvenv.sh
+
+test-python-vllm033: build venv-vllm033 ## the connector against upstream vLLM 0.33.0 (in .venv-vllm033): its base's methods, vLLM's real scheduler
+	cd python && KVSIDECAR_BIN=$(CURDIR)/$(BIN) VLLM_CACHE_ROOT=$(abspath $(VENV033))/vllm-cache \
+	  $(PYTHON033) -m pytest -q -rP -p no:cacheprovider tests/test_vllm_base.py tests/test_vllm_real_scheduler.py
+
 # The Go checks one after another, beside the Python tests: a vLLM engine's
 # start is three processes each importing vLLM on one core (about 60
 # CPU-seconds over a minute on this 2-core machine), so the Go tests fill the
@@ -36,8 +53,8 @@ venv: ## build the pinned Python environment .venv (vLLM, torch, pytest, ...) un
 GO_TESTS := test-go test-quic-path test-0rtt test-gpu-bundle
 BESIDE    = KVSIDECAR_TIME_SCALE=$${KVSIDECAR_TIME_SCALE:-2} $(MAKE) --no-print-directory -j2 --output-sync=line test-python go-serial
 
-test: build venv ## every test: Go (race detector, shuffled; the connector and e2e suites also with every READ over QUIC; 0-RTT without it) and the GPU bundle's build, one after another, beside the Python tests (the README's test command)
-	@$(BESIDE) GO_SERIAL='$(GO_TESTS)'
+test: build venv ## every test: Go (race detector, shuffled; the connector and e2e suites also with every READ over QUIC; 0-RTT without it), the GPU bundle's build and the vLLM 0.33 checks, one after another, beside the Python tests (the README's test command)
+	@$(BESIDE) GO_SERIAL='$(GO_TESTS) test-python-vllm033'
 
 go-serial: # the targets in GO_SERIAL, one at a time (for test and ci)
 	@for t in $(GO_SERIAL); do $(MAKE) --no-print-directory $$t || exit 1; done
@@ -100,7 +117,7 @@ verify: generate ## generated code (Go and Python) and go.mod are up to date; bu
 	CGO_ENABLED=0 $(GO) build ./...
 
 ci: ## everything CI runs: the README's two commands (make test, make demo) and the rest (verify, bench-once, fuzz-short, lint), one after another beside the venv's build and the Python tests
-	@$(BESIDE) GO_SERIAL='verify $(GO_TESTS) demo bench-once fuzz-short lint'
+	@$(BESIDE) GO_SERIAL='verify $(GO_TESTS) demo bench-once fuzz-short lint test-python-vllm033'
 
 demo: ## the main job: prefill→decode on the host backend over a real trace
 	@echo "make demo: building $(BIN) first (a cold build takes a minute or two)..."
