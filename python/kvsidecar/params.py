@@ -17,7 +17,9 @@ from kvsidecar.limits import MAX_TP_SIZE
 from kvsidecar.v1 import params_pb2
 
 __all__ = [
+    "ENGINE_FACT_FIELDS",
     "TOKEN_DIGEST_LEN",
+    "engine_facts_mismatch",
     "merge_exports",
     "params_from_json",
     "params_to_json",
@@ -62,6 +64,27 @@ def token_digests(tokens: Sequence[int], block_size: int, salt: bytes = b"") -> 
         prev = hashlib.sha256(head + prev + data).digest()[:TOKEN_DIGEST_LEN]
         out += prev
     return bytes(out)
+
+
+#: The fields of ``EngineFacts`` a decode compares, in the order its
+#: refusal names them.
+ENGINE_FACT_FIELDS = ("engine", "engine_version", "model", "attention_backend", "kv_cache_dtype")
+
+
+def engine_facts_mismatch(prefill: params_pb2.EngineFacts, decode: params_pb2.EngineFacts) -> list[str]:
+    """How a prefill's engine facts (``kv_transfer_params.engine_facts``)
+    differ from the decode's own: one ``"<field>: prefill '<value>', decode
+    '<value>'"`` per field of :data:`ENGINE_FACT_FIELDS` that both state
+    (non-empty) with other values, in that order; [] when none does. A
+    field one side leaves empty is not known there and is not compared.
+    Engine-neutral: each engine connector fills the facts in its engine's
+    own spelling (``kvsidecar.vllm.metadata.vllm_engine_facts``)."""
+    out = []
+    for f in ENGINE_FACT_FIELDS:
+        a, b = getattr(prefill, f), getattr(decode, f)
+        if a and b and a != b:
+            out.append(f"{f}: prefill {a!r}, decode {b!r}")
+    return out
 
 
 def params_to_json(p: params_pb2.KVTransferParams) -> dict[str, Any]:

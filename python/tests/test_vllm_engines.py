@@ -29,6 +29,7 @@ import http.client
 import json
 import os
 import random
+import shutil
 import signal
 import threading
 from collections.abc import Iterator
@@ -512,6 +513,55 @@ def test_params_of_another_prompt_are_refused_and_the_prompt_computed(lab: Lab):
     assert out.token_ids == lab.reference(theirs)
     # Loaded but for the first block, which the decode holds from `mine`.
     assert read_bytes(lab.d1_sc) - before == (blocks(len(theirs)) - 1) * BLOCK * lab.model.kv_bytes_per_token()
+    wait_for("the export released", lambda: stats(lab.p1_sc[0])["leases_held"] == held)
+
+
+# fault-matrix: vllm-engine-incompatible
+@pytest.mark.parametrize("lab", ["staging"], indirect=True)
+def test_a_decode_of_another_model_and_block_size_refuses_and_computes(lab: Lab, tmp_path):
+    """Issue 34: a decode started with another --model (a copy of the tiny
+    model under another path, so its answer can still be checked) and
+    another --block-size than prefill-1 refuses prefill-1's params before it
+    claims a token: one line names both fields with both values, nothing is
+    read, and it computes the prompt, token-exact. The params still load on
+    a decode of the prefill's kind (which ends the export). One extra engine
+    start, staging only: the check is the scheduler's, the same in both
+    modes."""
+    import vllm
+
+    copy = dataclasses.replace(lab.model, path=str(tmp_path / "tiny-copy"))
+    shutil.copytree(lab.model.path, copy.path)
+    odd_block = 2 * BLOCK
+    args = lab.model.sidecar_args()
+    args[args.index("--block-size") + 1] = str(odd_block)
+    name = "staging-decode-odd"
+    sc = lab.cluster.start_group(name, tp_size=1, role="decode", args=args)
+    e = devvllm.Engine(copy, name=name, log_dir=str(tmp_path), args=["--block-size", str(odd_block)],
+                       kv_transfer_config=devvllm.connector_config("kv_consumer", name, lab.cluster.socket_dir))
+    try:
+        devvllm.start_engines([e])
+        prompt = random.Random(101).choices(range(3, 2000), k=3 * BLOCK + 5)
+        held = stats(lab.p1_sc[0])["leases_held"]
+        p = lab.p1.complete(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        assert p.kv_transfer_params and p.kv_transfer_params["engine_facts"] == {
+            "engine": "vllm", "engine_version": vllm.__version__, "model": lab.model.path,
+            "attention_backend": "CPU_ATTN", "kv_cache_dtype": "float32"}
+        out = e.complete(prompt, max_tokens=MAX_TOKENS, kv_transfer_params=p.kv_transfer_params)
+        assert out.token_ids == lab.reference(prompt)
+        lines = [x for x in open(e.log_path).read().splitlines() if "CODE_INCOMPATIBLE_MODEL" in x]
+        assert len(lines) == 1, lines
+        assert f"model: prefill '{lab.model.path}', decode '{copy.path}'" in lines[0], lines[0]
+        assert f"block_size: prefill {BLOCK}, decode {odd_block}" in lines[0], lines[0]
+        assert read_bytes(sc) == 0, "nothing was read"
+        assert vllm_counter(e, "vllm:prompt_tokens_by_source_total", source="local_compute") == len(prompt)
+    finally:
+        e.stop()
+        for s in sc:
+            s.stop()
+    before = read_bytes(lab.d1_sc)
+    out = lab.d1.complete(prompt, max_tokens=MAX_TOKENS, kv_transfer_params=p.kv_transfer_params)
+    assert out.token_ids == lab.reference(prompt)
+    assert read_bytes(lab.d1_sc) - before == blocks(len(prompt)) * BLOCK * lab.model.kv_bytes_per_token()
     wait_for("the export released", lambda: stats(lab.p1_sc[0])["leases_held"] == held)
 
 

@@ -12,6 +12,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
+import vllm
 from vllm import SamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -22,6 +24,7 @@ from kvsidecar import errors, reasons
 from kvsidecar.params import params_to_json, token_digests
 from kvsidecar.v1 import local_pb2, params_pb2
 from kvsidecar.vllm.connector import KVConnectorRole, KVSidecarConnector
+from kvsidecar.vllm.zerocopy import ModeHandshake
 
 BS = 32
 
@@ -62,10 +65,18 @@ class FakeRankSet:
         return
 
 
-def connector(role: str) -> tuple[KVSidecarConnector, FakeRankSet]:
+#: The model path of the engines connector() stands in for.
+MODEL = "/models/tiny"
+
+
+def connector(role: str, extra: dict[str, Any] | None = None, model: str = MODEL,
+              cache_dtype: str = "auto") -> tuple[KVSidecarConnector, FakeRankSet]:
     cfg = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(engine_id="e", kv_role=role, kv_connector_extra_config={"socket_dir": "/x"}),
-        parallel_config=SimpleNamespace(tensor_parallel_size=2), cache_config=SimpleNamespace(block_size=BS))
+        kv_transfer_config=SimpleNamespace(engine_id="e", kv_role=role,
+                                           kv_connector_extra_config={"socket_dir": "/x", **(extra or {})}),
+        parallel_config=SimpleNamespace(tensor_parallel_size=2),
+        cache_config=SimpleNamespace(block_size=BS, cache_dtype=cache_dtype),
+        model_config=SimpleNamespace(model=model, dtype=torch.float32))
     c = KVSidecarConnector(cfg, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=512))
     fake = FakeRankSet()
     assert c._scheduler is not None
@@ -313,3 +324,153 @@ def test_a_load_given_fewer_blocks_than_it_claimed_fails_whole():
     c.update_state_after_alloc(r, KVCacheBlocks(([KVCacheBlock(60 + i) for i in range(3)],)), 4 * BS)
     (ld,) = c.build_connector_meta(output()).loads
     assert ld.block_ids == [60, 61, 62] and "3 local blocks for the 4 to load" in ld.refused
+
+
+def workers_report(c: KVSidecarConnector, *backends: str) -> None:
+    """What vLLM hands the scheduler side at start: each rank's handshake
+    (staging, the attention backend the rank runs)."""
+    c.set_xfer_handshake_metadata({r: ModeHandshake(zero_copy=False, why="not asked for", attention_backend=b)
+                                   for r, b in enumerate(backends)})
+
+
+#: What a prefill of connector()'s kind states (the decode's own facts).
+FACTS = {"engine": "vllm", "engine_version": vllm.__version__, "model": MODEL, "attention_backend": "CPU_ATTN",
+         "kv_cache_dtype": "float32"}
+
+
+def test_a_prefill_states_its_engine_facts_in_the_params():
+    c, _ = connector("kv_producer")
+    workers_report(c, "CPU_ATTN", "CPU_ATTN")
+    r = request("p-facts", 40, {"do_remote_decode": True})
+    c.update_state_after_alloc(r, KVCacheBlocks(([KVCacheBlock(5), KVCacheBlock(6)],)), 0)
+    c.build_connector_meta(output([new_req(r, [5, 6])], scheduled={"p-facts": 40}))
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = c.request_finished(r, [5, 6])
+    assert params is not None and params["engine_facts"] == FACTS
+    # An fp8 cache is stated as such, not as the model's dtype; ranks that
+    # report other backends are all named.
+    c, _ = connector("kv_producer", cache_dtype="fp8_e4m3")
+    workers_report(c, "FLASH_ATTN", "CPU_ATTN", "")
+    assert c._scheduler is not None
+    assert (c._scheduler.facts.kv_cache_dtype, c._scheduler.facts.attention_backend) == ("fp8_e4m3",
+                                                                                          "CPU_ATTN,FLASH_ATTN")
+
+
+def facts_params(rid: str, facts: dict[str, str] | None, **over: Any) -> dict[str, Any]:
+    """A decode's kv_transfer_params for a 4-block prompt, stating ``facts``
+    (none when None) as a prefill does."""
+    p = decode_params(remote_request_id=rid, **{"remote_block_ids": [11, 12, 13, 14], **over})
+    if facts is not None:
+        p["engine_facts"] = dict(facts)
+    return p
+
+
+def refusals(caplog: pytest.LogCaptureFixture, level: int = logging.WARNING) -> list[str]:
+    return [x.getMessage() for x in caplog.records
+            if "kv_transfer_params refused" in x.getMessage() and x.levelno == level]
+
+
+DIFFERENT = [
+    # field, the prefill's value, the line's words for it
+    ("engine", "sglang", "engine: prefill 'sglang', decode 'vllm'"),
+    ("engine_version", "0.31.1", f"engine_version: prefill '0.31.1', decode '{vllm.__version__}'"),
+    ("model", "/other/tiny", f"model: prefill '/other/tiny', decode '{MODEL}'"),
+    ("attention_backend", "FLASH_ATTN", "attention_backend: prefill 'FLASH_ATTN', decode 'CPU_ATTN'"),
+    ("kv_cache_dtype", "bfloat16", "kv_cache_dtype: prefill 'bfloat16', decode 'float32'"),
+    ("block_size", 16, f"block_size: prefill 16, decode {BS}"),
+]
+
+
+# fault-matrix: vllm-engine-incompatible
+@pytest.mark.parametrize("field, theirs, says", DIFFERENT)
+def test_a_prefill_of_another_kind_is_refused_naming_the_field_and_both_values(field, theirs, says, caplog):
+    """Each fact that decides whether the decode can attend over the
+    prefill's KV, alone: the params are refused before a token is claimed,
+    one line names the field and both values, nothing is loaded or
+    notified; the same params of an equal prefill load."""
+    c, _ = connector("kv_consumer")
+    workers_report(c, "CPU_ATTN", "CPU_ATTN")
+    facts, over = dict(FACTS), {}
+    if field == "block_size":
+        over = {"block_size": theirs}
+    else:
+        facts[field] = theirs
+    r = request("d-odd", 4 * BS, facts_params("r-odd", facts, **over))
+    with caplog.at_level(logging.DEBUG, logger="vllm.kvsidecar"):
+        assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+        # A second request of the same prefill: refused too, logged at DEBUG.
+        again = request("d-odd-2", 4 * BS, facts_params("r-odd-2", facts, **over))
+        assert c.get_num_new_matched_tokens(again, 0) == (0, False)
+    (line,) = refusals(caplog)
+    assert "(CODE_INCOMPATIBLE_MODEL)" in line and "prefill engine p is not this engine's kind: " + says in line, line
+    assert len(refusals(caplog, logging.DEBUG)) == 1
+    c.update_state_after_alloc(r, KVCacheBlocks(([KVCacheBlock(60 + i) for i in range(4)],)), 0)
+    assert c.build_connector_meta(output()).loads == [], "nothing is read or notified"
+
+    same = request("d-same", 4 * BS, facts_params("r-same", FACTS, block_size=BS))
+    assert c.get_num_new_matched_tokens(same, 0) == (4 * BS, True)
+
+
+def test_block_size_is_refused_by_name_before_the_token_digests(caplog):
+    """Digests over blocks of 16 never equal the decode's over blocks of
+    32: the refusal names the block size, not the tokens (before, the line
+    said the KV encoded other tokens)."""
+    c, _ = connector("kv_consumer")
+    prompt = list(range(3, 3 + 4 * BS))
+    over = {"block_size": 16, "remote_block_ids": list(range(8)), "prompt_tokens": len(prompt),
+            "token_digests": params_to_json(params_pb2.KVTransferParams(
+                token_digests=token_digests(prompt, 16)))["token_digests"]}
+    r = request("d-bs", len(prompt), facts_params("r-bs", FACTS, **over))
+    with caplog.at_level(logging.WARNING, logger="vllm.kvsidecar"):
+        assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+    (line,) = refusals(caplog)
+    assert f"block_size: prefill 16, decode {BS}" in line and reasons.TOKEN_DIGEST_MISMATCH not in line, line
+
+
+def test_a_fact_one_side_does_not_state_is_not_compared(caplog):
+    c, _ = connector("kv_consumer", model="")  # a decode that cannot name its model
+    workers_report(c, "CPU_ATTN")
+    theirs = {**FACTS, "attention_backend": ""}  # a prefill whose workers named none
+    with caplog.at_level(logging.WARNING, logger="vllm.kvsidecar"):
+        r = request("d-part", 4 * BS, facts_params("r-part", theirs))
+        assert c.get_num_new_matched_tokens(r, 0) == (4 * BS, True)
+    assert refusals(caplog) == []
+
+
+def test_params_without_engine_facts_load_unchecked_said_once_per_prefill(caplog):
+    """An older prefill connector states no facts: the params load (the
+    sidecars still compare the KV geometry), and one INFO line per prefill
+    engine says they were not compared."""
+    c, _ = connector("kv_consumer")
+    workers_report(c, "CPU_ATTN")
+    with caplog.at_level(logging.INFO, logger="vllm.kvsidecar"):
+        for i in range(3):
+            r = request(f"d-old-{i}", 4 * BS, facts_params(f"r-old-{i}", None))
+            assert c.get_num_new_matched_tokens(r, 0) == (4 * BS, True)
+        other = request("d-old-q", 4 * BS, facts_params("r-old-q", None, remote_engine_id="q"))
+        assert c.get_num_new_matched_tokens(other, 0) == (4 * BS, True)
+    said = [x.getMessage() for x in caplog.records if "states no engine facts" in x.getMessage()]
+    assert [("prefill engine p " in m, "prefill engine q " in m) for m in said] == [(True, False), (False, True)]
+    # block_size is still checked on params without facts.
+    r = request("d-old-bs", 4 * BS, facts_params("r-old-bs", None, block_size=2 * BS))
+    assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+
+
+def test_enforce_handshake_compat_off_loads_a_differing_prefill_and_says_so(caplog):
+    c, _ = connector("kv_consumer", extra={"enforce_handshake_compat": False})
+    workers_report(c, "CPU_ATTN")
+    theirs = {**FACTS, "model": "/other/tiny"}
+    with caplog.at_level(logging.WARNING, logger="vllm.kvsidecar"):
+        r = request("d-lax", 4 * BS, facts_params("r-lax", theirs))
+        assert c.get_num_new_matched_tokens(r, 0) == (4 * BS, True)
+        bs = request("d-lax-bs", 4 * BS, facts_params("r-lax-bs", FACTS, block_size=16))
+        assert c.get_num_new_matched_tokens(bs, 0) == (0, False), "block_size is never loosened"
+    lines = [x.getMessage() for x in caplog.records if x.name == "vllm.kvsidecar"]
+    assert len(lines) == 2 and f"(model: prefill '/other/tiny', decode '{MODEL}'); loaded anyway" in lines[0], lines
+    assert "block_size: prefill 16" in lines[1]
+
+
+@pytest.mark.parametrize("bad", ["no", 0, None])
+def test_enforce_handshake_compat_must_be_a_bool(bad):
+    with pytest.raises(errors.InvalidArgument, match=rf"enforce_handshake_compat {bad!r} must be true or false"):
+        connector("kv_consumer", extra={"enforce_handshake_compat": bad})

@@ -17,7 +17,8 @@ from kvsidecar.rankset import dtype_code
 from kvsidecar.v1 import common_pb2, params_pb2
 from kvsidecar.vllm.zerocopy import DEFAULT_FREE_HOLD_SECONDS, requested
 
-__all__ = ["ConnectorConfig", "KVSidecarConnectorMetadata", "LoadSpec", "SaveSpec", "log", "role_name"]
+__all__ = ["ConnectorConfig", "KVSidecarConnectorMetadata", "LoadSpec", "SaveSpec", "log", "role_name",
+           "vllm_engine_facts"]
 
 # A child of vLLM's "vllm" logger, so vLLM's handler, format and
 # VLLM_LOGGING_LEVEL apply to the connector's lines too.
@@ -118,6 +119,46 @@ def sidecar_wait_seconds(extra: dict[str, Any]) -> float:
     return f
 
 
+def enforce_handshake_compat(extra: dict[str, Any]) -> bool:
+    """``kv_connector_extra_config.enforce_handshake_compat`` (NixlConnector's
+    name for its switch, vllm 0.32.0 ``kv_connector/v1/nixl/base_worker.py``):
+    a bool, default True.
+
+    Raises:
+        InvalidArgument: not a bool (naming the value).
+    """
+    v = extra.get("enforce_handshake_compat", True)
+    if not isinstance(v, bool):
+        raise errors.InvalidArgument(
+            f"KVSidecarConnector: kv_connector_extra_config.enforce_handshake_compat {v!r} must be true or false "
+            "(false: a decode loads KV of a prefill whose vLLM version, model, attention backend or KV cache "
+            "dtype differ, logging the differences)")
+    return v
+
+
+def vllm_engine_facts(vllm_config: Any, attention_backend: str = "") -> params_pb2.EngineFacts:
+    """This vLLM engine's facts for the prefill/decode compatibility check
+    (``kv_transfer_params.engine_facts``, compared by
+    :func:`kvsidecar.params.engine_facts_mismatch`): ``vllm.__version__``,
+    ``model_config.model`` (the --model string, the identity vLLM's
+    NixlConnector hashes: vllm 0.32.0 ``kv_connector/v1/nixl/metadata.py``
+    ``compute_nixl_compatibility_hash``), ``attention_backend`` (what the
+    workers reported at start; "" before that), and the KV cache dtype
+    (``cache_config.cache_dtype``, for "auto" the model's dtype without
+    "torch.", as the KV tensors hold it). A fact the config does not carry
+    (a test's stand-in) is left empty: not compared."""
+    from vllm import __version__
+
+    mc = getattr(vllm_config, "model_config", None)
+    cd = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto") or "auto")
+    if cd == "auto":
+        dt = getattr(mc, "dtype", None)
+        cd = str(dt).removeprefix("torch.") if dt is not None else ""
+    return params_pb2.EngineFacts(engine="vllm", engine_version=str(__version__),
+                                  model=str(getattr(mc, "model", "") or ""), attention_backend=attention_backend,
+                                  kv_cache_dtype=cd)
+
+
 def role_name(role: Any) -> str:
     return getattr(role, "name", str(role))
 
@@ -157,6 +198,10 @@ class ConnectorConfig:
         self.free_hold_seconds: float = float(extra.get("free_hold_seconds", DEFAULT_FREE_HOLD_SECONDS))
         #: The CUDA driver a zero-copy worker imports device pages with.
         self.cuda_library: str = str(extra.get("cuda_library", "libcuda.so.1"))
+        #: Decode: refuse a prefill's KV whose engine facts differ from this
+        #: engine's (``enforce_handshake_compat``, default True; False loads
+        #: it, logging the differences). Never loosens block_size.
+        self.enforce_compat: bool = enforce_handshake_compat(extra)
         self.tp_size: int = int(vllm_config.parallel_config.tensor_parallel_size)
         self.block_size: int = int(vllm_config.cache_config.block_size)
         self.vllm_config = vllm_config

@@ -9,15 +9,31 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from kvsidecar import errors, reasons
-from kvsidecar.params import TOKEN_DIGEST_LEN, params_from_json, params_to_json, token_digests, validate_remote_prefill
+from kvsidecar.params import (
+    TOKEN_DIGEST_LEN,
+    engine_facts_mismatch,
+    params_from_json,
+    params_to_json,
+    token_digests,
+    validate_remote_prefill,
+)
 from kvsidecar.rankset import RankSet
-from kvsidecar.v1 import local_pb2, params_pb2
+from kvsidecar.v1 import common_pb2, local_pb2, params_pb2
 from kvsidecar.vllm.compat import SidecarPool
-from kvsidecar.vllm.metadata import ConnectorConfig, KVSidecarConnectorMetadata, LoadSpec, SaveSpec, log, role_name
+from kvsidecar.vllm.metadata import (
+    ConnectorConfig,
+    KVSidecarConnectorMetadata,
+    LoadSpec,
+    SaveSpec,
+    log,
+    role_name,
+    vllm_engine_facts,
+)
 from kvsidecar.vllm.zerocopy import ModeHandshake, install_block_pool
 
 __all__ = ["SchedulerSide"]
@@ -61,6 +77,13 @@ class SchedulerSide:
         self._exported: list[str] = []
         # Zero copy: mappings rank 0's client had received at the last step.
         self._mappings_seen = -1
+        #: This engine's facts (the attention backend once the workers
+        #: reported it, set_modes): stated in every export's params,
+        #: compared with every load's (compat_mismatch).
+        self.facts = vllm_engine_facts(cfg.vllm_config)
+        # Differences already logged at WARNING, by (prefill engine id,
+        # difference), and prefill engines whose params state no facts.
+        self._compat_logged: set[tuple[str, str]] = set()
 
     @property
     def zero_copy(self) -> bool:
@@ -77,9 +100,15 @@ class SchedulerSide:
         tensors are its sidecar's pages, vLLM's block pool becomes a
         pool over rank 0's blocks (:func:`kvsidecar.vllm.zerocopy.install_block_pool`).
 
+        Also takes the ranks' attention backend into :attr:`facts` (their
+        names sorted and joined with "," where they differ; a rank that
+        reports none is left out).
+
         Raises:
             RuntimeError: ranks disagree (some zero copy, some staging).
         """
+        self.facts.attention_backend = ",".join(
+            sorted({b for m in modes.values() if (b := getattr(m, "attention_backend", ""))}))
         zc = sorted(r for r, m in modes.items() if m.zero_copy)
         if not zc:
             return
@@ -115,7 +144,13 @@ class SchedulerSide:
         whose ``token_digests`` say their KV encodes other tokens than this
         request's prompt (:func:`token_digest_mismatch`): another prompt's
         params (a prompt list given one prefill's params), mixed up or
-        replayed; reason ``TOKEN_DIGEST_MISMATCH`` in the log line."""
+        replayed; reason ``TOKEN_DIGEST_MISMATCH`` in the log line. Before
+        those, params of an incompatible prefill (:meth:`compat_mismatch`:
+        another block_size, vLLM version, model, attention backend or KV
+        cache dtype) are refused the same way, code
+        ``CODE_INCOMPATIBLE_MODEL`` and each differing field with both
+        values in the log line (once per prefill engine and difference at
+        WARNING, later ones at DEBUG)."""
         params = getattr(request, "kv_transfer_params", None) or {}
         rid = request.request_id
         if self.pool is not None:
@@ -135,6 +170,13 @@ class SchedulerSide:
                 # Consumed, as a load's are: nothing is loaded or notified.
                 params["do_remote_prefill"] = False
                 return 0, False
+            if why := self.compat_mismatch(rid, p):
+                self._log_once(p.remote_engine_id, why,
+                               "request %s: kv_transfer_params refused (%s), the prompt is computed here: prefill "
+                               "engine %s is not this engine's kind: %s", rid,
+                               common_pb2.Code.Name(common_pb2.CODE_INCOMPATIBLE_MODEL), p.remote_engine_id, why)
+                params["do_remote_prefill"] = False
+                return 0, False
             covered = min(len(request.prompt_token_ids or ()), len(p.remote_block_ids) * self.cfg.block_size)
             if p.prompt_tokens:
                 covered = min(covered, p.prompt_tokens)
@@ -150,6 +192,55 @@ class SchedulerSide:
         if count <= 0:
             return 0, False
         return count, True
+
+    def compat_mismatch(self, rid: str, p: params_pb2.KVTransferParams) -> str:
+        """Why this decode cannot attend over the KV of the prefill that
+        issued ``p``; "" when it can. The parts, joined with "; ", each name
+        a field and both values ("model: prefill 'a', decode 'b'"):
+
+        - ``block_size``, when the params state one (not 0) other than
+          this engine's: the prefill's block ids do not map one to one
+          onto this engine's blocks, and the sidecars move whole blocks
+          (vLLM's NixlConnector reads a prefill of a smaller block size,
+          vllm 0.32.0 ``kv_connector/utils.py`` ``block_size_ratio``; the
+          sidecar does not). Never loosened.
+        - the ``engine_facts`` fields both sides state
+          (:func:`kvsidecar.params.engine_facts_mismatch`), unless
+          ``enforce_handshake_compat`` is off: then each difference is
+          logged once and the params are used.
+
+        Params without ``engine_facts`` (a prefill connector from before
+        they were stated, or params made by another engine) are used
+        unchecked, logged once per prefill engine at INFO: the sidecars'
+        handshake still compares the KV geometry (dtype, heads, head size,
+        layers, block size, layout) before any byte is read."""
+        parts = []
+        if p.block_size and p.block_size != self.cfg.block_size:
+            parts.append(f"block_size: prefill {p.block_size}, decode {self.cfg.block_size} (the sidecars move whole "
+                         "blocks: start both engines with one --block-size)")
+        if not p.HasField("engine_facts"):
+            self._log_once(p.remote_engine_id, "", "request %s: prefill engine %s states no engine facts in its "
+                           "kv_transfer_params (an older kvsidecar connector, or another engine): its vLLM version, "
+                           "model, attention backend and KV cache dtype are not compared with this engine's; the "
+                           "sidecars still compare the KV geometry", rid, p.remote_engine_id, level=logging.INFO)
+            return "; ".join(parts)
+        facts = engine_facts_mismatch(p.engine_facts, self.facts)
+        if facts and not self.cfg.enforce_compat:
+            self._log_once(p.remote_engine_id, "; ".join(facts), "request %s: prefill engine %s differs from this "
+                           "engine (%s); loaded anyway: enforce_handshake_compat is off", rid, p.remote_engine_id,
+                           "; ".join(facts))
+            facts = []
+        return "; ".join([*facts, *parts])
+
+    def _log_once(self, engine: str, what: str, msg: str, *args: Any, level: int = logging.WARNING) -> None:
+        """Logs ``msg`` at ``level`` the first time prefill ``engine`` shows
+        ``what``, at DEBUG after (one line per refused request would flood
+        the log of a decode paired with the wrong prefill)."""
+        key = (engine, what)
+        if key in self._compat_logged:
+            level = logging.DEBUG
+        self._compat_logged.add(key)
+        log.log(level, msg, *args)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -294,8 +385,12 @@ class SchedulerSide:
 
     def _params(self, merged: params_pb2.KVTransferParams | None, exp: _Export) -> dict[str, Any] | None:
         """The decode's kv_transfer_params: the ranks' exports merged (each
-        carries the prompt tokens and their digests, :func:`_keep`)."""
-        return None if merged is None else params_to_json(merged)
+        carries the prompt tokens and their digests, :func:`_keep`), with
+        this engine's facts (:attr:`facts`) for the decode's check."""
+        if merged is None:
+            return None
+        merged.engine_facts.CopyFrom(self.facts)
+        return params_to_json(merged)
 
     def _finish_in_place(self, request: Any, exp: _Export, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """Zero copy: exports the prompt's own vLLM blocks on every rank; vLLM
