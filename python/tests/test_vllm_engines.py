@@ -119,6 +119,14 @@ def copied(engine: devvllm.Engine) -> float:
     return vllm_counter(engine, "vllm:kvsidecar_copied_bytes_total")
 
 
+def xfers(engine: devvllm.Engine) -> tuple[float, float, float]:
+    """The engine's connector loads at its /metrics: (loads landed, their KV
+    bytes, loads failed), all ranks (kvsidecar.vllm.stats)."""
+    return (vllm_counter(engine, "vllm:kvsidecar_xfer_time_seconds_count"),
+            vllm_counter(engine, "vllm:kvsidecar_bytes_transferred_sum"),
+            vllm_counter(engine, "vllm:kvsidecar_num_failed_transfers_total"))
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> devvllm.TinyModel:
     return devvllm.make_tiny_llama(str(tmp_path_factory.mktemp("model")))
@@ -228,6 +236,7 @@ def test_pd_through_the_proxy_is_token_exact_and_loads_every_block(lab: Lab):
     rows = []
     block_bytes = BLOCK * lab.model.kv_bytes_per_token()
     copied_before = copied(lab.p1), copied(lab.d1)
+    xfers_before = xfers(lab.d1)
     exported = 0
     try:
         for name, prompt in prompts():
@@ -260,6 +269,15 @@ def test_pd_through_the_proxy_is_token_exact_and_loads_every_block(lab: Lab):
 
     wait_for(f"{lab.mode}: copied bytes (prefill, decode) {want_copies}", lambda: copies() == want_copies)
     print(f"{lab.mode}: bytes the connector copied: prefill {copies()[0]:.0f}, decode {copies()[1]:.0f}")
+    # The decode's /metrics: one landed load per prompt that read KV, its
+    # bytes what the sidecar read, no failure.
+    want_xfers = (float(sum(1 for r in rows if r[5] > 0)), float(sum(r[5] for r in rows)), 0.0)
+
+    def xfers_since() -> tuple[float, ...]:
+        return tuple(a - b for a, b in zip(xfers(lab.d1), xfers_before, strict=True))
+
+    wait_for(f"{lab.mode}: decode loads at /metrics (landed, bytes, failed) {want_xfers}",
+             lambda: xfers_since() == want_xfers)
     if not lab.zero_copy:
         assert stats(lab.d1_sc[0])["blocks_used"] == 0, "the decode's staging blocks are freed"
 
@@ -587,11 +605,13 @@ def test_a_checksum_mismatch_recomputes_from_the_block_that_differs(lab: Lab):
     # vLLM's own line (Scheduler._handle_invalid_blocks): the tokens from block 2 on.
     rescheduled = f"Recovered from KV load failure: 1 request(s) rescheduled ({len(prompt) - 2 * BLOCK} tokens affected)"
     before = log.count("CODE_DATA_LOSS"), log.count(rescheduled)
+    failed_before = xfers(lab.d1)[2]
     out = lab.d1.complete(prompt, max_tokens=MAX_TOKENS, kv_transfer_params=p.kv_transfer_params)
     assert out.token_ids == want
     log = open(lab.d1.log_path).read()
     assert (log.count("CODE_DATA_LOSS"), log.count(rescheduled)) == (before[0] + 1, before[1] + 1), \
         "the load failed on its checksums and vLLM recomputed from block 2"
+    wait_for("the failed load at the decode's /metrics", lambda: xfers(lab.d1)[2] == failed_before + 1)
     wait_for("the export released", lambda: stats(lab.p1_sc[0])["leases_held"] == 0)
 
 
