@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 
-from kvsidecar import devserve  # noqa: E402
+from kvsidecar.dev import devserve  # noqa: E402
 from kvsidecar.local import LocalClient  # noqa: E402
 from kvsidecar.params import merge_exports, params_from_json, params_to_json, req_meta  # noqa: E402
 from kvsidecar.v1 import local_pb2, params_pb2  # noqa: E402
