@@ -522,10 +522,13 @@ def test_params_of_another_prompt_are_refused_and_the_prompt_computed(lab: Lab):
     assert p.kv_transfer_params and p.kv_transfer_params["token_digests"]
     before = read_bytes(lab.d1_sc)
     refusals = open(lab.d1.log_path).read().count("TOKEN_DIGEST_MISMATCH")
+    refused = vllm_counter(lab.d1, "vllm:kvsidecar_num_refused_params_total")
     out = lab.d1.complete(mine, max_tokens=MAX_TOKENS, kv_transfer_params=p.kv_transfer_params)
     assert out.token_ids == lab.reference(mine)
     assert read_bytes(lab.d1_sc) == before, "nothing was read"
     assert open(lab.d1.log_path).read().count("TOKEN_DIGEST_MISMATCH") == refusals + 1
+    wait_for("the refusal at the decode's /metrics",
+             lambda: vllm_counter(lab.d1, "vllm:kvsidecar_num_refused_params_total") == refused + 1)
     assert stats(lab.p1_sc[0])["leases_held"] == held + 1, "the export is not ended by params that are not its prompt's"
     out = lab.d1.complete(theirs, max_tokens=MAX_TOKENS, kv_transfer_params=p.kv_transfer_params)
     assert out.token_ids == lab.reference(theirs)

@@ -34,6 +34,7 @@ from kvsidecar.vllm.metadata import (
     role_name,
     vllm_engine_facts,
 )
+from kvsidecar.vllm.stats import ConnectorStats
 from kvsidecar.vllm.zerocopy import ModeHandshake, install_block_pool
 
 __all__ = ["SchedulerSide"]
@@ -62,6 +63,8 @@ class SchedulerSide:
         # again every step the request waits), carried to the worker.
         self._hit_tokens: dict[str, int] = {}
         self._remote: dict[str, _Remote] = {}
+        #: Params refused since the last take_stats (kvsidecar.vllm.stats).
+        self.stats = ConnectorStats()
         self._loads: list[LoadSpec] = []
         self._aborts: list[str] = []
         self._loading: set[str] = set()
@@ -129,6 +132,12 @@ class SchedulerSide:
         if self.pool is not None:
             self.pool.set_waker(wake)
 
+    def take_stats(self) -> ConnectorStats | None:
+        """The params refused since the last call, None when none (vLLM
+        aggregates them with the workers' loads)."""
+        st, self.stats = self.stats, ConnectorStats()
+        return None if st.is_empty() else st
+
     def has_pending_push_work(self) -> bool:
         """Zero copy: a held block is due for release, so vLLM should step
         (it calls this to decide whether to stay idle)."""
@@ -169,6 +178,7 @@ class SchedulerSide:
                 log.warning("request %s: kv_transfer_params refused, the prompt is computed here: %s", rid, e)
                 # Consumed, as a load's are: nothing is loaded or notified.
                 params["do_remote_prefill"] = False
+                self.stats.record_refused_params()
                 return 0, False
             if why := self.compat_mismatch(rid, p):
                 self._log_once(p.remote_engine_id, why,
@@ -176,6 +186,7 @@ class SchedulerSide:
                                "engine %s is not this engine's kind: %s", rid,
                                common_pb2.Code.Name(common_pb2.CODE_INCOMPATIBLE_MODEL), p.remote_engine_id, why)
                 params["do_remote_prefill"] = False
+                self.stats.record_refused_params()
                 return 0, False
             covered = min(len(request.prompt_token_ids or ()), len(p.remote_block_ids) * self.cfg.block_size)
             if p.prompt_tokens:
@@ -185,6 +196,7 @@ class SchedulerSide:
                 log.warning("request %s: kv_transfer_params refused (%s), the prompt is computed here: %s", rid,
                             reasons.TOKEN_DIGEST_MISMATCH, why)
                 params["do_remote_prefill"] = False
+                self.stats.record_refused_params()
                 return 0, False
             rem = self._remote[rid] = _Remote(p, covered, mine)
         self._hit_tokens[rid] = num_computed_tokens

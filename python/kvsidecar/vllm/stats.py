@@ -2,8 +2,10 @@
 failures) and the KV bytes it copied between vLLM's tensors and the
 sidecar's pages.
 
-Each worker records (:class:`ConnectorStats`, taken by
-``get_kv_connector_stats`` every step); vLLM aggregates the TP ranks'
+Each worker records its loads, and the scheduler half its refusals
+(:class:`ConnectorStats`, taken by ``get_kv_connector_stats`` every step, on
+both sides: vllm 0.32.0 ``Scheduler.update_from_output`` aggregates the
+scheduler's with the workers'); vLLM aggregates the TP ranks'
 records, ships them to its API server and observes them in
 :class:`ConnectorPromMetrics`, per engine, at ``/metrics``:
 
@@ -15,8 +17,14 @@ records, ships them to its API server and observes them in
   KV bytes that landed (the blocks × the rank's block bytes of every
   region), as ``vllm:nixl_bytes_transferred``;
 - ``vllm:kvsidecar_num_failed_transfers_total`` (counter): loads that did
-  not land whole on a rank (refused, failed in part or in full, or lost with
-  the connection; not aborts), as ``vllm:nixl_num_failed_transfers``;
+  not land whole on a rank (refused by the sidecar, failed in part or in
+  full, or lost with the connection; not aborts), as
+  ``vllm:nixl_num_failed_transfers``;
+- ``vllm:kvsidecar_num_refused_params_total`` (counter, the scheduler's):
+  decode requests whose ``kv_transfer_params`` the connector refused before
+  claiming a token (unusable, another prompt's token digests, a prefill of
+  another kind): no load starts, the prompt is computed here, the log line
+  says why;
 - ``vllm:kvsidecar_copied_bytes_total`` (counter): the staging copies, every
   KV byte they move each way (prefill: vLLM to sidecar, decode: sidecar to
   vLLM); 0 under zero copy.
@@ -51,15 +59,16 @@ class ConnectorStats(KVConnectorStats):
     """One worker's records since the last take, or the TP ranks'
     aggregate. ``data`` (plain lists and ints: vLLM ships it between
     processes): ``transfer_duration`` (seconds per load), ``bytes_transferred``
-    (bytes per load), ``num_failed_transfers`` (int), ``copied_bytes``
-    (int)."""
+    (bytes per load), ``num_failed_transfers``, ``num_refused_params`` and
+    ``copied_bytes`` (ints)."""
 
     def __post_init__(self) -> None:
         if not self.data:
             self.reset()
 
     def reset(self) -> None:
-        self.data = {"transfer_duration": [], "bytes_transferred": [], "num_failed_transfers": 0, "copied_bytes": 0}
+        self.data = {"transfer_duration": [], "bytes_transferred": [], "num_failed_transfers": 0,
+                     "num_refused_params": 0, "copied_bytes": 0}
 
     def record_transfer(self, duration_seconds: float, nbytes: int) -> None:
         """A load that landed whole on this rank."""
@@ -70,10 +79,14 @@ class ConnectorStats(KVConnectorStats):
         """A load that did not land whole on this rank."""
         self.data["num_failed_transfers"] = int(self.data.get("num_failed_transfers", 0)) + 1
 
+    def record_refused_params(self) -> None:
+        """A decode request's params refused before a token was claimed."""
+        self.data["num_refused_params"] = int(self.data.get("num_refused_params", 0)) + 1
+
     def aggregate(self, other: KVConnectorStats) -> ConnectorStats:
         for k in ("transfer_duration", "bytes_transferred"):
             self.data.setdefault(k, []).extend(other.data.get(k, ()))
-        for k in ("num_failed_transfers", "copied_bytes"):
+        for k in ("num_failed_transfers", "num_refused_params", "copied_bytes"):
             self.data[k] = int(self.data.get(k, 0)) + int(other.data.get(k, 0))
         return self
 
@@ -85,11 +98,12 @@ class ConnectorStats(KVConnectorStats):
                 "Avg xfer time (ms)": round(1000 * sum(d) / len(d), 3) if d else 0.0,
                 "Total bytes transferred": int(sum(self.data.get("bytes_transferred", []))),
                 "Num failed transfers": int(self.data.get("num_failed_transfers", 0)),
+                "Num refused params": int(self.data.get("num_refused_params", 0)),
                 "Bytes copied": int(self.data.get("copied_bytes", 0))}
 
     def is_empty(self) -> bool:
         return not (self.data.get("transfer_duration") or self.data.get("num_failed_transfers")
-                    or self.data.get("copied_bytes"))
+                    or self.data.get("num_refused_params") or self.data.get("copied_bytes"))
 
 
 class ConnectorPromMetrics(KVConnectorPromMetrics):
@@ -119,6 +133,11 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
             name="vllm:kvsidecar_num_failed_transfers",
             documentation="KVSidecarConnector loads that did not land whole on a TP rank (their blocks recomputed).",
             labelnames=labelnames))
+        self.refused = per_engine(self._counter_cls(
+            name="vllm:kvsidecar_num_refused_params",
+            documentation="Decode requests whose kv_transfer_params KVSidecarConnector refused before claiming a "
+                          "token (unusable, another prompt's, a prefill of another kind); computed locally.",
+            labelnames=labelnames))
         self.copied = per_engine(self._counter_cls(
             name="vllm:kvsidecar_copied_bytes",
             documentation="KV bytes KVSidecarConnector copied between vLLM's KV tensors and the sidecar's pages "
@@ -133,5 +152,7 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
         # A counter only grows; vLLM's server stops on a negative inc.
         if (f := int(transfer_stats_data.get("num_failed_transfers", 0))) > 0:
             self.failed[engine_idx].inc(f)
+        if (r := int(transfer_stats_data.get("num_refused_params", 0))) > 0:
+            self.refused[engine_idx].inc(r)
         if (n := int(transfer_stats_data.get("copied_bytes", 0))) > 0:
             self.copied[engine_idx].inc(n)
