@@ -198,8 +198,15 @@ def test_sleep_mode_is_refused_by_name(model, tmp_path):
             call()
         assert isinstance(e.value, NotImplementedError) and e.value.message == SLEEP_MODE_REFUSED
     if vllm.__version__ == "0.32.0":
-        # 0.32.0 asks no connector about sleep mode.
-        assert config(model, str(tmp_path), "e", "kv_both", sleep=True).model_config.enable_sleep_mode
+        # 0.32.0 asks no connector about sleep mode: the connector refuses
+        # the config when vLLM builds it.
+        cfg = config(model, str(tmp_path), "e", "kv_both", sleep=True)
+        assert cfg.model_config.enable_sleep_mode
+        from kvsidecar.vllm.connector import KVConnectorRole
+
+        with pytest.raises(errors.Unsupported, match=r"does not support vLLM's sleep mode .*: start the engine "
+                                                     r"without --enable-sleep-mode"):
+            KVSidecarConnector(cfg, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=NUM_BLOCKS))
         return
     # vllm 0.33.0 vllm/config/vllm.py VllmConfig._verify_kv_transfer_compat
     # (pydantic wraps the ValueError in its ValidationError, a ValueError).

@@ -8,6 +8,7 @@ test_vllm_connector.py and test_vllm_engines.py.)"""
 from __future__ import annotations
 
 import logging
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -301,6 +302,9 @@ def test_params_of_another_prompt_are_refused_by_name(caplog):
     assert len(lines) == 1 and reasons.TOKEN_DIGEST_MISMATCH in lines[0] and "block 1" in lines[0], lines
     c.update_state_after_alloc(other, KVCacheBlocks(([KVCacheBlock(60 + i) for i in range(4)],)), 0)
     assert c.build_connector_meta(output()).loads == [], "nothing is read or notified"
+    # Counted once for vLLM's /metrics (vllm:kvsidecar_num_refused_params_total).
+    st = c.get_kv_connector_stats()
+    assert st is not None and st.data["num_refused_params"] == 1 and c.get_kv_connector_stats() is None
 
     same = request("d-p0", len(p0), dict(params))
     assert c.get_num_new_matched_tokens(same, 0) == (len(p0), True)
@@ -474,3 +478,28 @@ def test_enforce_handshake_compat_off_loads_a_differing_prefill_and_says_so(capl
 def test_enforce_handshake_compat_must_be_a_bool(bad):
     with pytest.raises(errors.InvalidArgument, match=rf"enforce_handshake_compat {bad!r} must be true or false"):
         connector("kv_consumer", extra={"enforce_handshake_compat": bad})
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"zero_copy": "yes"}, "kv_connector_extra_config.zero_copy 'yes' must be true or false"),
+    ({"zero_copy": 1}, "kv_connector_extra_config.zero_copy 1 must be true or false"),
+    ({"free_hold_seconds": -1}, "kv_connector_extra_config.free_hold_seconds -1 must be a number of seconds >= 0 "
+                                "(how long zero copy keeps a freed prefix-cache block mapped"),
+    ({"free_hold_seconds": "soon"}, "free_hold_seconds 'soon' must be a number of seconds >= 0"),
+])
+def test_extra_config_values_are_refused_by_name(extra, message):
+    """The reported inputs (a fresh user's review): ``"zero_copy": "yes"``
+    was taken as on and ``"free_hold_seconds": -1`` as given, where
+    ``enforce_handshake_compat`` refused a string."""
+    with pytest.raises(errors.InvalidArgument, match=re.escape(message)):
+        connector("kv_consumer", extra=extra)
+
+
+def test_a_misspelt_extra_config_key_is_named_with_the_nearest_one(caplog):
+    """The reported input: ``socket_dirr`` was silently ignored and the
+    worker then waited on the default socket dir."""
+    with caplog.at_level(logging.WARNING, logger="vllm.kvsidecar"):
+        c, _ = connector("kv_consumer", extra={"socket_dirr": "/y", "zero_copy": False})
+    lines = [x.getMessage() for x in caplog.records if "kv_connector_extra_config key" in x.getMessage()]
+    assert len(lines) == 1 and "'socket_dirr' is not one it reads (did you mean 'socket_dir'?)" in lines[0], lines
+    assert c._scheduler is not None and c._scheduler.cfg.socket_dir == "/x"

@@ -109,6 +109,12 @@ class KVSidecarConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        # vllm 0.33.0 refuses the config itself (supports_sleep_mode below);
+        # vllm 0.32.0 has no such hook and would let a GPU engine sleep
+        # (ModelConfig.enable_sleep_mode, vllm/config/model.py) under the
+        # connector's views, so the connector refuses it here.
+        if getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False) is True:
+            raise Unsupported(f"{SLEEP_MODE_REFUSED}: start the engine without --enable-sleep-mode")
         cfg = ConnectorConfig(vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -298,9 +304,11 @@ class KVSidecarConnector(KVConnectorBase_V1):
         return self._worker.get_finished()
 
     def get_kv_connector_stats(self) -> ConnectorStats | None:
-        """This rank's loads (time, bytes, failures) and staging copies since
-        the last call (:mod:`kvsidecar.vllm.stats`), None when none."""
-        return self._worker.take_stats() if self._worker is not None else None
+        """Worker: this rank's loads (time, bytes, failures) and staging
+        copies since the last call; scheduler: the decode params it refused
+        (:mod:`kvsidecar.vllm.stats`). None when none."""
+        side = self._worker if self._worker is not None else self._scheduler
+        return side.take_stats() if side is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> ConnectorStats:

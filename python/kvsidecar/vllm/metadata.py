@@ -4,6 +4,7 @@ metadata its scheduler side sends every worker (see :mod:`kvsidecar.vllm`)."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 from typing import Any
 
@@ -99,6 +100,44 @@ class KVSidecarConnectorMetadata(KVConnectorMetadata):
     sync_mappings: bool = False
 
 
+#: The ``kv_connector_extra_config`` keys the connector reads; another key
+#: is logged once at start with the nearest of these (a misspelt key would
+#: otherwise be its default, silently).
+EXTRA_CONFIG_KEYS = ("socket_dir", "engine_id", "call_timeout_seconds", "sidecar_wait_seconds", "num_blocks", "tp_rank",
+                     "zero_copy", "free_hold_seconds", "cuda_library", "enforce_handshake_compat")
+
+
+def warn_unknown_keys(extra: dict[str, Any]) -> list[str]:
+    """Logs a warning for each key of ``extra`` not in
+    :data:`EXTRA_CONFIG_KEYS`, naming the nearest known one; returns them."""
+    unknown = sorted(k for k in extra if k not in EXTRA_CONFIG_KEYS)
+    for k in unknown:
+        near = difflib.get_close_matches(str(k), EXTRA_CONFIG_KEYS, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        log.warning("KVSidecarConnector: kv_connector_extra_config key %r is not one it reads%s; it reads %s",
+                    k, hint, ", ".join(EXTRA_CONFIG_KEYS))
+    return unknown
+
+
+def seconds_setting(extra: dict[str, Any], key: str, default: float, what: str) -> float:
+    """``kv_connector_extra_config[key]``: a finite number of seconds >= 0,
+    ``default`` when absent; ``what`` says what it bounds (for the error).
+
+    Raises:
+        InvalidArgument: not a finite number >= 0 (naming the key, the value
+            and the rule).
+    """
+    v = extra.get(key, default)
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        f = float("nan")
+    if isinstance(v, bool) or not (f >= 0 and f != float("inf")):
+        raise errors.InvalidArgument(
+            f"KVSidecarConnector: kv_connector_extra_config.{key} {v!r} must be a number of seconds >= 0 ({what})")
+    return f
+
+
 def sidecar_wait_seconds(extra: dict[str, Any]) -> float:
     """``kv_connector_extra_config.sidecar_wait_seconds``: a number >= 0,
     default :data:`kvsidecar.local.DEFAULT_SIDECAR_WAIT_SECONDS`.
@@ -106,17 +145,8 @@ def sidecar_wait_seconds(extra: dict[str, Any]) -> float:
     Raises:
         InvalidArgument: not a finite number >= 0 (naming the value).
     """
-    v = extra.get("sidecar_wait_seconds", DEFAULT_SIDECAR_WAIT_SECONDS)
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        f = float("nan")
-    if isinstance(v, bool) or not (f >= 0 and f != float("inf")):
-        raise errors.InvalidArgument(
-            f"KVSidecarConnector: kv_connector_extra_config.sidecar_wait_seconds {v!r} must be a number of "
-            "seconds >= 0 (how long a worker waits at start for its sidecar; 0: not at all)"
-        )
-    return f
+    return seconds_setting(extra, "sidecar_wait_seconds", DEFAULT_SIDECAR_WAIT_SECONDS,
+                           "how long a worker waits at start for its sidecar; 0: not at all")
 
 
 def enforce_handshake_compat(extra: dict[str, Any]) -> bool:
@@ -172,6 +202,7 @@ class ConnectorConfig:
         # scheduler's and the workers' copies agree).
         self.num_vllm_blocks: int = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
         extra = dict(getattr(kt, "kv_connector_extra_config", None) or {})
+        warn_unknown_keys(extra)
         self.engine_id: str = extra.get("engine_id") or getattr(kt, "engine_id", None) or ""
         if not self.engine_id:
             raise errors.InvalidArgument(
@@ -195,7 +226,9 @@ class ConnectorConfig:
         #: Zero copy asked for (``zero_copy``, or KVSIDECAR_ZERO_COPY=1);
         #: whether it runs is the workers' finding (kvsidecar.vllm.zerocopy).
         self.zero_copy: bool = requested(extra)
-        self.free_hold_seconds: float = float(extra.get("free_hold_seconds", DEFAULT_FREE_HOLD_SECONDS))
+        self.free_hold_seconds: float = seconds_setting(
+            extra, "free_hold_seconds", DEFAULT_FREE_HOLD_SECONDS,
+            "how long zero copy keeps a freed prefix-cache block mapped for a later hit")
         #: The CUDA driver a zero-copy worker imports device pages with.
         self.cuda_library: str = str(extra.get("cuda_library", "libcuda.so.1"))
         #: Decode: refuse a prefill's KV whose engine facts differ from this

@@ -116,9 +116,24 @@ LIMIT_RETRY_SECONDS = 0.05
 
 def requested(extra: dict[str, Any]) -> bool:
     """Whether zero copy is asked for: ``kv_connector_extra_config``
-    ``zero_copy`` (a bool, or "1"/"true"), else ``KVSIDECAR_ZERO_COPY``."""
-    v = extra.get("zero_copy", os.environ.get("KVSIDECAR_ZERO_COPY", ""))
-    return v is True or str(v).lower() in ("1", "true", "yes")
+    ``zero_copy`` (true or false), else ``KVSIDECAR_ZERO_COPY`` ("1" or
+    "true" on; unset, "", "0" or "false" off).
+
+    Raises:
+        InvalidArgument: any other value, naming it and where it came from.
+    """
+    if "zero_copy" in extra:
+        v, where = extra["zero_copy"], "kv_connector_extra_config.zero_copy"
+        if isinstance(v, bool):
+            return v
+    else:
+        v, where = os.environ.get("KVSIDECAR_ZERO_COPY", ""), "KVSIDECAR_ZERO_COPY"
+        if str(v).lower() in ("", "0", "false"):
+            return False
+        if str(v).lower() in ("1", "true"):
+            return True
+    raise errors.InvalidArgument(f"KVSidecarConnector: {where} {v!r} must be true or false (zero copy: vLLM's KV "
+                                 "cache in the sidecars' pages)")
 
 
 @dataclasses.dataclass
