@@ -35,6 +35,11 @@ def test_recipe_is_one_block_naming_the_memory_flags():
     r = recipe()
     assert "--kv-cache-memory-bytes" in r and "--max-model-len" in r
     assert r.count("bin/kvsidecar serve") == 1 and "kvsidecar.dev.pdproxy" in r
+    # The reported input: `ctl stats | head -3` failed the recipe now and
+    # then under `set -o pipefail` (head exits after 3 lines, ctl's next
+    # write gets SIGPIPE, the pipeline's status is 141): no reader that
+    # stops early.
+    assert not re.search(r"\|\s*head\b", r), "a pipe into head can fail the recipe under pipefail"
 
 
 def test_the_readme_by_hand_recipe_runs():
