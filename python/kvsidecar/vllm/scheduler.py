@@ -176,18 +176,13 @@ class SchedulerSide:
                                              reason=reasons.PARAMS_MISSING)
             except errors.KVSidecarError as e:
                 log.warning("request %s: kv_transfer_params refused, the prompt is computed here: %s", rid, e)
-                # Consumed, as a load's are: nothing is loaded or notified.
-                params["do_remote_prefill"] = False
-                self.stats.record_refused_params()
-                return 0, False
+                return self._refused(params)
             if why := self.compat_mismatch(rid, p):
                 self._log_once(p.remote_engine_id, why,
                                "request %s: kv_transfer_params refused (%s), the prompt is computed here: prefill "
                                "engine %s is not this engine's kind: %s", rid,
                                common_pb2.Code.Name(common_pb2.CODE_INCOMPATIBLE_MODEL), p.remote_engine_id, why)
-                params["do_remote_prefill"] = False
-                self.stats.record_refused_params()
-                return 0, False
+                return self._refused(params)
             covered = min(len(request.prompt_token_ids or ()), len(p.remote_block_ids) * self.cfg.block_size)
             if p.prompt_tokens:
                 covered = min(covered, p.prompt_tokens)
@@ -195,15 +190,22 @@ class SchedulerSide:
             if why := token_digest_mismatch(p, mine):
                 log.warning("request %s: kv_transfer_params refused (%s), the prompt is computed here: %s", rid,
                             reasons.TOKEN_DIGEST_MISMATCH, why)
-                params["do_remote_prefill"] = False
-                self.stats.record_refused_params()
-                return 0, False
+                return self._refused(params)
             rem = self._remote[rid] = _Remote(p, covered, mine)
         self._hit_tokens[rid] = num_computed_tokens
         count = rem.covered - num_computed_tokens
         if count <= 0:
             return 0, False
         return count, True
+
+    def _refused(self, params: dict[str, Any]) -> tuple[int, bool]:
+        """Ends a refusal (its line logged): the params are consumed, as a
+        load's are, so nothing is loaded or notified and vLLM computes the
+        prompt; counted for vLLM's /metrics. get_num_new_matched_tokens'
+        answer: (0, False)."""
+        params["do_remote_prefill"] = False
+        self.stats.record_refused_params()
+        return 0, False
 
     def compat_mismatch(self, rid: str, p: params_pb2.KVTransferParams) -> str:
         """Why this decode cannot attend over the KV of the prefill that

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import enum
+import functools
 import importlib
 import inspect
 import os
@@ -236,25 +237,36 @@ def _describe_instance(cls: type, attr: str) -> str:
     """An attribute ``__init__`` sets (``self.<attr> = ...``), in the first
     class of the MRO whose own ``__init__`` does."""
     for c in cls.__mro__:
-        init = c.__dict__.get("__init__")
-        if not inspect.isfunction(init):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        for node in ast.walk(tree):
-            targets: list[ast.expr] = []
-            ann = None
-            if isinstance(node, ast.Assign):
-                targets = [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
-            elif isinstance(node, ast.AnnAssign):
-                targets, ann = [node.target], ast.unparse(node.annotation)
-            for t in targets:
-                if isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name) \
-                        and t.value.id == "self":
-                    return f"instance {ann + ' ' if ann else ''}(set in {c.__qualname__}.__init__)"
+        if attr in (assigned := _init_assignments(c)):
+            ann = assigned[attr]
+            return f"instance {ann + ' ' if ann else ''}(set in {c.__qualname__}.__init__)"
     return "missing"
+
+
+@functools.cache
+def _init_assignments(c: type) -> dict[str, str]:
+    """The ``self.<attr>`` targets of ``c``'s own ``__init__`` -> their
+    annotation ("" where none), parsed once per class (several recorded
+    names read the same ``__init__``)."""
+    init = c.__dict__.get("__init__")
+    if not inspect.isfunction(init):
+        return {}
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    out: dict[str, str] = {}
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        ann = ""
+        if isinstance(node, ast.Assign):
+            targets = [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+        elif isinstance(node, ast.AnnAssign):
+            targets, ann = [node.target], ast.unparse(node.annotation)
+        for t in targets:
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                out.setdefault(t.attr, ann)
+    return out
 
 
 def _annotation(a: Any) -> str:
