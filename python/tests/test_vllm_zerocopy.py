@@ -10,7 +10,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
-from conftest import stats
+from conftest import stats, wait_for
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
@@ -159,6 +159,11 @@ def test_a_block_taken_back_and_freed_again_is_released_on_time(cluster):
 
 def test_pages_follow_the_working_set(pool):
     pages = lambda: pool.sc.metric("kvsidecar_vmm_pages_mapped")  # noqa: E731
+    # The sidecar maps its reserve (one empty page, serve --reserve-pages'
+    # default) beside the attach, on vmm's refill goroutine: the base is
+    # read once it is there. The reported input: under load the base was
+    # read before, as 1, and the settled 2 failed the last assertion.
+    wait_for("the sidecar's reserve mapped", lambda: stats(pool.sc)["reserve_pages"] == 1)
     base = pages()
     blocks = pool.pool.get_new_blocks(3 * PER_PAGE)
     assert pages() >= base + 2, "three pages' worth of blocks maps them"
@@ -169,7 +174,9 @@ def test_pages_follow_the_working_set(pool):
     pool.clock.now += 10
     pool.pool.release_due()
     assert stats(pool.sc)["blocks_used"] == 0
-    assert pages() <= base, "released, the pages are unmapped (the sidecar keeps its reserve)"
+    # The sidecar refills its reserve beside the frees (vmm's refill
+    # goroutine): a page it maps while they trim is trimmed when it lands.
+    wait_for("released, the pages are unmapped (the sidecar keeps its reserve)", lambda: pages() <= base)
 
 
 def test_reset_prefix_cache_releases_every_held_block(pool):
