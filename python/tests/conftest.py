@@ -27,13 +27,11 @@ from kvsidecar.local import LocalClient  # noqa: E402
 
 
 def stats(sidecar: devserve.Sidecar) -> dict[str, int]:
-    """A sidecar's blocks_used, leases_held, loads_in_flight and
-    reserve_pages (mapped pages with no block in them; its Stats call, on a
-    connection of its own)."""
+    """A sidecar's blocks_used, leases_held and loads_in_flight (its Stats
+    call, on a connection of its own)."""
     with LocalClient(sidecar.socket) as c:
         s = c.stats()
-    return {"blocks_used": s.blocks_used, "leases_held": s.leases_held, "loads_in_flight": s.loads_in_flight,
-            "reserve_pages": s.reserve_pages}
+    return {"blocks_used": s.blocks_used, "leases_held": s.leases_held, "loads_in_flight": s.loads_in_flight}
 
 
 def wait_for(what: str, cond, timeout: float = 30.0) -> None:

@@ -163,7 +163,7 @@ def test_pages_follow_the_working_set(pool):
     # default) beside the attach, on vmm's refill goroutine: the base is
     # read once it is there. The reported input: under load the base was
     # read before, as 1, and the settled 2 failed the last assertion.
-    wait_for("the sidecar's reserve mapped", lambda: stats(pool.sc)["reserve_pages"] == 1)
+    wait_for("the sidecar's reserve mapped", lambda: pool.client.stats().reserve_pages == 1)
     base = pages()
     blocks = pool.pool.get_new_blocks(3 * PER_PAGE)
     assert pages() >= base + 2, "three pages' worth of blocks maps them"
